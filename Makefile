@@ -1,0 +1,56 @@
+# moeexp Makefile. `make help` lists the targets.
+# TORCH=keep : use the torch already installed (e.g. a CUDA build): the venv sees system
+#              site-packages and torch is left out of the pins, so pip never replaces it.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= pin
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.moeexp-installed
+CONSTRAINTS := requirements/constraints.txt
+export HF_HUB_OFFLINE ?= 1
+export HF_DATASETS_OFFLINE ?= 1
+export WANDB_MODE ?= offline
+export TOKENIZERS_PARALLELISM ?= false
+
+.DEFAULT_GOAL := help
+.PHONY: help install run test test-all bench lint tiny-model figures clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-12s\033[0m %s\n",$$1,$$2}'
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	@if [ "$(TORCH)" = "keep" ]; then \
+	  [ -x $(PY) ] || $(PYTHON) -m venv --system-site-packages $(VENV); \
+	  grep -v '^torch==' $(CONSTRAINTS) > $(VENV)/constraints.txt; \
+	else \
+	  [ -x $(PY) ] || $(PYTHON) -m venv $(VENV); \
+	  cp $(CONSTRAINTS) $(VENV)/constraints.txt; \
+	fi
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -c $(VENV)/constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP) ## create .venv and install the pinned stack + moeexp (editable); TORCH=keep keeps your torch
+
+run: $(STAMP) ## the default comparison on the embedded defaults (tiny model, ShareGPT)
+	$(PY) -m moeexp +experiment=finemoe_vs_moeinfinity
+
+test: $(STAMP) ## the default test suite (CPU, offline)
+	$(PY) -m pytest -q
+
+bench: $(STAMP) ## benchmarks: writes results/bench/*.json and prints a table
+	$(PY) -m moeexp.bench
+
+lint: $(STAMP) ## ruff + mypy on src/
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/mypy src/moeexp
+
+tiny-model: $(STAMP) ## retrain the embedded tiny model + tokenizer deterministically (~15 min, 2 cores)
+	$(PY) -m moeexp.models.tiny_train
+
+figures: $(STAMP) ## paper figures from results/ into results/figures/
+	$(PY) -m moeexp.figures
+
+clean: ## remove caches (keeps .venv and results/)
+	rm -rf .pytest_cache .mypy_cache .ruff_cache

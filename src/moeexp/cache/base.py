@@ -1,0 +1,103 @@
+"""The cache-policy interface: which expert to evict. Pure decisions, no bytes, no torch.
+
+The mechanism (simulator or engine) owns the device slots and asks the policy::
+
+    victim(incoming, protected, now) -> key | None   # None: there is room, nothing to evict
+    on_insert(key, now, prefetched)                  # key became resident (copy issued)
+    on_access(key, now, hit)                         # a layer used key (hit or after a load)
+    on_evict(key)                                    # key left the device
+    observe_scores(scores)                           # predictor hints, layer -> float[J]
+    pause_prefetch_on_miss                           # FineMoE: a miss pauses prefetching
+
+Keys are ``(layer, expert)`` tuples. ``now`` is a logical clock: the index of the current
+access in the replay's access stream (Belady uses it to find next uses). ``protected``
+holds keys that must not be evicted now (experts the running layer uses, copies in
+flight). Capacity is in expert slots; the mechanism converts bytes to slots.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.registry import Registry
+from moeexp.traces.schema import Trace
+
+Key = tuple[int, int]
+
+
+class CachePolicy:
+    """Base class tracking the resident set; subclasses choose victims.
+
+    Args:
+        capacity_slots: experts that fit on the device (all layers together).
+        num_layers: L.
+        num_experts: J.
+    """
+
+    name: ClassVar[str] = "base"
+    pause_prefetch_on_miss: ClassVar[bool] = False
+    needs_future: ClassVar[bool] = False
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
+        if capacity_slots < 1:
+            raise ConfigError(f"cache capacity must hold at least one expert, got {capacity_slots}")
+        self.capacity_slots = capacity_slots
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.resident: set[Key] = set()
+
+    # ---- learning -------------------------------------------------------------------
+    def fit(self, store: Trace) -> None:
+        """Learn from the store split (``static`` pins its most used experts)."""
+
+    def prepare_future(self, accesses: list[Key]) -> None:
+        """The whole future access stream (Belady only; ``needs_future``)."""
+
+    def initial_residents(self) -> list[Key]:
+        """Experts to load before the first request (``static``). Default: none."""
+        return []
+
+    # ---- events ---------------------------------------------------------------------
+    def has_room(self, incoming: Key) -> bool:
+        return len(self.resident) < self.capacity_slots
+
+    def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
+        """The key to evict so ``incoming`` fits, or None if there is room already.
+
+        Raises ConfigError if every resident key is protected (capacity too small).
+        """
+        if self.has_room(incoming):
+            return None
+        candidates = [k for k in self.candidates(incoming) if k not in protected]
+        if not candidates:
+            raise ConfigError(
+                f"{self.name}: no evictable expert for {incoming} (capacity "
+                f"{self.capacity_slots} slots, {len(protected)} protected)"
+            )
+        return self.choose(candidates, incoming, now)
+
+    def candidates(self, incoming: Key) -> list[Key]:
+        """Resident keys that may make room for ``incoming`` (per-layer policies narrow it)."""
+        return sorted(self.resident)
+
+    def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
+        """Pick the victim among ``candidates`` (non-empty). Subclasses override."""
+        raise NotImplementedError
+
+    def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
+        self.resident.add(key)
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        """A layer used ``key`` (resident by now)."""
+
+    def on_evict(self, key: Key) -> None:
+        self.resident.discard(key)
+
+    def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
+        """Per-layer expert probabilities from the predictor (FineMoE, MoE-Infinity)."""
+
+
+CACHES: Registry[CachePolicy] = Registry("cache")

@@ -1,0 +1,53 @@
+"""The metric keys (algorithms.md §8), emitted identically by the simulator and the engine.
+
+Names follow ``<quantity>_<unit>[_<stat>]``. Two hit-rate definitions exist and are never
+mixed: ``hit_rate`` is the real cache hit rate (resident *and* ready when the layer needed
+it); ``prediction_recall`` is FineMoE's "overlapped expert ratio" (what its figures call
+"hit rate").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+#: Keys every backend emits for every run (values may be NaN where undefined).
+CORE_KEYS: tuple[str, ...] = (
+    "hit_rate",
+    "prediction_recall",
+    "prediction_precision",
+    "prediction_f1",
+    "ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99",
+    "tpot_ms_mean", "tpot_ms_p50", "tpot_ms_p99",
+    "e2e_ms_mean", "e2e_ms_p50", "e2e_ms_p99",
+    "stall_ms_total",
+    "h2d_bytes_total",
+    "prefetch_waste_bytes",
+    "expert_cache_bytes",
+    "gpu_mem_peak_bytes",
+    "predictor_query_us_mean",
+    "accesses_total",
+    "requests_total",
+)
+
+
+def summarize(prefix: str, values: Sequence[float] | np.ndarray) -> dict[str, float]:
+    """``{prefix}_mean``, ``_p50`` and ``_p99`` of ``values`` (NaN when empty)."""
+    a = np.asarray(values, dtype=np.float64)
+    if a.size == 0:
+        nan = float("nan")
+        return {f"{prefix}_mean": nan, f"{prefix}_p50": nan, f"{prefix}_p99": nan}
+    return {
+        f"{prefix}_mean": float(a.mean()),
+        f"{prefix}_p50": float(np.percentile(a, 50)),
+        f"{prefix}_p99": float(np.percentile(a, 99)),
+    }
+
+
+def f1(precision: float, recall: float) -> float:
+    """Harmonic mean; 0 when both are 0, NaN when either is NaN."""
+    if np.isnan(precision) or np.isnan(recall):
+        return float("nan")
+    s = precision + recall
+    return 0.0 if s == 0 else 2 * precision * recall / s

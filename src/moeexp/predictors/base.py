@@ -1,0 +1,162 @@
+"""The predictor interface: pure decisions on numpy arrays, shared by simulator and engine.
+
+A predictor sees, in order, for every request and iteration of a replay or a real run::
+
+    start_request(RequestStart)            -> Prediction  (e.g. semantic kNN, eMoE)
+      start_iteration(IterationStart)      -> Prediction  (e.g. FineMoE semantic search)
+        observe_layer(LayerObservation)    -> Prediction  (after layer l's router, before
+                                                           its experts run)
+        ... for l = 0..L-1
+      end_iteration()
+    end_request(request_id)
+
+Every hook returns a :class:`Prediction`: prefetch requests (layer, expert, priority;
+higher priority is issued first) and optional per-layer expert scores that a cache policy
+may use for eviction (FineMoE's p, MoE-Infinity's pEAM). The mechanism (simulator or
+engine) decides *when* bytes move; the predictor never sees bytes, time or torch.
+
+``predicted`` in a Prediction lists, per layer, the experts the predictor believes will be
+used even when it does not prefetch them (used for ``prediction_recall``); by default the
+prefetched experts count as predicted.
+
+A predictor that needs recorded extras declares them in ``needs``: ``"spec_probs"``
+(speculative gate outputs), ``"hidden"`` (hidden states), ``"prompt_embed"`` (sentence
+embedding of the prompt), ``"future"`` (the true accesses of the iteration: oracle only).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from moeexp.registry import Registry
+from moeexp.traces.schema import RequestMeta, Trace, TraceDims
+
+
+@dataclass(frozen=True, order=True)
+class Prefetch:
+    """Fetch expert ``expert`` of MoE layer ``layer``; larger ``priority`` goes first."""
+
+    priority: float
+    layer: int
+    expert: int
+
+
+@dataclass
+class Prediction:
+    """What a predictor hook returns.
+
+    Attributes:
+        prefetch: requests to move experts to the device.
+        scores: layer -> float[J] expert probabilities for that layer (cache hints).
+        predicted: layer -> int[n] experts predicted for that layer (recall accounting);
+            layers absent here fall back to the prefetched experts of that layer.
+    """
+
+    prefetch: list[Prefetch] = field(default_factory=list)
+    scores: dict[int, np.ndarray] = field(default_factory=dict)
+    predicted: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def extend(self, other: Prediction) -> None:
+        self.prefetch.extend(other.prefetch)
+        self.scores.update(other.scores)
+        self.predicted.update(other.predicted)
+
+
+EMPTY = Prediction()
+
+
+@dataclass(frozen=True)
+class RequestStart:
+    """A request begins. ``prompt_embed``: float32[E] sentence embedding, if recorded."""
+
+    request: RequestMeta
+    prompt_embed: np.ndarray | None = None
+
+
+@dataclass(frozen=True)
+class IterationStart:
+    """An iteration (one forward pass) begins.
+
+    Attributes:
+        request_ids: int[B] requests in the batch.
+        step: 0 for prefill, s >= 1 for the s-th decode step.
+        embed: float32[T, H] embedding-layer output of the iteration's tokens (all of the
+            batch, concatenated).
+        token_request: int[T] request id of each token row.
+        future: for ``needs={"future"}`` only: L arrays, the experts each layer will use.
+    """
+
+    request_ids: np.ndarray
+    step: int
+    embed: np.ndarray
+    token_request: np.ndarray
+    future: tuple[np.ndarray, ...] | None = None
+
+
+@dataclass(frozen=True)
+class LayerObservation:
+    """Layer ``layer``'s router has run for this iteration's tokens.
+
+    Attributes:
+        layer: MoE layer index l in 0..L-1.
+        probs: float32[T, J] router probabilities.
+        experts: int[n] sorted union of the selected experts over the tokens.
+        counts: int[J] tokens routed to each expert.
+        spec_probs: float32[T, D, J] softmax(gate_{l+d}(h_l)) for d = 1..D, if needed.
+        hidden: float32[T, H] hidden state entering layer l, if needed.
+    """
+
+    layer: int
+    probs: np.ndarray
+    experts: np.ndarray
+    counts: np.ndarray
+    spec_probs: np.ndarray | None = None
+    hidden: np.ndarray | None = None
+
+
+class Predictor:
+    """Base class: predicts nothing. Subclasses override the hooks they need.
+
+    Constructors take keyword arguments only (the config keys) plus ``dims``.
+    """
+
+    name: ClassVar[str] = "none"
+    needs: ClassVar[frozenset[str]] = frozenset()
+
+    def __init__(self, *, dims: TraceDims) -> None:
+        self.dims = dims
+
+    def fit(self, store: Trace) -> None:
+        """Learn from the store split (never the test split). Default: nothing to learn."""
+
+    def start_request(self, ctx: RequestStart) -> Prediction:
+        return Prediction()
+
+    def start_iteration(self, ctx: IterationStart) -> Prediction:
+        return Prediction()
+
+    def observe_layer(self, obs: LayerObservation) -> Prediction:
+        return Prediction()
+
+    def end_iteration(self) -> None:
+        """The iteration finished (online predictors may learn from it here)."""
+
+    def end_request(self, request_id: int) -> None:
+        """The request finished."""
+
+    def stats(self) -> dict[str, float]:
+        """Extra metrics (e.g. parameter count, query time); flat scalars."""
+        return {}
+
+
+PREDICTORS: Registry[Predictor] = Registry("predictor")
+PREDICTORS.register("none")(Predictor)
+
+
+def topk_prefetch(layer: int, scores: np.ndarray, k: int, priority: float) -> list[Prefetch]:
+    """Prefetches for the ``k`` highest ``scores`` (float[J]) of ``layer``, best first."""
+    order = np.argsort(-scores, kind="stable")[:k]
+    return [Prefetch(priority - 1e-6 * i, layer, int(e)) for i, e in enumerate(order)]
