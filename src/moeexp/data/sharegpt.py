@@ -90,3 +90,13 @@ def first_user_turn(conv: dict[str, Any]) -> str | None:
         text = turns[0].get("value")
         return text if isinstance(text, str) and text.strip() else None
     return None
+
+
+#: Every ``MODEL_HOLDOUT_EVERY``-th conversation is held out from tiny-model training;
+#: experiment prompts are sampled from these only, so the model never saw them.
+MODEL_HOLDOUT_EVERY = 10
+
+
+def is_model_heldout(index: int) -> bool:
+    """True if conversation ``index`` (position in the parsed file) is held out from training."""
+    return index % MODEL_HOLDOUT_EVERY == 0
