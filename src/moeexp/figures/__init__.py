@@ -1,0 +1,1 @@
+"""Paper figures from ``results/`` only: one function per figure (see :mod:`.plots`)."""

@@ -1,0 +1,33 @@
+"""Find and read the experiment summaries under ``results/`` (the figures' only input)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+
+def latest_summary(results: Path, experiment: str) -> Path | None:
+    """The newest ``summary.csv`` of ``experiment`` under ``results/`` (any depth), or None."""
+    base = results / "experiments" / experiment
+    found = sorted(base.glob("**/summary.csv"), key=lambda p: p.stat().st_mtime) if base.exists() else []
+    return found[-1] if found else None
+
+
+def read_summary(path: Path) -> pd.DataFrame:
+    """The summary table with swept-key columns normalised (``+system`` -> ``system``)."""
+    df = pd.read_csv(path)
+    df.columns = [c.lstrip("+") for c in df.columns]
+    return df
+
+
+def column(df: pd.DataFrame, *names: str) -> str | None:
+    """The first column of ``df`` named one of ``names`` (exact, then by dotted suffix)."""
+    for n in names:
+        if n in df.columns:
+            return n
+    for n in names:
+        for c in df.columns:
+            if c.endswith("." + n) or c.split(".")[-1] == n:
+                return c
+    return None
