@@ -100,3 +100,12 @@ MODEL_HOLDOUT_EVERY = 10
 def is_model_heldout(index: int) -> bool:
     """True if conversation ``index`` (position in the parsed file) is held out from training."""
     return index % MODEL_HOLDOUT_EVERY == 0
+
+
+def first_pair(conv: dict[str, Any]) -> tuple[str, str] | None:
+    """(first human turn, first gpt reply) if the conversation opens with such a pair."""
+    text = first_user_turn(conv)
+    if text is None:
+        return None
+    reply = conv["conversations"][1].get("value")
+    return (text, reply if isinstance(reply, str) else "")

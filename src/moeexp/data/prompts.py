@@ -1,0 +1,283 @@
+"""Prompt sampling: first user turns, seeded, with fixed or natural lengths and a store/test split.
+
+:func:`sample_prompts` (``cfg`` = the ``dataset`` config group) does, for both datasets:
+
+1. Candidates: conversations that open with a user→assistant pair. For ShareGPT,
+   ``pool: heldout`` (default) keeps only conversations with
+   :func:`~moeexp.data.sharegpt.is_model_heldout` (index % 10 == 0): the embedded tiny model
+   was trained on the other 90%, so it never saw the prompts we measure on. ``pool: all``
+   uses every conversation (fine for real checkpoints). For LMSYS, ``language:`` optionally
+   keeps one language (e.g. ``English``).
+2. Candidates are visited in a seeded random order (``numpy.random.default_rng(seed)``) and
+   tokenised one by one until ``num_prompts`` qualify.
+3. Tokenisation: ``[bos] + tokenizer.encode(text, add_special_tokens=False)``; the bos token
+   (when the tokenizer has one) **is counted** in ``prompt_len`` and is ``input_ids[0]``.
+   - ``lengths: fixed`` (as in FineMoE): a prompt qualifies when it has at least
+     ``input_len`` tokens and is truncated to exactly ``input_len``; ``output_len`` tokens are
+     generated (the first one from the prefill logits).
+   - ``lengths: natural``: the whole prompt (truncated to ``max_input_len``), and
+     ``output_len`` = the token count of the first assistant reply, clipped to
+     ``[1, max_output_len]``.
+   ``Prompt.text`` is the decoded text of exactly the tokens fed (without bos).
+4. Duplicates (same token ids or same text) are skipped, so no text appears twice.
+5. Split: a second seeded shuffle; the first ``round(store_fraction * n)`` prompts are
+   ``store`` and the rest ``test`` (disjoint by construction). ``request_id`` is the position
+   in that order: store prompts get ids ``0..n_store-1``.
+
+``task`` comes from :func:`classify_task`, a small keyword classifier (eMoE needs task types).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from functools import lru_cache
+from typing import Any, Literal
+
+import numpy as np
+
+from moeexp.errors import ConfigError, DataError
+
+log = logging.getLogger(__name__)
+
+Split = Literal["store", "test"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One sampled request.
+
+    Attributes:
+        request_id: 0..n-1, store prompts first.
+        text: decoded text of the fed tokens (without bos).
+        input_ids: the exact token ids fed to the model (bos first when it has one).
+        prompt_len: ``len(input_ids)`` (bos counted).
+        output_len: tokens to generate (>= 1).
+        split: ``store`` (builds predictor state) or ``test`` (replayed).
+        dataset: ``sharegpt`` | ``lmsys``.
+        task: label from :func:`classify_task`.
+    """
+
+    request_id: int
+    text: str
+    input_ids: tuple[int, ...]
+    prompt_len: int
+    output_len: int
+    split: Split
+    dataset: str
+    task: str = ""
+
+
+# ---------------------------------------------------------------------------- task labels
+#: Ordered rules: the first whose pattern matches the lower-cased prompt wins; else "chat".
+TASK_RULES: tuple[tuple[str, str], ...] = (
+    ("code", r"```|\bdef |\bfunction\b|\bclass\b|\bpython\b|\bjavascript\b|\bjava\b|\bc\+\+|"
+             r"\bsql\b|\bcode\b|\bscript\b|\bbug\b|\bcompile|\bapi\b|\bhtml\b|\bregex\b"),
+    ("math", r"\bsolve\b|\bequation|\bcalculate\b|\bintegral\b|\bderivative\b|\bprobability\b|"
+             r"\bmath|\bsum of\b|\d\s*[+*/^=]\s*\d"),
+    ("translation", r"\btranslat"),
+    ("writing", r"\bwrite\b|\bessay\b|\bstory\b|\bpoem\b|\barticle\b|\bblog\b|\bletter\b|"
+                r"\brewrite\b|\bparaphrase\b|\bsummar"),
+    ("qa", r"^(what|why|how|who|when|where|which|is|are|can|does|do)\b|\?\s*$|\bexplain\b"),
+)
+TASKS: tuple[str, ...] = tuple(name for name, _ in TASK_RULES) + ("chat",)
+_TASK_RE = tuple((name, re.compile(pat)) for name, pat in TASK_RULES)
+
+
+def classify_task(text: str) -> str:
+    """Task label of a prompt: one of :data:`TASKS` (first matching rule, default ``chat``).
+
+    ``code`` (code fences, language names, "function", "bug"...) before ``math`` (solve,
+    equation, arithmetic like ``3 + 4``) before ``translation`` before ``writing`` (write,
+    essay, story, summarize...) before ``qa`` (starts with a question word, ends with "?",
+    "explain"); anything else is ``chat``.
+    """
+    low = text.strip().lower()
+    for name, rx in _TASK_RE:
+        if rx.search(low):
+            return name
+    return "chat"
+
+
+# ---------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class DatasetConfig:
+    """The ``dataset`` config group, typed (unknown keys raise :class:`ConfigError`)."""
+
+    name: str
+    path: str | None = None
+    num_prompts: int = 64
+    input_len: int = 43
+    output_len: int = 122
+    lengths: str = "fixed"
+    store_fraction: float = 0.7
+    seed: int = 0
+    max_input_len: int = 512
+    max_output_len: int = 512
+    pool: str = "heldout"  # sharegpt only
+    language: str | None = None  # lmsys only
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> DatasetConfig:
+        """Validate ``cfg`` (a dict or DictConfig) and build the config."""
+        data = {str(k): cfg[k] for k in cfg}
+        name = data.get("name")
+        if name not in DATASETS:
+            raise ConfigError(f"unknown dataset {name!r}; valid: {', '.join(sorted(DATASETS))}")
+        valid = {f.name for f in fields(cls)} - _ONLY_FOR_OTHER[name]
+        unknown = sorted(set(data) - valid)
+        if unknown:
+            raise ConfigError(f"dataset={name}: unknown key(s) {unknown}; valid keys: "
+                              f"{', '.join(sorted(valid))}")
+        c = cls(**data)
+        checks = [
+            (c.lengths in ("fixed", "natural"), f"lengths={c.lengths!r}; valid: fixed, natural"),
+            (c.pool in ("heldout", "all"), f"pool={c.pool!r}; valid: heldout, all"),
+            (c.num_prompts >= 1, f"num_prompts={c.num_prompts} must be >= 1"),
+            (c.input_len >= 1 and c.output_len >= 1, "input_len and output_len must be >= 1"),
+            (c.max_input_len >= 1 and c.max_output_len >= 1, "max_input/output_len must be >= 1"),
+            (0.0 <= c.store_fraction <= 1.0, f"store_fraction={c.store_fraction} not in [0, 1]"),
+        ]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ConfigError(f"dataset={name}: " + "; ".join(bad))
+        return c
+
+
+# ---------------------------------------------------------------------------- sources
+PairGetter = Callable[[int], "tuple[str, str] | None"]
+
+
+@lru_cache(maxsize=2)
+def _sharegpt_cached(path: str | None, stamp: tuple[int, int]) -> list[dict[str, Any]]:
+    from moeexp.data.sharegpt import load_sharegpt
+
+    return load_sharegpt(path)
+
+
+def _sharegpt_source(c: DatasetConfig) -> tuple[list[int], PairGetter]:
+    from moeexp.data.sharegpt import first_pair, is_model_heldout
+
+    stamp = (0, 0)
+    if c.path is not None and os.path.exists(c.path):  # re-read when the file changes
+        st = os.stat(c.path)
+        stamp = (st.st_mtime_ns, st.st_size)
+    convs = _sharegpt_cached(c.path, stamp)  # parsed once per process (~1 s), never mutated
+    idx = [i for i in range(len(convs)) if c.pool == "all" or is_model_heldout(i)]
+    return idx, lambda i: first_pair(convs[i])
+
+
+def _lmsys_source(c: DatasetConfig) -> tuple[list[int], PairGetter]:
+    from moeexp.data.lmsys import load_lmsys, row_pair
+
+    table = load_lmsys(c.path)
+    if c.language is None:
+        idx = list(range(table.num_rows))
+    else:
+        if "language" not in table.column_names:
+            raise DataError("dataset.language is set but the LMSYS data has no 'language' column")
+        langs = table.column("language").to_pylist()
+        idx = [i for i, lang in enumerate(langs) if lang == c.language]
+    return idx, lambda i: row_pair(table, i)
+
+
+DATASETS: dict[str, Callable[[DatasetConfig], tuple[list[int], PairGetter]]] = {
+    "sharegpt": _sharegpt_source,
+    "lmsys": _lmsys_source,
+}
+_ONLY_FOR_OTHER: dict[str, set[str]] = {"sharegpt": {"language"}, "lmsys": {"pool"}}
+
+
+# ---------------------------------------------------------------------------- sampling
+def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+    """``[bos] + encode(text)`` (bos only if the tokenizer has one): the ids fed to the model."""
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return ([int(bos)] if bos is not None else []) + [int(i) for i in ids]
+
+
+def _shape(c: DatasetConfig, tokenizer: Any, text: str, reply: str,
+           reasons: Counter[str]) -> tuple[list[int], int] | None:
+    """(fed ids, output_len) for one candidate, or None (reason counted) if it does not qualify."""
+    ids = encode_prompt(tokenizer, text)
+    n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
+    if c.lengths == "fixed":
+        if len(ids) < c.input_len:
+            reasons[f"fewer than input_len={c.input_len} tokens"] += 1
+            return None
+        return ids[: c.input_len], c.output_len
+    ids = ids[: c.max_input_len]
+    if len(ids) <= n_bos:
+        reasons["empty after tokenisation"] += 1
+        return None
+    n_out = len(tokenizer.encode(reply, add_special_tokens=False)) if reply else 0
+    return ids, int(min(max(n_out, 1), c.max_output_len))
+
+
+def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
+    """Seeded prompts with a store/test split (see the module docstring for every rule).
+
+    Args:
+        cfg: the ``dataset`` config group (keys of :class:`DatasetConfig`).
+        tokenizer: an HF tokenizer (``encode``, ``decode``, ``bos_token_id``).
+
+    Returns:
+        ``num_prompts`` prompts ordered by ``request_id`` (store first, then test).
+
+    Raises:
+        ConfigError: a bad key or value in ``cfg``.
+        DataError: the data cannot be loaded, or fewer than ``num_prompts`` prompts qualify.
+    """
+    c = DatasetConfig.from_mapping(cfg)
+    candidates, get_pair = DATASETS[c.name](c)
+    rng = np.random.default_rng(c.seed)
+    order = rng.permutation(len(candidates))
+    n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
+    chosen: list[tuple[str, tuple[int, ...], int]] = []
+    seen_ids: set[tuple[int, ...]] = set()
+    seen_text: set[str] = set()
+    reasons: Counter[str] = Counter()
+    for pos in order:
+        pair = get_pair(candidates[int(pos)])
+        if pair is None:
+            reasons["does not open with a user->assistant pair"] += 1
+            continue
+        shaped = _shape(c, tokenizer, pair[0], pair[1], reasons)
+        if shaped is None:
+            continue
+        ids, n_out = shaped
+        key = tuple(ids)
+        text = tokenizer.decode(list(ids[n_bos:]), skip_special_tokens=True)
+        norm = " ".join(text.split())
+        if key in seen_ids or norm in seen_text:
+            reasons["duplicate prompt"] += 1
+            continue
+        seen_ids.add(key)
+        seen_text.add(norm)
+        chosen.append((text, key, n_out))
+        if len(chosen) == c.num_prompts:
+            break
+    if len(chosen) < c.num_prompts:
+        why = ", ".join(f"{n} {r}" for r, n in reasons.most_common()) or "none"
+        hint = "lower dataset.num_prompts"
+        hint += " or dataset.input_len, or use dataset.lengths=natural" if c.lengths == "fixed" else ""
+        hint += ", dataset.pool=all" if c.name == "sharegpt" and c.pool == "heldout" else ""
+        raise DataError(
+            f"dataset={c.name}: only {len(chosen)} of {len(candidates)} candidate conversations "
+            f"qualify but num_prompts={c.num_prompts} (rejected: {why}). To fix: {hint}, or pass "
+            "a larger dataset.path.")
+    split_order = np.random.default_rng([c.seed, 1]).permutation(len(chosen))
+    n_store = int(round(c.store_fraction * len(chosen)))
+    prompts = []
+    for rid, j in enumerate(split_order):
+        text, ids, n_out = chosen[int(j)]
+        prompts.append(Prompt(
+            request_id=rid, text=text, input_ids=ids, prompt_len=len(ids), output_len=n_out,
+            split="store" if rid < n_store else "test", dataset=c.name, task=classify_task(text)))
+    log.info("sampled %d %s prompts (%d store / %d test, lengths=%s) from %d candidates",
+             len(prompts), c.name, n_store, len(prompts) - n_store, c.lengths, len(candidates))
+    return prompts

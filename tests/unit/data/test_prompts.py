@@ -1,0 +1,144 @@
+"""Prompt sampling: seeding, split disjointness, fixed/natural lengths, errors, task labels."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeexp.data.prompts import TASKS, DatasetConfig, classify_task, encode_prompt, sample_prompts
+from moeexp.data.sharegpt import first_pair, is_model_heldout, load_sharegpt
+from moeexp.errors import ConfigError, DataError
+
+
+def sharegpt_cfg(**kw):
+    cfg = {"name": "sharegpt", "path": None, "num_prompts": 20, "input_len": 43,
+           "output_len": 122, "lengths": "fixed", "store_fraction": 0.7, "seed": 0}
+    cfg.update(kw)
+    return cfg
+
+
+def test_seeded_same_seed_same_prompts_other_seed_differs(tokenizer):
+    """Same cfg twice -> identical prompts; seed 1 -> a different selection."""
+    a = sample_prompts(sharegpt_cfg(), tokenizer)
+    b = sample_prompts(sharegpt_cfg(), tokenizer)
+    c = sample_prompts(sharegpt_cfg(seed=1), tokenizer)
+    assert a == b
+    assert {p.input_ids for p in a} != {p.input_ids for p in c}
+
+
+def test_split_disjoint_sizes_and_no_duplicate_texts(tokenizer):
+    """n=20, store_fraction 0.7 -> 14 store (ids 0..13) + 6 test, no shared ids/texts."""
+    ps = sample_prompts(sharegpt_cfg(), tokenizer)
+    store = [p for p in ps if p.split == "store"]
+    test = [p for p in ps if p.split == "test"]
+    assert len(store) == 14 and len(test) == 6
+    assert [p.request_id for p in ps] == list(range(20))
+    assert {p.request_id for p in store} == set(range(14))
+    assert {p.text for p in store}.isdisjoint({p.text for p in test})
+    assert {p.input_ids for p in store}.isdisjoint({p.input_ids for p in test})
+    assert len({p.text for p in ps}) == 20 and len({p.input_ids for p in ps}) == 20
+
+
+def test_fixed_lengths_exact_and_bos_counted(tokenizer):
+    """Fixed 43/122: every prompt has exactly 43 ids, the first being <bos> (id 1)."""
+    ps = sample_prompts(sharegpt_cfg(), tokenizer)
+    for p in ps:
+        assert p.prompt_len == len(p.input_ids) == 43
+        assert p.input_ids[0] == tokenizer.bos_token_id == 1
+        assert p.output_len == 122
+        assert p.dataset == "sharegpt" and p.task in TASKS
+        # the ids are a prefix of the tokenisation of some held-out conversation's prompt
+        assert list(p.input_ids[1:]) == tokenizer.encode(p.text, add_special_tokens=False)[:42]
+
+
+def _pairs(heldout: bool):
+    return [pair for i, c in enumerate(load_sharegpt())
+            if (pair := first_pair(c)) and is_model_heldout(i) == heldout]
+
+
+def _source_of(p, pairs, tokenizer):
+    """The (text, reply) pairs whose prompt tokenises to ids starting with ``p.input_ids``."""
+    return [(t, r) for t, r in pairs if t.startswith(p.text[:20])
+            and tuple(encode_prompt(tokenizer, t)[: p.prompt_len]) == p.input_ids]
+
+
+def test_heldout_pool_only_uses_heldout_conversations(tokenizer):
+    """pool=heldout: each prompt is the prefix of a conversation whose index % 10 == 0;
+    pool=all (40 prompts, ~90% non-held-out conversations) uses others too."""
+    heldout, others = _pairs(True), _pairs(False)
+    for p in sample_prompts(sharegpt_cfg(), tokenizer):
+        assert _source_of(p, heldout, tokenizer)
+    pool_all = sample_prompts(sharegpt_cfg(pool="all", num_prompts=40), tokenizer)
+    assert any(_source_of(p, others, tokenizer) and not _source_of(p, heldout, tokenizer) for p in pool_all)
+
+
+def test_natural_lengths(tokenizer):
+    """Natural: prompt = whole first turn (capped at 64), output = reply tokens (capped 100)."""
+    heldout = _pairs(True)
+    ps = sample_prompts(sharegpt_cfg(lengths="natural", max_input_len=64, max_output_len=100),
+                        tokenizer)
+    assert len({p.prompt_len for p in ps}) > 1 and len({p.output_len for p in ps}) > 1
+    for p in ps:
+        assert 2 <= p.prompt_len <= 64
+        src = _source_of(p, heldout, tokenizer)
+        assert src
+        full = encode_prompt(tokenizer, src[0][0])
+        assert p.prompt_len == min(len(full), 64)
+        want = min(max(len(tokenizer.encode(src[0][1], add_special_tokens=False)), 1), 100)
+        assert p.output_len == want
+
+
+def test_not_enough_prompts_says_how_many_and_what_to_change(tokenizer):
+    with pytest.raises(DataError, match=r"only \d+ of \d+ .*num_prompts=5000.*input_len"):
+        sample_prompts(sharegpt_cfg(num_prompts=5000), tokenizer)
+
+
+def test_bad_path_is_a_clear_error(tokenizer, tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        sample_prompts(sharegpt_cfg(path=str(tmp_path / "nope.json")), tokenizer)
+
+
+def test_bad_config_keys_and_values():
+    with pytest.raises(ConfigError, match="unknown key.*num_prompt"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "num_prompt": 3})
+    with pytest.raises(ConfigError, match="lengths='fix'.*fixed, natural"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "lengths": "fix"})
+    with pytest.raises(ConfigError, match="unknown key.*pool"):
+        DatasetConfig.from_mapping({"name": "lmsys", "pool": "all"})
+    with pytest.raises(ConfigError, match="valid: lmsys, sharegpt"):
+        DatasetConfig.from_mapping({"name": "nope"})
+
+
+def test_lmsys_sampling_from_fixture(tokenizer, make_lmsys, tmp_path):
+    """48 rows, 3 not opening with a user turn, 1 duplicate -> at most 44 distinct prompts."""
+    make_lmsys.write_lmsys(tmp_path, jsonl=False)
+    cfg = {"name": "lmsys", "path": str(tmp_path / "lmsys.parquet"), "num_prompts": 44,
+           "input_len": 8, "output_len": 5, "seed": 3}
+    ps = sample_prompts(cfg, tokenizer)
+    assert len(ps) == 44 and all(p.prompt_len == 8 and p.dataset == "lmsys" for p in ps)
+    with pytest.raises(DataError, match="only 44 of 48"):
+        sample_prompts({**cfg, "num_prompts": 45}, tokenizer)
+    de = sample_prompts({**cfg, "num_prompts": 6, "language": "German"}, tokenizer)
+    german = {r["conversation"][0]["content"] for r in make_lmsys.rows() if r["language"] == "German"}
+    assert all(any(g.startswith(p.text) for g in german) for p in de)
+
+
+@pytest.mark.parametrize(("text", "task"), [
+    ("Write a python function that reverses a list", "code"),
+    ("Solve the equation 2x + 3 = 7", "math"),
+    ("Translate this sentence into German", "translation"),
+    ("Write a short story about a dragon", "writing"),
+    ("What is the capital of France?", "qa"),
+    ("hello there, nice to meet you", "chat"),
+])
+def test_classify_task(text, task):
+    assert classify_task(text) == task
+
+
+@pytest.mark.parametrize(("name", "lens"), [("sharegpt", (43, 122)), ("lmsys", (37, 127))])
+def test_dataset_yaml_builds(name, lens):
+    """conf/dataset/NAME.yaml: name == file name, FineMoE's fixed lengths, 64 prompts, 0.7."""
+    from moeexp.paths import load_group_yaml
+
+    c = DatasetConfig.from_mapping(load_group_yaml("dataset", name))
+    assert c.name == name and (c.input_len, c.output_len) == lens
+    assert c.num_prompts == 64 and c.store_fraction == 0.7 and c.lengths == "fixed"
