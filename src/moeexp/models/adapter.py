@@ -96,7 +96,7 @@ class MoEAdapter:
     scoring: ClassVar[Literal["softmax", "sigmoid"]] = "softmax"
 
     def __init__(self, model: nn.Module) -> None:
-        self.model = model
+        self.model: Any = model  # a transformers PreTrainedModel
         self._layers: list[MoELayer] | None = None
 
     # --- config ----------------------------------------------------------------------
@@ -158,7 +158,7 @@ class MoEAdapter:
 
     @property
     def hidden_size(self) -> int:
-        return int(self.model.config.hidden_size)
+        return int(self.config.hidden_size)
 
     @property
     def expert_intermediate_size(self) -> int:
@@ -172,7 +172,7 @@ class MoEAdapter:
 
     def embedding(self) -> nn.Module:
         """The input embedding module (its output is the semantic key)."""
-        return self.model.get_input_embeddings()
+        return self.model.get_input_embeddings()  # type: ignore[no-any-return]
 
     # --- experts ---------------------------------------------------------------------
     def expert_tensors(self, layer: int, expert: int) -> dict[str, torch.Tensor]:
