@@ -1,0 +1,186 @@
+"""Speculative gating: a later layer's router applied to the current hidden state.
+
+``speculative_gate`` (Mixtral-Offloading, algorithms.md §2): while layer l runs, apply layer
+l+d's router to layer l's input hidden state h_l and prefetch its top-K for layer l+d
+(``distance`` d, default 1 as in Mixtral-Offloading and FineMoE's re-implementation).
+
+``promoe`` (FineMoE's emulation of ProMoE's "stride" prefetch, algorithms.md §3): at layer l,
+apply the router of layer l+d-1 to the current hidden state h_l and prefetch its top-K for
+that one layer l+d-1, with d = ``distance`` (the model's prefetch distance by default).
+So ``promoe`` with distance d predicts exactly what ``speculative_gate`` with distance d-1
+predicts. With d = 1 the "router of layer l+d-1" is layer l's own router: the prefetch is
+for the running layer, from the real router output, i.e. no look-ahead at all (it
+degenerates to on-demand loading and its prediction recall is trivially 1); a warning says
+so.
+
+Both read the recorded speculative gate outputs ``spec_probs[t, l, d-1] =
+softmax(gate_{l+d}(h_l))`` (trace option ``trace.spec_depth >= d``). With several tokens in
+an iteration (prefill, batches) the layer will use the union of every token's top-K, so
+by default (``aggregate: union``) the prediction is the union of each token's top-K of the
+speculative probabilities; ``aggregate: mean`` takes the top-K of the token-mean instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.predictors.base import (
+    PREDICTORS,
+    LayerObservation,
+    Prediction,
+    Predictor,
+    Prefetch,
+)
+from moeexp.traces.schema import Trace, TraceDims
+
+log = logging.getLogger(__name__)
+
+Aggregate = Literal["union", "mean"]
+
+
+def aggregate_topk(probs: np.ndarray, k: int, how: Aggregate = "union") -> tuple[np.ndarray, np.ndarray]:
+    """Experts predicted from per-token expert probabilities.
+
+    Args:
+        probs: float[T, J] per-token probabilities (or scores) over the J experts.
+        k: experts per token.
+        how: ``union`` = union over tokens of each token's top-k, ordered by how many tokens
+            chose the expert, then by mean probability; ``mean`` = top-k of the token-mean.
+
+    Returns:
+        (experts int64[n] best first, mean float64[J] token-mean probabilities).
+    """
+    p = np.asarray(probs, dtype=np.float64).reshape(-1, probs.shape[-1])
+    mean = p.mean(axis=0)
+    J = p.shape[1]
+    k = min(k, J)
+    if how == "mean" or p.shape[0] == 1:
+        order = np.lexsort((np.arange(J), -mean))[:k]
+        return order.astype(np.int64), mean
+    top = np.argsort(-p, axis=1, kind="stable")[:, :k]
+    votes = np.bincount(top.reshape(-1), minlength=J)
+    chosen = np.flatnonzero(votes > 0)
+    order = chosen[np.lexsort((chosen, -mean[chosen], -votes[chosen]))]
+    return order.astype(np.int64), mean
+
+
+def layer_prediction(layer: int, experts: np.ndarray, scores: np.ndarray | None,
+                     num_layers: int) -> Prediction:
+    """Prefetch ``experts`` (best first) for ``layer``; nearer layers get higher priority.
+
+    Priority = (L - layer) - 1e-3 * rank, so a predictor's earlier target layers are issued
+    before later ones and, within a layer, the better experts first.
+    """
+    base = float(num_layers - layer)
+    pf = [Prefetch(base - 1e-3 * i, layer, int(e)) for i, e in enumerate(experts)]
+    out = Prediction(prefetch=pf, predicted={layer: np.asarray(experts, dtype=np.int64)})
+    if scores is not None:
+        out.scores[layer] = np.asarray(scores, dtype=np.float64)
+    return out
+
+
+def require_array(store: Trace, field: str, option: str, who: str) -> None:
+    """ConfigError naming the trace option when ``store`` lacks an optional array."""
+    if getattr(store, field) is None:
+        raise ConfigError(
+            f"predictor={who} needs the trace's {field!r} array, which this trace does not "
+            f"hold; record it with {option}")
+
+
+class _SpecBase(Predictor):
+    """Shared machinery: prefetch for ``layer + offset`` from speculative index ``spec``."""
+
+    needs = frozenset({"spec_probs"})
+
+    def __init__(self, *, dims: TraceDims, offset: int, top_k: int | None,
+                 aggregate: Aggregate) -> None:
+        super().__init__(dims=dims)
+        if aggregate not in ("union", "mean"):
+            raise ConfigError(f"{self.name}: aggregate must be 'union' or 'mean', got {aggregate!r}")
+        self.offset = offset
+        self.top_k = dims.top_k if top_k is None else int(top_k)
+        if self.top_k < 1:
+            raise ConfigError(f"{self.name}: top_k must be >= 1, got {self.top_k}")
+        self.aggregate: Aggregate = aggregate
+        self._query_ns = 0
+        self._queries = 0
+
+    def fit(self, store: Trace) -> None:
+        if self.offset == 0:
+            return
+        require_array(store, "spec_probs", f"trace.spec_depth >= {self.offset}", self.name)
+        if store.dims.spec_depth < self.offset:
+            raise ConfigError(
+                f"predictor={self.name} needs speculative gates at distance {self.offset}, but "
+                f"the trace recorded spec_depth={store.dims.spec_depth}; set "
+                f"trace.spec_depth >= {self.offset}")
+
+    def observe_layer(self, obs: LayerObservation) -> Prediction:
+        t0 = time.perf_counter_ns()
+        target = obs.layer + self.offset
+        L = self.dims.num_layers
+        if target >= L:
+            return Prediction()
+        if self.offset == 0:
+            probs = obs.probs
+        else:
+            if obs.spec_probs is None:
+                raise ConfigError(
+                    f"predictor={self.name}: the mechanism passed no spec_probs; record the "
+                    f"trace with trace.spec_depth >= {self.offset}")
+            probs = obs.spec_probs[:, self.offset - 1, :]
+        experts, mean = aggregate_topk(probs, self.top_k, self.aggregate)
+        out = layer_prediction(target, experts, mean, L)
+        self._query_ns += time.perf_counter_ns() - t0
+        self._queries += 1
+        return out
+
+    def stats(self) -> dict[str, float]:
+        q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
+        return {"predictor_params": 0.0, "predictor_query_us": q}
+
+
+@PREDICTORS.register("speculative_gate")
+class SpeculativeGate(_SpecBase):
+    """Mixtral-Offloading's speculative prefetch: top-K of gate_{l+d}(h_l) for layer l+d.
+
+    Args:
+        dims: trace dimensions.
+        distance: d >= 1 (default 1).
+        top_k: experts per token to prefetch (default: the model's K).
+        aggregate: ``union`` (default) or ``mean`` over the iteration's tokens.
+    """
+
+    def __init__(self, *, dims: TraceDims, distance: int = 1, top_k: int | None = None,
+                 aggregate: Aggregate = "union") -> None:
+        if int(distance) < 1:
+            raise ConfigError(f"speculative_gate: distance must be >= 1, got {distance}")
+        super().__init__(dims=dims, offset=int(distance), top_k=top_k, aggregate=aggregate)
+        self.distance = int(distance)
+
+
+@PREDICTORS.register("promoe")
+class ProMoEStride(_SpecBase):
+    """FineMoE's ProMoE emulation: at layer l, router of layer l+d-1 on h_l, for layer l+d-1.
+
+    Args:
+        dims: trace dimensions.
+        distance: d >= 1 (config default: the model's ``prefetch_distance``).
+        top_k: experts per token to prefetch (default: the model's K).
+        aggregate: ``union`` (default) or ``mean`` over the iteration's tokens.
+    """
+
+    def __init__(self, *, dims: TraceDims, distance: int = 2, top_k: int | None = None,
+                 aggregate: Aggregate = "union") -> None:
+        if int(distance) < 1:
+            raise ConfigError(f"promoe: distance must be >= 1, got {distance}")
+        if int(distance) == 1:
+            log.warning("promoe with distance 1 prefetches the running layer from its own "
+                        "router: no look-ahead (on-demand), prediction recall is trivially 1")
+        super().__init__(dims=dims, offset=int(distance) - 1, top_k=top_k, aggregate=aggregate)
+        self.distance = int(distance)
