@@ -15,7 +15,10 @@ Usage (the trace recorder's entry point)::
 
 T counts token rows of all captured forward passes, concatenated in call order; within a
 call the rows are the block's ``[batch, seq]`` positions flattened row-major (batch-major),
-exactly as the router sees them. ``cap.clear()`` drops what was captured so far (e.g. after
+exactly as the router sees them (padded positions of a padded batch included: drop them
+with the attention mask). Dtypes follow the family: DeepSeek's logits and weights are fp32
+whatever the model dtype, Mixtral's weights are fp32, the rest use the model dtype; indices
+are int64. ``cap.clear()`` drops what was captured so far (e.g. after
 each decode step) while keeping the hooks installed.
 
 One forward hook per router is installed (with its inputs), so the captured hidden state is
