@@ -274,9 +274,9 @@ def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
     n_store = int(round(c.store_fraction * len(chosen)))
     prompts = []
     for rid, j in enumerate(split_order):
-        text, ids, n_out = chosen[int(j)]
+        text, fed, n_out = chosen[int(j)]
         prompts.append(Prompt(
-            request_id=rid, text=text, input_ids=ids, prompt_len=len(ids), output_len=n_out,
+            request_id=rid, text=text, input_ids=fed, prompt_len=len(fed), output_len=n_out,
             split="store" if rid < n_store else "test", dataset=c.name, task=classify_task(text)))
     log.info("sampled %d %s prompts (%d store / %d test, lengths=%s) from %d candidates",
              len(prompts), c.name, n_store, len(prompts) - n_store, c.lengths, len(candidates))
