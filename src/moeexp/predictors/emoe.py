@@ -2,8 +2,9 @@
 
 Schedule, by the order in which requests start (n = 0, 1, 2, ...):
 
-- n = 0, the first prompt: every expert is wanted (all L*J are prefetched, layer by layer,
-  at every iteration, and predicted); no history exists yet.
+- n = 0, the first prompt: every expert is wanted (all J of every layer are predicted and
+  streamed through the budget one layer ahead: layer 0 at each iteration start, layer l+1
+  while layer l runs); no history exists yet.
 - n >= 1 with (n - 1) % ``period`` == 0: the predictor runs and selects a new resident set.
 - any other n: the prompt reuses the resident set of the last run (it is re-requested at
   ``start_request``, a no-op for experts still resident).
@@ -217,16 +218,21 @@ class EMoE(Predictor):
             out.scores[layer] = score.copy()
         return out
 
-    def _all_experts(self) -> Prediction:
-        """Every expert of every layer (first prompt), layer 0 first."""
+    def _all_experts(self, prefetch_layer: int | None) -> Prediction:
+        """Every expert of every layer predicted (first prompt); prefetch ``prefetch_layer``.
+
+        The first prompt streams the whole model through the budget one layer ahead
+        (layer 0 at the iteration start, layer l+1 while layer l runs), most used first.
+        """
         L, J = self.dims.num_layers, self.dims.num_experts
         out = Prediction()
         for layer in range(L):
-            order = select_top(self.prior[layer], J)
-            out.prefetch.extend(Prefetch(float(L - layer) - 1e-3 * i, layer, int(e))
-                                for i, e in enumerate(order))
             out.predicted[layer] = np.arange(J, dtype=np.int64)
             out.scores[layer] = np.ones(J)
+        if prefetch_layer is not None and prefetch_layer < L:
+            order = select_top(self.prior[prefetch_layer], J)
+            out.prefetch = [Prefetch(float(L - prefetch_layer) - 1e-3 * i, prefetch_layer,
+                                     int(e)) for i, e in enumerate(order)]
         return out
 
     def _current(self, layers: Sequence[int]) -> Prediction:
@@ -256,7 +262,7 @@ class EMoE(Predictor):
             self._mode[rid] = "all"
             self.sets = [None] * L
             self.scores = np.ones((L, J))
-            return self._all_experts()
+            return self._all_experts(0)
         if (n - 1) % self.period:
             self._mode[rid] = "reuse"
             return self._current(range(L))
@@ -288,18 +294,21 @@ class EMoE(Predictor):
         self._iter_rids = [int(r) for r in ctx.request_ids]
         modes = {self._mode.get(int(r), "reuse") for r in ctx.request_ids}
         if "all" in modes:
-            return self._all_experts()
+            return self._all_experts(0)
         L = self.dims.num_layers
+        # emoe_l: layers >= 1 of a prediction prompt are chosen as its prefill runs
         skip = set(range(1, L)) if self._pending & set(self._iter_rids) else set()
-        out = self._current([layer for layer in range(L) if layer not in skip])
-        out.prefetch = []  # the set was requested when chosen; only the recall view here
-        return out
+        # re-requesting the set is a no-op for resident experts; it completes a set whose
+        # loading the end of the previous iteration cut short
+        return self._current([layer for layer in range(L) if layer not in skip])
 
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         K, J = self.dims.top_k, self.dims.num_experts
         top = np.argsort(-np.asarray(obs.probs, dtype=np.float64), axis=1, kind="stable")[:, :K]
         tok_req = self._token_request if len(self._token_request) == len(top) else None
         out = Prediction()
+        if any(self._mode.get(r) == "all" for r in self._iter_rids):
+            out.extend(self._all_experts(obs.layer + 1))
         for rid in self._iter_rids:
             if rid not in self._acc:
                 continue
@@ -337,9 +346,9 @@ class EMoE(Predictor):
 
     def stats(self) -> dict[str, float]:
         q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
-        return {"predictor_params": float(sum(m.num_params for m in self.models)),
-                "predictor_query_us": q, "emoe_invocations": float(self.invocations),
-                "emoe_experts_per_layer": float(self.experts_per_layer)}
+        return {"params": float(sum(m.num_params for m in self.models)),
+                "query_us_mean": q, "invocations": float(self.invocations),
+                "experts_per_layer": float(self.experts_per_layer)}
 
 
 def _normalise(a: np.ndarray) -> np.ndarray:

@@ -105,4 +105,4 @@ class LayerTransition(Predictor):
 
     def stats(self) -> dict[str, float]:
         q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
-        return {"predictor_params": float(self.trans.size), "predictor_query_us": q}
+        return {"params": float(self.trans.size), "query_us_mean": q}

@@ -13,8 +13,9 @@ the per-layer frequency baseline (always the store's K most used experts of laye
 
 At run time, at layer l the MLP of layer l prefetches, for layer l+d, the union over the
 iteration's tokens of each token's top-K (``aggregate: union``; ``mean`` = top-K of the
-token-mean). ``stats()`` reports recall@K, the baseline's recall, the parameter count,
-training seconds and the mean query time in microseconds.
+token-mean). ``stats()`` reports ``recall_at_k``, ``baseline_recall_at_k`` (the frequency
+baseline), ``params``, ``train_s``, ``train_tokens`` and ``query_us_mean`` (microseconds);
+the simulator publishes them as ``predictor_<key>``.
 """
 
 from __future__ import annotations
@@ -208,16 +209,16 @@ class LearnedMLP(Predictor):
                 base.append(recall_at_k(np.repeat(freq[None], len(held), 0), y_idx[held]))
         nan = float("nan")
         self._fit_stats = {
-            "predictor_params": float(sum(n.num_params for n in self.nets.values())),
-            "predictor_recall_at_k": float(np.mean(rec)) if rec else nan,
-            "predictor_baseline_recall_at_k": float(np.mean(base)) if base else nan,
-            "predictor_train_s": time.perf_counter() - t0,
-            "predictor_train_tokens": float(len(train)),
+            "params": float(sum(n.num_params for n in self.nets.values())),
+            "recall_at_k": float(np.mean(rec)) if rec else nan,
+            "baseline_recall_at_k": float(np.mean(base)) if base else nan,
+            "train_s": time.perf_counter() - t0,
+            "train_tokens": float(len(train)),
         }
         log.info("learned_mlp: recall@K %.3f (frequency baseline %.3f), %d params, %.1f s",
-                 self._fit_stats["predictor_recall_at_k"],
-                 self._fit_stats["predictor_baseline_recall_at_k"],
-                 self._fit_stats["predictor_params"], self._fit_stats["predictor_train_s"])
+                 self._fit_stats["recall_at_k"],
+                 self._fit_stats["baseline_recall_at_k"],
+                 self._fit_stats["params"], self._fit_stats["train_s"])
 
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         net = self.nets.get(obs.layer)
@@ -235,4 +236,4 @@ class LearnedMLP(Predictor):
 
     def stats(self) -> dict[str, float]:
         q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
-        return {**self._fit_stats, "predictor_query_us": q}
+        return {**self._fit_stats, "query_us_mean": q}

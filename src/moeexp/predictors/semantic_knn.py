@@ -184,5 +184,5 @@ class SemanticKNN(Predictor):
 
     def stats(self) -> dict[str, float]:
         q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
-        return {"predictor_params": float(self._keys.size + self._profiles.size),
-                "predictor_query_us": q}
+        return {"params": float(self._keys.size + self._profiles.size),
+                "query_us_mean": q}

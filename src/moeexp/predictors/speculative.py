@@ -142,7 +142,7 @@ class _SpecBase(Predictor):
 
     def stats(self) -> dict[str, float]:
         q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
-        return {"predictor_params": 0.0, "predictor_query_us": q}
+        return {"params": 0.0, "query_us_mean": q}
 
 
 @PREDICTORS.register("speculative_gate")

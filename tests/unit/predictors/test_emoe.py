@@ -64,13 +64,15 @@ def test_expected_tokens_eq2_worked_example() -> None:
 
 
 def test_period_and_fallback_order() -> None:
-    """period = 2: prompt 0 wants all 4 experts of both layers (8 prefetches); the predictor
-    runs at prompts 1, 3, 5 (1 + k*p) and prompts 2, 4 reuse the set chosen before them."""
+    """period = 2: prompt 0 wants all 4 experts of both layers (predicted everywhere; layer
+    0's 4 prefetched at the start, layer 1's 4 while layer 0 runs); the predictor runs at
+    prompts 1, 3, 5 (1 + k*p) and prompts 2, 4 reuse the set chosen before them."""
     tr = routed_trace([0, 1, 2, 3] * 3, [0, 1, 2, 3] * 3)
     p = PREDICTORS.build("emoe", dims=tr.dims, period=2, experts_per_layer=1)
     p.fit(tr)
     first = run_prompt(p, 0, (2, 2))
-    assert len(first["request"].prefetch) == 8
+    assert {(f.layer, f.expert) for f in first["request"].prefetch} == {(0, e) for e in range(J)}
+    assert {(f.layer, f.expert) for f in first["layer0"].prefetch} == {(1, e) for e in range(J)}
     assert all(v.tolist() == [0, 1, 2, 3] for v in first["iteration"].predicted.values())
     invocations = []
     for rid in range(1, 6):
@@ -98,7 +100,7 @@ def test_emoe_l_layer_from_previous_layer_and_first_layer_from_previous_prompt()
     assert seen["request"].predicted[0].tolist() == [2]
     assert seen["layer0"].predicted[1].tolist() == [3]
     assert [s.tolist() for s in p.sets] == [[2], [3]]
-    assert p.stats()["predictor_params"] == 2 * (J * J + J)
+    assert p.stats()["params"] == 2 * (J * J + J)
 
 
 def test_emoe_a_predicts_all_layers_from_the_previous_prompt() -> None:

@@ -33,8 +33,8 @@ def test_beats_the_frequency_baseline_on_a_random_trace() -> None:
                          holdout=0.25, progress=False)
     p.fit(tr.split("store"))
     s = p.stats()
-    assert s["predictor_recall_at_k"] > s["predictor_baseline_recall_at_k"] + 0.1
-    assert s["predictor_params"] == 840
+    assert s["recall_at_k"] > s["baseline_recall_at_k"] + 0.1
+    assert s["params"] == 840
 
 
 def test_predicts_layer_l_plus_d_only_and_is_seeded() -> None:
@@ -54,7 +54,7 @@ def test_predicts_layer_l_plus_d_only_and_is_seeded() -> None:
         assert p.observe_layer(LayerObservation(2, tr.probs[:3, 2], np.array([0]),
                                                 np.zeros(8, np.int64), hidden=h)).prefetch == []
     assert preds[0] == preds[1]
-    assert p.stats()["predictor_query_us"] > 0
+    assert p.stats()["query_us_mean"] > 0
 
 
 def test_needs_hidden_states() -> None:
