@@ -22,7 +22,8 @@ What is recorded per token row (see :mod:`moeexp.traces.schema`) comes from
 weights *the model chose*, the router input hidden state) and a hook on the embedding layer.
 ``spec_probs[t, l, d-1] = router_probs(apply_router(l + d, h_l))`` is computed after each
 forward pass, batched: one router call per target layer ``m`` over the stacked inputs
-``h_{m-1} .. h_{m-D}``. GPU tensors are moved to the host once per iteration.
+``h_{m-1} .. h_{m-D}``. Recorded tensors stay on the device until the request ends, then
+move to the host in one copy per array.
 
 This module imports torch (it runs the model); the rest of :mod:`moeexp.traces` does not.
 """
@@ -94,8 +95,9 @@ class _Step:
     def embed_hook(self, module: Any, args: Any, output: Any) -> None:
         self.embeds.append(output.detach())
 
-    def collect(self, cap: Any) -> dict[str, np.ndarray]:
-        """Arrays of the iteration just run ([T, ...] rows); clears the capture."""
+    def collect(self, cap: Any) -> dict[str, torch.Tensor]:
+        """Tensors of the iteration just run ([T, ...] rows, on the model's device); clears
+        the capture."""
         import torch
 
         lcs = [cap.layers[i] for i in range(self.L)]
@@ -103,35 +105,43 @@ class _Step:
             raise RuntimeError("expected exactly one router call per MoE layer and one "
                                "embedding call per forward pass")
         recs = [lc.records[0] for lc in lcs]
-        logits = torch.stack([r.logits for r in recs], dim=1)  # [T, L, J]
+        dev = recs[0].logits.device  # layers may sit on several devices (device_map=auto)
+
+        def stack(ts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.stack([t.to(dev) for t in ts], dim=1)
+
+        logits = stack([r.logits for r in recs])  # [T, L, J]
         T = logits.shape[0]
         out: dict[str, torch.Tensor] = {
             "probs": self.adapter.router_probs(logits.reshape(T * self.L, self.J))
             .reshape(T, self.L, self.J).half(),
-            "topk_idx": torch.stack([r.indices for r in recs], dim=1).to(torch.int16),
-            "topk_weight": torch.stack([r.weights for r in recs], dim=1).half(),
+            "topk_idx": stack([r.indices for r in recs]).to(torch.int16),
+            "topk_weight": stack([r.weights for r in recs]).half(),
             "embed": self.embeds[0].reshape(T, -1).half(),
         }
         if self.D > 0 or self.record_hidden:
-            hidden = torch.stack([r.hidden for r in recs], dim=1)  # [T, L, H]
+            hidden = stack([r.hidden for r in recs])  # [T, L, H]
             if self.record_hidden:
                 out["hidden"] = hidden.half()
             if self.D > 0:
-                spec = torch.zeros(T, self.L, self.D, self.J, dtype=torch.float16,
-                                   device=logits.device)
+                spec = torch.zeros(T, self.L, self.D, self.J, dtype=torch.float16, device=dev)
                 for m, src, slot in self.spec_plan:
                     h = hidden[:, src].reshape(T * len(src), -1)
                     p = self.adapter.router_probs(self.adapter.apply_router(m, h).logits)
-                    spec[:, src, slot] = p.reshape(T, len(src), self.J).half()
+                    spec[:, src, slot] = p.reshape(T, len(src), self.J).to(dev, torch.float16)
                 out["spec_probs"] = spec
         cap.clear()
         self.embeds.clear()
-        return {k: v.cpu().numpy() for k, v in out.items()}
+        return out
 
 
 def _next_token(logits: torch.Tensor, sampling: str, top_k: int, temperature: float,
                 gen: torch.Generator, eos_ids: Sequence[int]) -> int:
-    """Choose the next token from logits [V]; the ``eos_ids`` are never chosen."""
+    """Choose the next token from logits [V]; the ``eos_ids`` are never chosen.
+
+    The top-k candidates are drawn on the CPU with the request's CPU generator, so the
+    sampled tokens do not depend on the model's device(s).
+    """
     import torch
 
     logits = logits.float()
@@ -142,8 +152,8 @@ def _next_token(logits: torch.Tensor, sampling: str, top_k: int, temperature: fl
         return int(torch.argmax(logits))
     k = min(int(top_k), logits.shape[-1])
     vals, idx = torch.topk(logits / temperature, k)
-    probs = torch.softmax(vals, dim=-1)
-    return int(idx[torch.multinomial(probs, 1, generator=gen)])
+    probs = torch.softmax(vals.cpu(), dim=-1)
+    return int(idx[int(torch.multinomial(probs, 1, generator=gen))])
 
 
 def _cache_of(res: Any) -> Any:
@@ -219,18 +229,19 @@ def record_trace(
                 if p.output_len < 1 or p.prompt_len < 1:
                     raise ValueError(f"request {p.request_id}: prompt_len and output_len must "
                                      f"be >= 1 (got {p.prompt_len}, {p.output_len})")
-                gen = torch.Generator(device=device).manual_seed(int(seed) + p.request_id)
+                gen = torch.Generator().manual_seed(int(seed) + p.request_id)
                 ids = torch.tensor([list(p.input_ids)], dtype=torch.long, device=device)
                 past = None
                 out_ids: list[int] = []
+                req_parts: dict[str, list[torch.Tensor]] = {}
                 for s in range(p.output_len):
                     res = model(input_ids=ids, cache=past, use_cache=True,
                                 logits_to_keep=1)
                     past = _cache_of(res)
-                    arrays = step.collect(cap)
-                    arrays["token_ids"] = ids[0].to(torch.int32).cpu().numpy()
-                    for k, v in arrays.items():
-                        parts.setdefault(k, []).append(v)
+                    tensors = step.collect(cap)
+                    tensors["token_ids"] = ids[0].to(torch.int32)
+                    for k, v in tensors.items():
+                        req_parts.setdefault(k, []).append(v)
                     it_req.append(p.request_id)
                     it_step.append(s)
                     lens.append(ids.shape[1])
@@ -239,6 +250,8 @@ def record_trace(
                     out_ids.append(tok)
                     ids = torch.tensor([[tok]], dtype=torch.long, device=device)
                 outputs.append(out_ids)
+                for k, vs in req_parts.items():  # one device->host copy per array and request
+                    parts.setdefault(k, []).append(torch.cat(vs).cpu().numpy())
     finally:
         handle.remove()
     elapsed = time.perf_counter() - t0

@@ -164,3 +164,12 @@ def test_bad_settings(loaded):
         record_trace(loaded, prompts(), sampling="beam")
     with pytest.raises(ConfigError, match="prompt_embedder"):
         record_trace(loaded, prompts(), prompt_embedder="bert")
+
+
+def test_bench_record_smoke():
+    """moeexp.bench.record.run returns the recording/generate ratio (tiny settings)."""
+    from moeexp.bench.record import run
+
+    r = run(num_prompts=1, input_len=5, output_len=3, repeats=1)
+    assert r["record_over_generate_ratio"] > 0 and r["generated_tokens"] == 3
+    assert r["record_s"] > 0 and r["generate_s"] > 0 and r["num_moe_layers"] == 8
