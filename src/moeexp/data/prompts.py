@@ -18,7 +18,9 @@
    - ``lengths: natural``: the whole prompt (truncated to ``max_input_len``), and
      ``output_len`` = the token count of the first assistant reply, clipped to
      ``[1, max_output_len]``.
-   ``Prompt.text`` is the decoded text of exactly the tokens fed (without bos).
+   ``Prompt.text`` is the decoded text of exactly the tokens fed (without bos; a UTF-8
+   character cut in half by the truncation is dropped), so it is a prefix of the
+   conversation's first user turn for lossless (byte-level) tokenizers.
 4. Duplicates (same token ids or same text) are skipped, so no text appears twice.
 5. Split: a second seeded shuffle; the first ``round(store_fraction * n)`` prompts are
    ``store`` and the rest ``test`` (disjoint by construction). ``request_id`` is the position
@@ -251,7 +253,8 @@ def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
             continue
         ids, n_out = shaped
         key = tuple(ids)
-        text = tokenizer.decode(list(ids[n_bos:]), skip_special_tokens=True)
+        # a byte-level cut can split a UTF-8 character: drop the partial one from the text
+        text = tokenizer.decode(list(ids[n_bos:]), skip_special_tokens=True).rstrip("\ufffd")
         norm = " ".join(text.split())
         if key in seen_ids or norm in seen_text:
             reasons["duplicate prompt"] += 1
