@@ -81,7 +81,7 @@ def check_settings(sampling: str, top_k: int, temperature: float, spec_depth: in
 
 
 class _Step:
-    """Per-iteration recording state: hooks' tensors -> host numpy arrays."""
+    """Per-iteration recording state: the hooks' tensors -> stacked [T, L, ...] tensors."""
 
     def __init__(self, adapter: MoEAdapter, spec_depth: int, record_hidden: bool) -> None:
         self.adapter = adapter
