@@ -1,0 +1,191 @@
+"""Gather the runs under a directory into one table; compare systems against a baseline.
+
+Used by the end-of-multirun summary (:mod:`moeexp.tracking.summary`) and by
+``python -m moeexp.collect DIR``. A run is a directory holding ``metrics.json``; its
+Hydra overrides (``.hydra/overrides.yaml``) give the swept keys. One row per run::
+
+    run | <override keys, e.g. system, cache.capacity> | <metrics.json keys>
+
+Override keys lose their ``+``/``++``/``~`` prefix. When an override key is also a metric
+key (``system=deepspeed`` and the metric ``system``), the metric's value is kept: it is
+the resolved name. Derived columns ``<q>_vs_<baseline>_pct`` give each row's change
+relative to the baseline system's row with the same other swept values (negative =
+reduction), e.g. ``ttft_vs_deepspeed_pct = 100 * (ttft_ms_mean / ttft_ms_mean[deepspeed] - 1)``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from moeexp.tracking.run_dir import METRICS_FILE, read_metrics
+
+log = logging.getLogger(__name__)
+
+#: The string metrics identifying a run (written by the pipeline), in table order.
+IDENTITY_KEYS: tuple[str, ...] = ("system", "predictor", "cache", "model", "dataset",
+                                  "hardware", "backend")
+
+#: Columns of the printed comparison table (those present are shown).
+TABLE_METRICS: tuple[str, ...] = (
+    "hit_rate", "prediction_recall", "ttft_ms_mean", "tpot_ms_mean", "ttft_norm_mean",
+    "tpot_norm_mean", "h2d_bytes_total",
+)
+
+#: quantity -> metric compared against the baseline system.
+COMPARED: dict[str, str] = {"ttft": "ttft_ms_mean", "tpot": "tpot_ms_mean",
+                            "e2e": "e2e_ms_mean", "h2d": "h2d_bytes_total"}
+
+
+def read_overrides(run_dir: Path) -> dict[str, str]:
+    """``{key: value}`` from ``run_dir/.hydra/overrides.yaml`` (empty when absent)."""
+    path = run_dir / ".hydra" / "overrides.yaml"
+    if not path.exists():
+        return {}
+    from omegaconf import OmegaConf
+
+    items = OmegaConf.to_container(OmegaConf.load(path))
+    out: dict[str, str] = {}
+    for item in items if isinstance(items, list) else []:
+        key, sep, value = str(item).partition("=")
+        if sep:
+            out[key.lstrip("+~")] = value
+    return out
+
+
+def find_runs(root: str | Path) -> list[Path]:
+    """Run directories (holding ``metrics.json``) under ``root``, sorted, wandb dirs skipped."""
+    root = Path(root)
+    runs = [p.parent for p in root.rglob(METRICS_FILE) if "wandb" not in p.relative_to(root).parts]
+    return sorted(runs, key=_natural_key)
+
+
+def _natural_key(p: Path) -> list[Any]:
+    """Sort job directories 0, 1, ..., 10 numerically."""
+    return [int(part) if part.isdigit() else part for part in p.parts]
+
+
+def gather(root: str | Path, baseline: str | None = "deepspeed") -> pd.DataFrame:
+    """One row per run under ``root`` (see module docstring); empty frame when none."""
+    root = Path(root)
+    rows: list[dict[str, Any]] = []
+    override_keys: list[str] = []
+    for run in find_runs(root):
+        over = read_overrides(run)
+        for k in over:
+            if k not in override_keys:
+                override_keys.append(k)
+        rows.append({"run": str(run.relative_to(root)) or ".", **over, **read_metrics(run)})
+    if not rows:
+        return pd.DataFrame()
+    df = pd.DataFrame(rows)
+    first = ["run", *override_keys, *[k for k in IDENTITY_KEYS if k not in override_keys]]
+    first = [c for c in dict.fromkeys(first) if c in df.columns]
+    df = df[first + [c for c in df.columns if c not in first]]
+    if baseline:
+        df = add_baseline_deltas(df, baseline, swept_keys(df, override_keys))
+    return df
+
+
+def swept_keys(df: pd.DataFrame, candidates: Sequence[str]) -> list[str]:
+    """The ``candidates`` columns whose value differs between rows."""
+    return [k for k in candidates if k in df.columns and df[k].astype(str).nunique() > 1]
+
+
+def add_baseline_deltas(df: pd.DataFrame, baseline: str, keys: Sequence[str]) -> pd.DataFrame:
+    """Add ``<q>_vs_<baseline>_pct`` columns (see module docstring); NaN without a baseline."""
+    if "system" not in df.columns or not (df["system"] == baseline).any():
+        return df
+    others = [k for k in keys if k != "system" and k in df.columns]
+    df = df.copy()
+    base = df[df["system"] == baseline]
+    for q, metric in COMPARED.items():
+        if metric not in df.columns:
+            continue
+        col = f"{q}_vs_{baseline}_pct"
+        values = []
+        for _, row in df.iterrows():
+            match = base
+            for k in others:
+                match = match[match[k].astype(str) == str(row[k])]
+            b = float(match[metric].iloc[0]) if len(match) else math.nan
+            x = float(row[metric]) if pd.notna(row[metric]) else math.nan
+            values.append(100.0 * (x / b - 1.0) if b and math.isfinite(b) else math.nan)
+        df[col] = values
+    return df
+
+
+def label_columns(df: pd.DataFrame) -> list[str]:
+    """Columns that name a row in a comparison: ``system`` first, then the other swept keys."""
+    cands = [c for c in df.columns if c not in ("run",) and not _is_numeric_metric(df, c)]
+    varying = swept_keys(df, cands)
+    if "system" in df.columns:
+        varying = ["system"] + [c for c in varying if c != "system"]
+    return varying or ["run"]
+
+
+def _is_numeric_metric(df: pd.DataFrame, col: str) -> bool:
+    return col not in IDENTITY_KEYS and "." not in col and pd.api.types.is_numeric_dtype(df[col])
+
+
+def table_columns(df: pd.DataFrame, baseline: str | None = "deepspeed") -> list[str]:
+    """Labels, then :data:`TABLE_METRICS`, then the baseline deltas, as present in ``df``."""
+    cols = label_columns(df) + [m for m in TABLE_METRICS if m in df.columns]
+    if baseline:
+        cols += [c for c in df.columns if c.endswith(f"_vs_{baseline}_pct")]
+    return list(dict.fromkeys(cols))
+
+
+def fmt(col: str, value: Any) -> str:
+    """Human formatting of one cell (bytes in MB, percentages signed, ratios 3 decimals)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
+    if isinstance(value, str) or not isinstance(value, (int, float)):
+        return str(value)
+    if col.endswith("_pct"):
+        return f"{value:+.1f}%"
+    if "bytes" in col:
+        return f"{value / 1e6:,.2f} MB"
+    if col.endswith(("_ms_mean", "_ms_p50", "_ms_p99", "_ms_total")):
+        return f"{value:,.3f}"
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    return str(value)
+
+
+def to_markdown(df: pd.DataFrame, columns: Sequence[str]) -> str:
+    """A GitHub markdown table of ``columns`` of ``df`` (formatted with :func:`fmt`)."""
+    cols = [c for c in columns if c in df.columns]
+    lines = ["| " + " | ".join(c for c in cols) + " |",
+             "|" + "|".join("---" for _ in cols) + "|"]
+    for _, row in df.iterrows():
+        lines.append("| " + " | ".join(fmt(c, row[c]) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def print_table(df: pd.DataFrame, columns: Sequence[str], title: str) -> str:
+    """Print ``columns`` of ``df`` as a rich table on stdout; returns its plain-text form."""
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = [c for c in columns if c in df.columns]
+    table = Table(title=title, show_lines=False)
+    cells = [[fmt(c, row[c]) for c in cols] for _, row in df.iterrows()]
+    for c in cols:
+        numeric = pd.api.types.is_numeric_dtype(df[c])
+        table.add_column(c, justify="right" if numeric else "left", no_wrap=True)
+    for row_cells in cells:
+        table.add_row(*row_cells)
+    # Wide enough that no header is truncated (the table is the point of the run).
+    widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(cols)]
+    width = max(80, sum(w + 3 for w in widths) + 1, len(title) + 2)
+    Console(width=width).print(table)
+    plain = Console(width=width, record=True, file=io.StringIO())
+    plain.print(table)
+    return plain.export_text()

@@ -1,0 +1,174 @@
+"""Every option of every config group composes, validates and builds; errors come early.
+
+The option lists are read from ``conf/<group>/*.yaml`` at collection time, so options other
+workers add are covered automatically.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.errors import MissingConfigException
+
+from moeexp.config import TraceSpec, build_cache, build_predictor, validate
+from moeexp.errors import ConfigError
+from moeexp.paths import CONF_DIR, REPO_DIR, group_options
+from moeexp.traces.schema import TraceDims
+
+GROUPS = ("model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger")
+CASES = [(g, o) for g in (*GROUPS, "experiment") for o in group_options(g)]
+#: Synthetic dims: 4 MoE layers x 8 experts, top-2, 4 KiB experts (32 slots in all).
+DIMS = TraceDims(num_layers=4, num_experts=8, top_k=2, hidden_size=16, spec_depth=4,
+                 expert_bytes=4096, dense_bytes=65536, intermediate_size=32)
+#: Predictor extras switched on so that every predictor validates alone.
+EXTRAS = ["trace.record_hidden=true", "trace.prompt_embedder=minilm", "trace.spec_depth=4"]
+
+
+def _compose(overrides: list[str], conf_dir: Path = CONF_DIR, hydra: bool = False):
+    with initialize_config_dir(config_dir=str(conf_dir), version_base=None):
+        return compose(config_name="config", overrides=overrides, return_hydra_config=hydra)
+
+
+def test_every_group_has_options():
+    for g in GROUPS:
+        assert group_options(g), f"conf/{g}/ has no option"
+
+
+@pytest.mark.parametrize(("group", "option"), CASES, ids=[f"{g}={o}" for g, o in CASES])
+def test_option_composes_validates_builds(group, option):
+    """``group=option`` composes, passes validate(), and its predictor and cache build on
+    synthetic dims; the YAML's ``name:`` is its file name."""
+    choice = f"+experiment={option}" if group == "experiment" else f"{group}={option}"
+    cfg = _compose([choice, *EXTRAS])
+    if group == "experiment":
+        assert cfg.experiment_name == option
+    else:
+        assert cfg[group].name == option
+    spec = validate(cfg)
+    assert spec.system.name == cfg.system.name
+    predictor = build_predictor(cfg.predictor, DIMS)
+    cache = build_cache(cfg.cache, DIMS)
+    assert predictor.name == cfg.predictor.name and cache.name == cfg.cache.name
+    assert 1 <= cache.capacity_slots <= DIMS.num_layers * DIMS.num_experts
+
+
+def test_defaults_are_the_contract():
+    """Root defaults: tiny, sharegpt, none, lru, deepspeed, rtx3090_pcie4, sim, wandb."""
+    cfg = _compose([], hydra=True)
+    choices = dict(cfg.hydra.runtime.choices)
+    want = {"model": "tiny", "dataset": "sharegpt", "predictor": "none", "cache": "lru",
+            "system": "deepspeed", "hardware": "rtx3090_pcie4", "backend": "sim",
+            "logger": "wandb"}
+    assert {k: choices[k] for k in want} == want
+    assert "experiment" not in choices
+    assert cfg.hydra.callbacks.summary._target_ == "moeexp.tracking.summary.SummaryCallback"
+
+
+def test_system_bundles_and_command_line_precedence():
+    """system=oracle picks oracle + belady; ``predictor=none`` on the command line still wins."""
+    cfg = _compose(["system=oracle"])
+    assert (cfg.predictor.name, cfg.cache.name, cfg.system.name) == ("oracle", "belady", "oracle")
+    cfg = _compose(["system=oracle", "predictor=none"])
+    assert (cfg.predictor.name, cfg.cache.name) == ("none", "belady")
+
+
+def test_experiment_sweeps_systems_at_fixed_budget():
+    cfg = _compose(["+experiment=finemoe_vs_moeinfinity"], hydra=True)
+    assert str(cfg.hydra.mode) in ("MULTIRUN", "RunMode.MULTIRUN") and cfg.cache.capacity == 0.25
+    systems = cfg.hydra.sweeper.params.system.split(",")
+    assert {"no_offload", "deepspeed", "oracle"} <= set(systems)
+    assert all(s in group_options("system") for s in systems)
+
+
+def test_trace_spec_matches_recorder_defaults():
+    """TraceSpec's keys and defaults are the trace cache's (one set of trace keys)."""
+    from moeexp.traces.cache import TRACE_DEFAULTS
+
+    spec = TraceSpec()
+    assert {f.name: getattr(spec, f.name) for f in fields(TraceSpec)} == TRACE_DEFAULTS
+
+
+def test_misspelled_option_lists_valid_names():
+    with pytest.raises(MissingConfigException) as err:
+        _compose(["cache=lruu"])
+    msg = str(err.value)
+    assert "cache/lruu" in msg and "Available options" in msg and "lru_per_layer" in msg
+
+
+@pytest.mark.parametrize(("override", "pattern"), [
+    ("+cache.capacty=0.5", r"cache=lru: unknown key\(s\) 'capacty' \(did you mean 'capacity'\?\)"),
+    ("+predictor.foo=1", r"predictor=none: unknown key\(s\) 'foo'"),
+    ("+model.prefetch_distnce=3", r"model=tiny: unknown key\(s\) prefetch_distnce"),
+    ("+dataset.num_promts=3", r"dataset=sharegpt: unknown key\(s\) \['num_promts'\]"),
+    ("+backend.batchsize=2", r"backend=sim: unknown key\(s\) 'batchsize'"),
+    ("+trace.topk=3", r"trace: unknown key\(s\) topk \(did you mean 'top_k'\?\)"),
+    ("+logger.projct=x", r"logger=wandb: unknown key\(s\) 'projct'"),
+    ("+system.nam=x", r"system=deepspeed: unknown key\(s\) nam"),
+    ("+hardware.h2d_gbs=1", r"hardware profile 'rtx3090_pcie4': unknown key\(s\) h2d_gbs"),
+    ("+foo=1", r"unknown top-level key\(s\) 'foo'"),
+])
+def test_misspelled_key_fails_in_validate(override, pattern):
+    """A key no constructor accepts fails in validate(), i.e. before any model or trace work."""
+    with pytest.raises(ConfigError, match=pattern):
+        validate(_compose([override]))
+
+
+def test_misspelled_key_in_a_yaml_file(tmp_path):
+    """A typo inside a group's YAML (not the command line) fails the same way."""
+    conf = tmp_path / "conf"
+    shutil.copytree(CONF_DIR, conf)
+    lru = conf / "cache" / "lru.yaml"
+    lru.write_text(lru.read_text() + "evict_polcy: oldest\n")
+    with pytest.raises(ConfigError, match="evict_polcy"):
+        validate(_compose([], conf_dir=conf))
+
+
+@pytest.mark.parametrize(("override", "pattern"), [
+    ("model.prefetch_distance=0", "prefetch_distance must be >= 1"),
+    ("model.path=/nonexistent/model", "model.path='/nonexistent/model' does not exist"),
+    ("dataset.path=/nonexistent/sharegpt.json", "dataset.path=.* does not exist"),
+    ("backend.batch_size=0", "batch_size must be >= 1"),
+    ("trace.sampling=beam", "sampling='beam' .valid: top_k, greedy"),
+    ("logger.mode=onlin", "mode='onlin'"),
+    ("predictor=learned_mlp", r"needs hidden states \(set trace.record_hidden=true\)"),
+])
+def test_bad_values_fail_in_validate(override, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        validate(_compose([override]))
+
+
+def test_capacity_below_top_k_fails_when_building():
+    """0.05 of 32 slots = 1 slot < top_k=2: the message gives the smallest valid capacity."""
+    cfg = _compose(["cache.capacity=0.05"])
+    validate(cfg)
+    with pytest.raises(ConfigError, match="fewer than top_k=2"):
+        build_cache(cfg.cache, DIMS)
+
+
+def _app(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "-m", "moeexp", *args], cwd=REPO_DIR, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_cfg_job_prints_resolved_config():
+    out = _app("--cfg", "job", "cache.capacity=0.5")
+    assert out.returncode == 0, out.stderr
+    assert "model:\n  name: tiny" in out.stdout and "capacity: 0.5" in out.stdout
+    assert "system:\n  name: deepspeed" in out.stdout and "hydra:" not in out.stdout
+
+
+@pytest.mark.parametrize(("override", "listed"), [("cache=lruu", "lru_per_layer"),
+                                                  ("model=nope", "mixtral_8x7b")])
+def test_app_misspelled_option_fails_listing_options(override, listed, tmp_path):
+    out = _app(override, f"hydra.run.dir={tmp_path}/run")
+    assert out.returncode != 0
+    assert "Available options" in out.stderr and listed in out.stderr
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,54 @@
+"""Loggers: W&B offline writes its local run and our own record; ``none`` writes nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moeexp.errors import ConfigError
+from moeexp.tracking.loggers import LOGGED_FILE, LOGGERS, Logger, WandbLogger
+
+
+def test_none_logger_writes_nothing(tmp_path):
+    lg = LOGGERS.build("none")
+    assert type(lg) is Logger
+    lg.start(tmp_path, config={"a": 1}, group="g", name="n", tags=["t"])
+    lg.log_metrics({"hit_rate": 0.5})
+    lg.finish()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_wandb_misspelled_key_and_bad_mode():
+    with pytest.raises(ConfigError, match="projct.*did you mean 'project'"):
+        LOGGERS.build("wandb", projct="x")
+    with pytest.raises(ConfigError, match="mode='onlin'.*online, offline, disabled"):
+        WandbLogger(mode="onlin")
+
+
+def test_wandb_mode_defaults_to_env_then_offline(monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert WandbLogger().mode == "disabled"
+    monkeypatch.delenv("WANDB_MODE")
+    assert WandbLogger().mode == "offline"
+
+
+def test_wandb_offline_run_writes_local_files(tmp_path, monkeypatch):
+    """An offline run creates wandb/offline-run-*/ under the run dir, and wandb_logged.json
+    holds exactly the config, metrics, group and tags we logged."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    lg = LOGGERS.build("wandb", project="moeexp", tags=["extra"])
+    config = {"model": {"name": "tiny"}, "cache": {"name": "lru", "capacity": 0.25}}
+    lg.start(tmp_path, config=config, group="finemoe_vs_moeinfinity", name="deepspeed-0",
+             tags=["model:tiny", "system:deepspeed"])
+    lg.log_metrics({"hit_rate": 0.25, "prediction_f1": float("nan"), "system": "deepspeed"})
+    lg.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+    rec = json.loads((tmp_path / LOGGED_FILE).read_text())
+    assert rec["mode"] == "offline" and rec["project"] == "moeexp" and rec["finished"] is True
+    assert rec["group"] == "finemoe_vs_moeinfinity"
+    assert rec["tags"] == ["model:tiny", "system:deepspeed", "extra"]
+    assert rec["config"] == config
+    assert rec["metrics"] == {"hit_rate": 0.25, "prediction_f1": None, "system": "deepspeed"}
+    assert rec["run_id"] and runs[0].name.endswith(rec["run_id"])

@@ -1,0 +1,70 @@
+"""Gathering runs, baseline deltas, the summary callback and ``moeexp.collect``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from moeexp import collect
+from moeexp.tracking.results import gather
+from moeexp.tracking.run_dir import write_metrics
+from moeexp.tracking.summary import SummaryCallback
+
+
+def _job(root: Path, name: str, overrides: list[str], **metrics) -> Path:
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))
+    write_metrics(d, metrics)
+    return d
+
+
+@pytest.fixture
+def sweep(tmp_path) -> Path:
+    """Two datasets x {deepspeed, oracle}: oracle halves TTFT on a, quarters it on b."""
+    common = ["+experiment=x", "dataset.num_prompts=6"]
+    for i, (ds, system, ttft) in enumerate([("a", "deepspeed", 10.0), ("a", "oracle", 5.0),
+                                            ("b", "deepspeed", 8.0), ("b", "oracle", 2.0)]):
+        _job(tmp_path, str(i), [*common, f"dataset={ds}", f"system={system}"], system=system,
+             dataset=ds, ttft_ms_mean=ttft, tpot_ms_mean=1.0, hit_rate=0.5, h2d_bytes_total=1e6)
+    (tmp_path / "wandb").mkdir()  # W&B's own files are never mistaken for runs
+    return tmp_path
+
+
+def test_gather_rows_columns_and_deltas(sweep):
+    """One row per job, override keys first (prefix '+' dropped), deltas against the
+    deepspeed row of the same dataset: oracle -50% on a, -75% on b, deepspeed 0%."""
+    df = gather(sweep)
+    assert list(df["run"]) == ["0", "1", "2", "3"]
+    assert list(df.columns[:5]) == ["run", "experiment", "dataset.num_prompts", "dataset", "system"]
+    assert list(df["ttft_vs_deepspeed_pct"]) == pytest.approx([0.0, -50.0, 0.0, -75.0])
+    assert list(df["tpot_vs_deepspeed_pct"]) == pytest.approx([0.0] * 4)
+
+
+def test_no_baseline_row_no_delta_columns(sweep):
+    df = gather(sweep, baseline="finemoe")
+    assert not [c for c in df.columns if c.endswith("_pct")]
+
+
+def test_summary_callback_writes_csv_md_and_prints(sweep, capsys):
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(sweep)}}, "experiment_name": "x"})
+    SummaryCallback(baseline="deepspeed").on_multirun_end(cfg)
+    df = pd.read_csv(sweep / "summary.csv")
+    assert len(df) == 4 and set(df["system"]) == {"deepspeed", "oracle"}
+    md = (sweep / "summary.md").read_text()
+    assert md.startswith("| system | dataset |") and "-75.0%" in md
+    out = capsys.readouterr().out
+    assert "ttft_vs_deepspeed_pct" in out and "oracle" in out and "1.00 MB" in out and "ttft_vs_deepsp…" not in out
+
+
+def test_collect_cli(sweep, tmp_path_factory, capsys):
+    assert collect.main([str(sweep), "--baseline", "none"]) == 0
+    df = pd.read_csv(sweep / "collected.csv")
+    assert len(df) == 4 and "ttft_vs_deepspeed_pct" not in df.columns
+    assert math.isclose(df["ttft_ms_mean"].sum(), 25.0)
+    empty = tmp_path_factory.mktemp("empty")
+    assert collect.main([str(empty)]) == 1
