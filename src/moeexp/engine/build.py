@@ -1,0 +1,155 @@
+"""Building an offloaded model: resolve the system, check everything, then move weights.
+
+:func:`offload` is the public entry point (see :mod:`moeexp.engine.offload` for what the
+returned object does); :func:`build_offloaded` takes already built policy objects (the
+app's ``backend=engine``). Every check (system, predictor and cache names, their keys, the
+capacity, the model's MoE layers, the store's dims) runs before any weight moves.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moeexp.cache.base import CACHES
+from moeexp.engine.budget import Budget, make_budget
+from moeexp.engine.offload import OffloadedModel
+from moeexp.engine.predict import PredictorRunner
+from moeexp.engine.runtime import Engine, EngineSettings
+from moeexp.engine.systems import load_registries, resolve_system
+from moeexp.errors import ConfigError
+from moeexp.models.adapter import MoEAdapter
+from moeexp.predictors.base import PREDICTORS
+from moeexp.traces.schema import Trace, TraceDims
+
+log = logging.getLogger(__name__)
+
+
+def model_dims(adapter: MoEAdapter, spec_depth: int) -> TraceDims:
+    """The TraceDims predictors and policies are built with for ``adapter``'s model."""
+    return TraceDims(
+        num_layers=adapter.num_layers, num_experts=adapter.num_experts, top_k=adapter.top_k,
+        hidden_size=adapter.hidden_size, spec_depth=spec_depth,
+        expert_bytes=adapter.expert_bytes(), num_shared_experts=adapter.num_shared_experts,
+        dense_bytes=adapter.dense_bytes(), intermediate_size=adapter.expert_intermediate_size)
+
+
+def _load_store(store: Trace | str | Path | None, dims: TraceDims) -> Trace | None:
+    if store is None:
+        return None
+    if not isinstance(store, Trace):
+        from moeexp.traces import io as trace_io
+
+        store = trace_io.load(store)
+    d = store.dims
+    if (d.num_layers, d.num_experts, d.top_k) != (dims.num_layers, dims.num_experts, dims.top_k):
+        raise ConfigError(
+            f"store trace dims (L={d.num_layers}, J={d.num_experts}, K={d.top_k}) do not match "
+            f"the model (L={dims.num_layers}, J={dims.num_experts}, K={dims.top_k})")
+    return store
+
+
+_SETTING_KEYS = {f.name for f in fields(EngineSettings)}
+
+
+def offload(model: nn.Module, *, system: str = "deepspeed",
+            capacity: float | int | str | None = None, device: str | torch.device | None = None,
+            store: Trace | str | Path | None = None, predictor: Any = None, cache: Any = None,
+            record: bool = False, prefetch_distance: int | None = None,
+            conf_dir: str | Path | None = None, **overrides: Any) -> OffloadedModel:
+    """Offload ``model``'s routed experts under system ``system`` (see module docstring).
+
+    Args:
+        model: an HF MoE causal LM (one of the supported architectures).
+        system: any ``conf/system`` name (``deepspeed``, ``finemoe``, ``oracle``, ...).
+        capacity: device budget for routed experts: fraction of all expert bytes (float),
+            bytes (int) or a size string (``"2GB"``); default: the cache config's.
+        device: where compute runs (default: where the model's weights are).
+        store: a Trace (or trace path) of the store split for systems that learn from one.
+        predictor / cache: a name or a mapping of keys overriding the system's choice.
+        record: keep the executed accesses as a Trace (``.trace()``).
+        prefetch_distance: value of ``${model.prefetch_distance}`` in predictor configs.
+        conf_dir: config root (default: the repository's ``conf/``).
+        **overrides: mechanism settings (EngineSettings fields: ``bandwidth_bps``,
+            ``restricted_routing``, ``renormalize``, ``predictor_async``, ``max_inflight``,
+            ``spec_depth``).
+
+    Raises:
+        ConfigError / ModelLoadError: before any weight moves, for an unknown system,
+            predictor or cache, a capacity below top-k experts, a model without MoE layers,
+            or an unknown setting.
+    """
+    from moeexp.models.adapters import adapter_for
+
+    adapter = adapter_for(model)
+    if adapter.layout == "per_expert":
+        raise ConfigError(f"{type(model).__name__}: per-expert layouts are not supported by the "
+                          f"engine (fused layouts only: {', '.join(['fused', 'fused_interleaved_bias'])})")
+    unknown = sorted(set(overrides) - _SETTING_KEYS)
+    if unknown:
+        raise ConfigError(f"offload(): unknown setting(s) {unknown}; valid: {sorted(_SETTING_KEYS)}")
+    if capacity is not None:
+        cache = {**(cache if isinstance(cache, dict) else {} if cache is None else {"name": cache}),
+                 "capacity": capacity}
+    model_node = {} if prefetch_distance is None else {"prefetch_distance": prefetch_distance}
+    pred_cfg, cache_cfg, settings_d = resolve_system(system, predictor, cache, model=model_node,
+                                                     conf_dir=conf_dir, **overrides)
+    settings = EngineSettings(**{k: v for k, v in settings_d.items() if k in _SETTING_KEYS})
+    load_registries()
+    dims = model_dims(adapter, settings.spec_depth)
+    trace = _load_store(store, dims)
+    budget = make_budget(cache_cfg.pop("capacity", 1.0), dims)
+    pred_name = pred_cfg.pop("name")
+    pred = PREDICTORS.build(pred_name, dims=dims, **pred_cfg)
+    pol = CACHES.build(cache_cfg.pop("name"), capacity_slots=budget.slots,
+                       num_layers=dims.num_layers, num_experts=dims.num_experts, **cache_cfg)
+    if trace is not None:
+        pred.fit(trace)
+        pol.fit(trace)
+    om = build_offloaded(model, adapter, pred, pol, budget, settings, device=device,
+                         system=system, record=record)
+    log.info("offloaded %s: system=%s predictor=%s cache=%s slots=%d of %d (%.1f MB budget)",
+             type(model).__name__, system, pred_name, pol.name, budget.slots,
+             dims.num_layers * dims.num_experts, budget.budget_bytes / 1e6)
+    return om
+
+
+def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache: Any,
+                    budget: Budget, settings: EngineSettings, *,
+                    device: str | torch.device | None = None, system: str = "custom",
+                    record: bool = False) -> OffloadedModel:
+    """Offload with already built (and fitted) predictor and cache objects.
+
+    ``cache.capacity_slots`` must equal ``budget.slots``. This is the path of the app's
+    ``backend=engine`` (the pipeline builds and fits the policies itself).
+    """
+    if cache.capacity_slots != budget.slots:
+        raise ConfigError(f"cache built for {cache.capacity_slots} slots, budget has {budget.slots}")
+    if "future" in predictor.needs or cache.needs_future:
+        raise ConfigError(f"{predictor.name}/{cache.name} need the future accesses (oracle, "
+                          f"Belady); the engine serves live requests and cannot see them: "
+                          f"use backend=sim for the oracle bound")
+    here = next(model.parameters()).device
+    dev = torch.device(device) if device is not None else here
+    if dev != here:
+        raise ConfigError(f"the model is on {here}; move it to {dev} first (model.to(device)) "
+                          f"or pass device=None")
+    runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
+    try:
+        engine = Engine(adapter, runner, cache, budget, dev, settings)
+    except BaseException:
+        runner.close()
+        raise
+    om = OffloadedModel(model, adapter, engine, system=system, record=record,
+                        dims=model_dims(adapter, 0))
+    try:
+        engine.preload(list(cache.initial_residents()))
+    except BaseException:
+        om.close()
+        raise
+    return om

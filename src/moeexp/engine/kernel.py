@@ -1,0 +1,149 @@
+"""The engine's experts computation over slot buffers, and eMoE's restricted routing.
+
+:func:`slot_rows` computes, for a set of (token, k) routing rows, exactly what
+transformers' default ``grouped_mm`` experts kernel computes for them, but reading expert
+weights from the slot pool instead of the module's fused parameters: routing indices are
+remapped to slot indices, rows are grouped by slot, and the same grouped linear, the
+module's own gate (``module._apply_gate``: SiLU-GLU, GPT-OSS's clamped interleaved GLU),
+activation, optional post-expert norm and routing weights are applied. The caller sums the
+rows over top-k exactly as the default kernel does (``view(T, K, H).sum(1)``), so the
+result matches the plain model to floating-point rounding (0.0 difference on the tested
+CPU builds).
+
+The grouped matmul is transformers' own ``_grouped_linear`` when the installed version has
+it (so the engine and the plain model share one numerical path); otherwise a per-slot
+``torch.mm`` loop with the same math.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+try:  # transformers >= 5.x: the helper its grouped_mm kernel uses
+    from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
+except ImportError:  # pragma: no cover - depends on the installed transformers
+    _hf_grouped_linear = None
+
+
+def _loop_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                         bias: torch.Tensor | None, is_transposed: bool) -> torch.Tensor:
+    """x[S, in] rows grouped by ``offs`` (cumulative counts per slot) times weight[slot]."""
+    w0 = weight[0] if is_transposed else weight[0].transpose(-2, -1)
+    out = torch.zeros(x.size(0), w0.size(-1), dtype=x.dtype, device=x.device)
+    start = 0
+    for s, end in enumerate(offs.tolist()):
+        if end > start:
+            w = weight[s] if is_transposed else weight[s].transpose(-2, -1)
+            torch.mm(x[start:end].to(w.dtype), w, out=out[start:end])
+        start = end
+    if bias is not None:
+        out.add_(bias)
+    return out
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
+                   bias: torch.Tensor | None, is_transposed: bool) -> torch.Tensor:
+    """Grouped linear: ``x`` [S, in] sorted by group, ``weight`` [G, out, in] (or [G, in,
+    out] when transposed), ``offs`` int32[G] cumulative row counts, ``bias`` [S, out]."""
+    if _hf_grouped_linear is not None:
+        return _hf_grouped_linear(x, weight, offs, bias=bias, is_transposed=is_transposed)
+    return _loop_grouped_linear(x, weight, offs, bias, is_transposed)
+
+
+def slot_rows(module: nn.Module, buffers: dict[str, torch.Tensor], hidden: torch.Tensor,
+              token: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Weighted expert outputs of routing rows, reading weights from slots.
+
+    Args:
+        module: the experts module (its flags, gate, activation and norm are used).
+        buffers: slot buffers, name -> float[S_slots, ...] (same names as the module's
+            fused parameters).
+        hidden: float[T, H] the experts' input.
+        token: int64[R] token row of each routing row.
+        slot: int64[R] slot holding the routing row's expert (all valid).
+        weight: float[R] routing weight of each row.
+
+    Returns:
+        float[R, H]: ``weight * expert(hidden[token])`` per row, in the input row order.
+    """
+    n_slots = next(iter(buffers.values())).shape[0]
+    slot_g, perm = torch.sort(slot)
+    x_g = hidden[token[perm]]
+    w_g = weight[perm]
+    hist_in = slot_g.float() if slot_g.device.type in ("cpu", "mps") else slot_g.int()
+    counts = torch.histc(hist_in, bins=n_slots, min=0, max=n_slots - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    transposed = bool(getattr(module, "is_transposed", False))
+    has_bias = bool(getattr(module, "has_bias", False))
+    has_gate = bool(getattr(module, "has_gate", True))
+    up = "gate_up_proj" if has_gate else "up_proj"
+    bias = buffers[f"{up}_bias"][slot_g] if has_bias else None
+    out = grouped_linear(x_g, buffers[up], offs, bias, transposed)
+    out = module._apply_gate(out) if has_gate else module.act_fn(out)
+    bias = buffers["down_proj_bias"][slot_g] if has_bias else None
+    out = grouped_linear(out, buffers["down_proj"], offs, bias, transposed)
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    out = out * w_g.unsqueeze(-1)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.numel(), device=perm.device)
+    return out[inv]
+
+
+def restrict_routing(
+    idx: torch.Tensor, weights: torch.Tensor, probs: torch.Tensor, resident: torch.Tensor,
+    *, renormalize: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """eMoE's restricted routing: non-resident choices go to the next-ranked resident expert.
+
+    A token's selected expert that is not resident is replaced by the expert with the
+    highest router probability that is resident and not already used by that token; the
+    token's choices are visited in their routing order (the simulator's rule). The
+    substitute's weight is the original weight scaled by p(substitute) / p(original), i.e.
+    the router's own weighting applied to the substitute; with ``renormalize`` the token's
+    weights are then rescaled to their original sum. A choice with no resident candidate
+    left is dropped (weight 0).
+
+    Args:
+        idx: int64[T, K] selected experts. weights: float[T, K] their routing weights.
+        probs: float[T, J] router probabilities (the gate order). resident: bool[J].
+
+    Returns:
+        (new idx int64[T, K], new weights float[T, K], dropped bool[T, K], substituted
+        choices count).
+    """
+    ok = resident[idx]
+    if bool(ok.all()):
+        return idx, weights, torch.zeros_like(ok), 0
+    T, K = idx.shape
+    p = probs.float()
+    order = torch.argsort(p, dim=1, descending=True, stable=True)  # [T, J] gate order
+    used = torch.zeros_like(p, dtype=torch.bool)
+    used.scatter_(1, idx, ok)  # resident choices stay and are taken
+    new_idx, new_w = idx.clone(), weights.clone()
+    dropped = torch.zeros_like(ok)
+    rows = torch.arange(T, device=idx.device)
+    for j in range(K):
+        k = torch.full((T,), j, dtype=torch.long, device=idx.device)
+        need = ~ok[rows, k]
+        if not bool(need.any()):
+            continue
+        cand = (resident.unsqueeze(0) & ~used).gather(1, order)  # [T, J] in gate order
+        has = cand.any(dim=1)
+        first = order[rows, cand.int().argmax(dim=1)]
+        take = need & has
+        orig = idx[rows, k]
+        scale = p[rows, first] / p[rows, orig].clamp_min(1e-30)
+        new_idx[rows[take], k[take]] = first[take]
+        new_w[rows[take], k[take]] = (weights[rows, k] * scale.to(weights.dtype))[take]
+        used[rows[take], first[take]] = True
+        drop = need & ~has
+        dropped[rows[drop], k[drop]] = True
+        new_w[rows[drop], k[drop]] = 0
+    if renormalize:
+        before = weights.sum(dim=1, keepdim=True)
+        after = new_w.sum(dim=1, keepdim=True)
+        new_w = torch.where(after > 0, new_w * (before / after.clamp_min(1e-30)), new_w)
+    substituted = int((~ok).sum()) - int(dropped.sum())
+    return new_idx, new_w, dropped, substituted

@@ -1,0 +1,182 @@
+"""One MoE layer through the engine: accesses, demand loads, streaming, compute.
+
+This is :meth:`Engine.run_layer`'s body (kept apart to keep files short). The order of
+policy calls mirrors :meth:`moeexp.simulator.device.Device.serve_layer`: hits first, then
+in-flight copies, then on-demand loads in expert order, with ``now = pos0 + rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from moeexp.engine.kernel import restrict_routing
+from moeexp.predictors.base import LayerObservation
+
+if TYPE_CHECKING:
+    from moeexp.engine.runtime import Engine
+    from moeexp.engine.store import Key
+
+
+def _observe(eng: Engine, layer: int, hidden: torch.Tensor, idx: torch.Tensor,
+             experts: list[int]) -> None:
+    """Hand layer ``layer``'s router output to the predictor (no wait)."""
+    if not eng.runner.wants("observe_layer"):
+        return
+    needs = eng.runner.predictor.needs
+    T = idx.shape[0]
+    probs = eng.adapter.router_probs(eng.logits[layer]).reshape(T, -1)
+    counts = torch.bincount(idx.reshape(-1), minlength=eng.J).cpu().numpy().astype(np.int64)
+    spec = None
+    if "spec_probs" in needs:
+        D = eng.settings.spec_depth
+        spec_t = torch.zeros(T, D, eng.J, dtype=torch.float32, device=hidden.device)
+        for d in range(1, D + 1):
+            if layer + d < eng.L:
+                logits = eng.adapter.apply_router(layer + d, hidden).logits
+                spec_t[:, d - 1] = eng.adapter.router_probs(logits).to(hidden.device)
+        spec = spec_t.cpu().numpy()
+    obs = LayerObservation(
+        layer=layer, probs=probs.float().cpu().numpy(), experts=np.asarray(experts, np.int64),
+        counts=counts, spec_probs=spec,
+        hidden=hidden.float().cpu().numpy() if "hidden" in needs else None)
+    eng.runner.submit("observe_layer", obs, tag=layer)
+
+
+def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor,
+                idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float[T, H]: the routed experts' output of MoE layer ``layer``."""
+    T, K = idx.shape
+    needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
+    _observe(eng, layer, hidden, idx, needed)
+    flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
+    token = torch.arange(T * K, device=idx.device) // K
+    keys: list[Key] = [(layer, e) for e in needed]
+    parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, weighted rows)
+
+    def compute(chunk: list[Key], e: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None,
+                all_rows: bool) -> torch.Tensor | None:
+        if all_rows and keep is None:
+            return eng.compute(module, layer, hidden, token, e, w, chunk)
+        sel = torch.tensor([k[1] for k in chunk], device=idx.device)
+        mask = torch.isin(e, sel)
+        rows = (mask if keep is None else mask & keep).nonzero().squeeze(1)
+        parts.append((rows, eng.compute(module, layer, hidden, token[rows], e[rows], w[rows],
+                                        chunk)))
+        return None
+
+    with eng.lock:
+        eng.apply_predictions()
+        eng.account_prediction(layer, needed)
+        eng.cur_layer = layer
+        eng.protected = set(keys)
+        pos0 = eng.next_access
+        eng.next_access = pos0 + len(keys)
+        if eng.settings.restricted_routing:
+            chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
+            streamed = False
+        else:
+            keep = None
+            chunk, streamed = _serve(
+                eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False))
+    full = compute(chunk, flat_e, flat_w, keep, not streamed) if chunk else None
+    if eng.paused:
+        with eng.lock:
+            eng.paused = False
+        eng.copier.wake()
+    if full is None:
+        dtype = parts[0][1].dtype if parts else hidden.dtype
+        full = torch.zeros(T * K, hidden.shape[-1], dtype=dtype, device=hidden.device)
+        for rows, res in parts:
+            full.index_copy_(0, rows, res)
+    return full.view(T, K, -1).sum(dim=1).to(hidden.dtype)
+
+
+def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
+           compute_rows: Callable[[list[Key]], object]) -> tuple[list[Key], bool]:
+    """Exact mode (lock held): classify, access, demand-load.
+
+    Returns the keys still to compute and whether earlier chunks were streamed already.
+    """
+    cache, c = eng.cache, eng.counters
+    hits, waits, absent = [], [], []
+    for i, k in enumerate(keys):
+        if k not in eng.pool.slot_of:
+            absent.append(i)
+        elif k not in eng.jobs or eng.copier.is_ready(eng.jobs[k]):
+            hits.append(i)
+        else:
+            waits.append(i)
+    pinned: list[Key] = []
+    for group, hit in ((hits, True), (waits, False)):
+        for i in group:
+            cache.on_access(keys[i], pos0 + i, hit)
+            eng.unused_prefetch.discard(keys[i])
+            pinned.append(keys[i])
+    unreleased = set(keys)
+    streamed = False
+
+    def flush() -> bool:
+        """Compute the pinned chunk and release it (prefill streaming)."""
+        nonlocal streamed
+        if not pinned:
+            return False
+        chunk = list(pinned)
+        pinned.clear()
+        eng.lock.release()  # the copy thread may start prefetches meanwhile
+        try:
+            compute_rows(chunk)
+        finally:
+            eng.lock.acquire()
+        unreleased.difference_update(chunk)
+        streamed = True
+        return True
+
+    for i in absent:
+        eng.demand(keys[i], pos0 + i, unreleased, flush)
+        cache.on_access(keys[i], pos0 + i, False)
+        pinned.append(keys[i])
+    if (absent or waits) and cache.pause_prefetch_on_miss:
+        eng.paused = True
+    c.accesses += len(keys)
+    c.hits += len(hits)
+    c.streamed_layers += int(streamed)
+    if eng.record_accesses:
+        hit_set = {keys[i] for i in hits}
+        c.access_log.extend((layer, k[1], k in hit_set) for k in keys)
+    return pinned, streamed
+
+
+def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tensor,
+                needed: list[int], pos0: int
+                ) -> tuple[list[Key], torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Lossy mode (lock held): substitute non-ready experts; nothing is loaded."""
+    usable = [e for e in range(eng.J) if (layer, e) in eng.pool.slot_of
+              and ((layer, e) not in eng.jobs or eng.copier.is_ready(eng.jobs[(layer, e)]))]
+    mask = torch.zeros(eng.J, dtype=torch.bool, device=idx.device)
+    if usable:
+        mask[usable] = True
+    probs = eng.adapter.router_probs(eng.logits[layer]).reshape(idx.shape[0], -1).to(idx.device)
+    new_idx, new_w, dropped, subst = restrict_routing(idx, weights, probs, mask,
+                                                      renormalize=eng.settings.renormalize)
+    c = eng.counters
+    c.routed_choices += idx.numel()
+    c.substituted += subst
+    c.dropped += int(dropped.sum())
+    keep = None if not bool(dropped.any()) else ~dropped.reshape(-1)
+    flat = new_idx.reshape(-1)
+    used = sorted(set((flat if keep is None else flat[keep]).tolist()))
+    index = {e: i for i, e in enumerate(needed)}
+    for e in used:
+        eng.cache.on_access((layer, e), pos0 + index.get(e, 0), True)
+        eng.unused_prefetch.discard((layer, e))
+    hit = sum(1 for e in needed if e in set(usable))
+    c.accesses += len(needed)
+    c.hits += hit
+    chunk = [(layer, e) for e in used]
+    eng.protected |= set(chunk)
+    return chunk, new_idx.reshape(-1), new_w.reshape(-1), keep

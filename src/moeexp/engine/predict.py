@@ -1,0 +1,122 @@
+"""Running a predictor off the critical path: a background worker with an ordered queue.
+
+The engine hands each predictor hook (``start_request``, ``start_iteration``,
+``observe_layer``, ``end_iteration``, ``end_request``) to :class:`PredictorRunner` and never
+waits for it on the hot path: hooks run in submission order on one worker thread (so a
+predictor sees exactly the sequence the simulator feeds it), and their
+:class:`~moeexp.predictors.base.Prediction` results are collected by the engine whenever it
+next looks (``drain``), i.e. they apply when ready, as FineMoE's publisher/subscriber design
+requires. ``asynchronous=False`` runs every hook inline instead (deterministic: used by
+tests that compare the engine with the simulator decision for decision).
+
+An exception raised by the predictor is re-raised on the engine's thread at the next
+``submit``/``drain``/``flush``; it is never swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from moeexp.predictors.base import Prediction, Predictor
+
+log = logging.getLogger(__name__)
+
+_HOOKS = ("start_request", "start_iteration", "observe_layer", "end_iteration", "end_request")
+
+
+def overrides(predictor: Predictor, hook: str) -> bool:
+    """Whether ``predictor``'s class overrides the base-class ``hook`` (else it is a no-op)."""
+    return getattr(type(predictor), hook) is not getattr(Predictor, hook)
+
+
+class PredictorRunner:
+    """Feeds a predictor its hooks, in order, on a background thread (or inline).
+
+    Attributes:
+        query_seconds: wall time spent inside hooks that return predictions (s).
+        queries: number of such hook calls.
+    """
+
+    def __init__(self, predictor: Predictor, *, asynchronous: bool = True) -> None:
+        self.predictor = predictor
+        self.asynchronous = asynchronous
+        self.active = {h: overrides(predictor, h) for h in _HOOKS}
+        self.query_seconds = 0.0
+        self.queries = 0
+        self._out: list[tuple[str, Any, Prediction]] = []
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._q: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        if asynchronous and any(self.active.values()):
+            self._thread = threading.Thread(target=self._run, name="moeexp-predictor", daemon=True)
+            self._thread.start()
+
+    def wants(self, hook: str) -> bool:
+        """False when the hook is the base-class no-op (the engine then skips its inputs)."""
+        return self.active[hook]
+
+    def submit(self, hook: str, arg: Any = None, tag: Any = None) -> None:
+        """Run ``predictor.<hook>(arg)``; its Prediction (if any) is kept with ``tag``."""
+        self._raise_if_failed()
+        if not self.active[hook]:
+            return
+        if self._thread is None:
+            self._call(hook, arg, tag)
+        else:
+            self._q.put((hook, arg, tag))
+
+    def drain(self) -> list[tuple[str, Any, Prediction]]:
+        """Predictions finished since the last drain: (hook, tag, prediction), in order."""
+        self._raise_if_failed()
+        with self._lock:
+            out, self._out = self._out, []
+        return out
+
+    def flush(self) -> None:
+        """Wait until every submitted hook has run (end of a request; never per layer)."""
+        if self._thread is not None:
+            self._q.join()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._q.put(None)
+            self._thread.join(timeout=10)
+            self._thread = None
+
+    # ---- internals ------------------------------------------------------------------
+    def _call(self, hook: str, arg: Any, tag: Any) -> None:
+        fn: Callable[..., Any] = getattr(self.predictor, hook)
+        t0 = time.perf_counter()
+        result = fn() if arg is None else fn(arg)
+        dt = time.perf_counter() - t0
+        if isinstance(result, Prediction):
+            with self._lock:
+                self.query_seconds += dt
+                self.queries += 1
+                if result.prefetch or result.scores or result.predicted:
+                    self._out.append((hook, tag, result))
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                if self._error is None:
+                    self._call(*item)
+            except BaseException as exc:  # re-raised on the engine thread
+                log.exception("predictor %s failed in its worker thread", self.predictor.name)
+                self._error = exc
+            finally:
+                self._q.task_done()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"predictor {self.predictor.name!r} failed") from self._error

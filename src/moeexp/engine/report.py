@@ -1,0 +1,80 @@
+"""The engine's metric dict: the same keys as the simulator (moeexp.metrics.CORE_KEYS).
+
+Timing (``ttft_ms``, ``tpot_ms``, ``e2e_ms``) comes from the generate calls: TTFT is the
+time from the call to the end of the prefill forward pass, TPOT the mean gap between later
+forward passes of the request, e2e the whole call. On CUDA the forward hook synchronises the
+device at the end of each forward pass so these are device times, and
+``gpu_mem_peak_bytes`` is ``torch.cuda.max_memory_allocated``; on a CPU run it is NaN.
+``stall_ms_total`` is the time compute waited for expert copies (CPU: the compute thread
+blocked; CUDA: the compute stream waited, measured with events around each wait).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from moeexp.engine.runtime import Engine
+from moeexp.metrics import CORE_KEYS, f1, summarize
+
+NAN = float("nan")
+
+
+@dataclass
+class RequestTiming:
+    """Per-request timings in seconds."""
+
+    ttft: list[float] = field(default_factory=list)
+    tpot: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+
+
+def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[str, float]:
+    """Flat metric dict: every CORE_KEY plus engine-only extras."""
+    c = engine.counters
+    stall_ms = c.stall_s * 1e3
+    if c.cuda_stalls:
+        torch.cuda.synchronize(engine.device)
+        stall_ms += sum(a.elapsed_time(b) for a, b in c.cuda_stalls)
+    recall = c.recall_sum / c.recall_n if c.recall_n else NAN
+    precision = c.precision_sum / c.precision_n if c.precision_n else NAN
+    runner = engine.runner
+    out: dict[str, float] = {
+        "hit_rate": c.hits / c.accesses if c.accesses else NAN,
+        "prediction_recall": recall,
+        "prediction_precision": precision,
+        "prediction_f1": f1(precision, recall),
+        **summarize("ttft_ms", [t * 1e3 for t in timing.ttft]),
+        **summarize("tpot_ms", [t * 1e3 for t in timing.tpot]),
+        **summarize("e2e_ms", [t * 1e3 for t in timing.e2e]),
+        "stall_ms_total": stall_ms,
+        "h2d_bytes_total": float(engine.copier.bytes_copied - c.preload_bytes),
+        "prefetch_waste_bytes": float(c.waste_bytes
+                                      + len(engine.unused_prefetch) * engine.spec.nbytes),
+        "expert_cache_bytes": float(engine.budget.budget_bytes),
+        "gpu_mem_peak_bytes": (float(torch.cuda.max_memory_allocated(engine.device))
+                               if engine.device.type == "cuda" else NAN),
+        "predictor_query_us_mean": (runner.query_seconds / runner.queries * 1e6
+                                    if runner.queries else NAN),
+        "accesses_total": float(c.accesses),
+        "hits_total": float(c.hits),
+        "misses_total": float(c.accesses - c.hits),
+        "requests_total": float(requests),
+    }
+    missing = [k for k in CORE_KEYS if k not in out]
+    assert not missing, f"engine metrics lack {missing}"
+    out.update({
+        "demand_loads_total": float(c.demand_loads),
+        "prefetches_issued": float(c.prefetches),
+        "prefetches_dropped": float(engine.queue.dropped),
+        "preload_bytes": float(c.preload_bytes),
+        "resident_expert_bytes_peak": float(c.resident_bytes_peak),
+        "expert_slots": float(engine.pool.num_slots),
+        "streamed_layers_total": float(c.streamed_layers),
+        "substitution_rate": (c.substituted / c.routed_choices if c.routed_choices else
+                              (0.0 if engine.settings.restricted_routing else NAN)),
+        "routing_dropped_rate": (c.dropped / c.routed_choices if c.routed_choices else NAN),
+        "copy_seconds_total": float(engine.copier.copy_seconds),
+    })
+    return out

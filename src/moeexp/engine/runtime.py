@@ -1,0 +1,312 @@
+"""The engine core: per-layer expert accesses, demand loads, prefetches and streaming.
+
+For every MoE layer call the experts kernel hands over ``(module, hidden, idx, weights)``
+and :meth:`Engine.run_layer` does, on the compute thread (same order and rules as the
+simulator's ``Device.serve_layer``, so the same policy objects take the same decisions)::
+
+    experts = sorted unique(idx)                       one host sync: routing is data
+    predictor.observe_layer(...)                       queued to the predictor worker
+    apply the predictions that are ready               queue prefetches, cache hints
+    under the engine lock, accesses at clock pos0 + i (i = rank in `experts`):
+        resident and copy landed      -> hit            (served first)
+        resident, copy still running  -> miss, wait
+        not resident                  -> miss: victim from the policy, demand copy
+        (no victim because every slot holds this layer's experts: compute those, release
+         them and go on: prefill streaming through the budget)
+    wait for the copies, compute the rows from the slot buffers (no lock held)
+
+The copy thread starts queued prefetches whenever no demand load waits, taking the
+eviction decision at that moment under the same lock (see :mod:`moeexp.engine.transfer`).
+The cache policy and the predictor are the very objects the simulator drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import nn
+
+from moeexp.cache.base import CachePolicy
+from moeexp.engine.budget import Budget
+from moeexp.engine.kernel import slot_rows
+from moeexp.engine.predict import PredictorRunner
+from moeexp.engine.prefetch import PredictionSets, PrefetchQueue
+from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
+from moeexp.engine.transfer import CopyEngine, CopyJob
+from moeexp.errors import ConfigError
+from moeexp.models.adapter import MoEAdapter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSettings:
+    """Mechanism options (none of them changes a decision of the policy or predictor).
+
+    Attributes:
+        restricted_routing: eMoE lossy mode: never load on demand; a token whose expert is
+            not resident and ready uses the next-ranked one that is.
+        renormalize: lossy mode: rescale a token's weights to their original sum.
+        bandwidth_bps: CPU only: emulated host-to-device bandwidth (bytes/s); None = memcpy.
+        predictor_async: run the predictor on a background thread (default) or inline.
+        max_inflight: CUDA: copies in flight on the copy stream.
+        spec_depth: D of the speculative gate outputs handed to predictors that need them.
+    """
+
+    restricted_routing: bool = False
+    renormalize: bool = False
+    bandwidth_bps: float | None = None
+    predictor_async: bool = True
+    max_inflight: int = 2
+    spec_depth: int = 4
+
+
+@dataclass
+class Counters:
+    """Raw counts the metrics are computed from (see :mod:`moeexp.engine.report`)."""
+
+    accesses: int = 0
+    hits: int = 0
+    demand_loads: int = 0
+    prefetches: int = 0
+    stall_s: float = 0.0
+    waste_bytes: int = 0
+    preload_bytes: int = 0
+    resident_bytes_peak: int = 0
+    routed_choices: int = 0
+    substituted: int = 0
+    dropped: int = 0
+    streamed_layers: int = 0
+    recall_sum: float = 0.0
+    recall_n: int = 0
+    precision_sum: float = 0.0
+    precision_n: int = 0
+    cuda_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    access_log: list[tuple[int, int, bool]] = field(default_factory=list)
+
+
+class Engine:
+    """Slots, copies, cache policy and predictor for one offloaded model."""
+
+    def __init__(self, adapter: MoEAdapter, runner: PredictorRunner, cache: CachePolicy,
+                 budget: Budget, device: torch.device, settings: EngineSettings) -> None:
+        self.adapter, self.runner, self.cache = adapter, runner, cache
+        self.budget, self.device, self.settings = budget, device, settings
+        layers = adapter.moe_layers()
+        self.L, self.J, self.K = len(layers), adapter.num_experts, adapter.top_k
+        names = tuple(adapter.expert_tensor_names)
+        self.spec = expert_spec(layers[0].experts, names, self.J)
+        for m in layers[1:]:
+            if expert_spec(m.experts, names, self.J) != self.spec:
+                raise ConfigError("the engine needs every MoE layer's experts to have one shape")
+        self.layer_of = {id(m.experts): m.index for m in layers}
+        self.lock = threading.RLock()
+        self.queue = PrefetchQueue(self.L, self.J)
+        self.psets = PredictionSets()
+        self.jobs: dict[Key, CopyJob] = {}
+        self.unused_prefetch: set[Key] = set()
+        self.cur_layer = -1
+        self.protected: set[Key] = set()
+        self.next_access = 0
+        self.paused = False
+        self.counters = Counters()
+        self.logits: dict[int, torch.Tensor] = {}  # router logits of the running pass
+        self.record_accesses = False
+        self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
+        try:
+            self.pool = SlotPool(self.spec, budget.slots, self.L, self.J, device)
+            self._lut_host = np.full((self.L, self.J), -1, dtype=np.int64)
+            self.copier = CopyEngine(self.store, self.pool, prefetch_source=self._start_prefetch,
+                                     bandwidth_bps=settings.bandwidth_bps,
+                                     max_inflight=settings.max_inflight)
+        except BaseException:
+            self.store.restore()
+            raise
+
+    # ---- residency (call with the lock held) ------------------------------------------
+    def _evict(self, key: Key) -> None:
+        job = self.jobs.pop(key, None)
+        if job is not None and not job.finished.is_set():
+            raise RuntimeError(f"{self.cache.name} evicted {key} while its copy is in flight")
+        if key in self.unused_prefetch:
+            self.unused_prefetch.discard(key)
+            self.counters.waste_bytes += self.spec.nbytes
+        self.pool.release(key)
+        self.cache.on_evict(key)
+
+    def _protect(self, keys: set[Key]) -> set[Key]:
+        """``keys`` plus every key whose copy has not landed (their slots are being written)."""
+        return keys | {k for k, j in self.jobs.items() if not j.finished.is_set()}
+
+    def _account_slot(self) -> None:
+        used = self.pool.occupied * self.spec.nbytes
+        if used > self.budget.budget_bytes:
+            raise RuntimeError(f"resident expert bytes {used} exceed the budget "
+                               f"{self.budget.budget_bytes}")
+        self.counters.resident_bytes_peak = max(self.counters.resident_bytes_peak, used)
+
+    def _start_prefetch(self) -> CopyJob | None:
+        """Copy thread: start the best queued prefetch (eviction decided now), or None."""
+        with self.lock:
+            while not self.paused:
+                key = self.queue.pop(self.cur_layer)
+                if key is None:
+                    return None
+                if key in self.pool.slot_of:
+                    continue
+                try:
+                    victim = self.cache.victim(key, self._protect(self.protected), self.next_access)
+                except ConfigError:
+                    self.queue.dropped += 1
+                    continue
+                if victim is not None:
+                    self._evict(victim)
+                slot = self.pool.assign(key)
+                job = self.copier.started_prefetch(key, slot)
+                self.jobs[key] = job
+                self.cache.on_insert(key, self.next_access, True)
+                self.unused_prefetch.add(key)
+                self.counters.prefetches += 1
+                self._account_slot()
+                return job
+            return None
+
+    def preload(self, keys: list[Key]) -> None:
+        """Load the policy's initial residents (e.g. ``static``) before serving; no traffic."""
+        with self.lock:
+            for key in keys:
+                if key in self.pool.slot_of:
+                    continue
+                if not self.pool.has_free():
+                    raise ConfigError(f"{self.cache.name}: initial residents exceed the "
+                                      f"capacity of {self.pool.num_slots} slots")
+                slot = self.pool.assign(key)
+                self.jobs[key] = self.copier.submit(key, slot)
+                self.cache.on_insert(key, 0, False)
+                self.counters.preload_bytes += self.spec.nbytes
+                self._account_slot()
+        self.copier.drain()
+
+    # ---- predictions ------------------------------------------------------------------
+    def apply_predictions(self) -> None:
+        """Take every prediction the predictor worker finished (lock held)."""
+        woke = False
+        for hook, tag, pred in self.runner.drain():
+            hook_layer = int(tag) if hook == "observe_layer" else -1
+            if hook != "start_request":
+                self.psets.take(pred, hook_layer)
+            if pred.prefetch and self.queue.push(pred.prefetch, self.cur_layer, self.pool.slot_of):
+                woke = True
+            if pred.scores:
+                self.cache.observe_scores(pred.scores)
+        if woke:
+            self.copier.wake()
+
+    def begin_iteration(self) -> None:
+        with self.lock:
+            self.cur_layer = -1
+            self.psets.clear()
+            self.apply_predictions()
+
+    def end_iteration(self) -> None:
+        with self.lock:
+            self.queue.clear()
+            self.cur_layer = -1  # prefetches made between passes target the next one
+            self.logits.clear()
+
+    # ---- the experts kernel -----------------------------------------------------------
+    def run_layer(self, module: nn.Module, hidden: torch.Tensor, idx: torch.Tensor,
+                  weights: torch.Tensor) -> torch.Tensor:
+        """The experts output float[T, H] of MoE layer ``module`` (see module docstring)."""
+        from moeexp.engine.layer import serve_layer  # the per-layer procedure
+
+        return serve_layer(self, self.layer_of[id(module)], module, hidden, idx, weights)
+
+    # ---- helpers shared with moeexp.engine.layer ----------------------------------------
+    def wait_keys(self, keys: list[Key]) -> None:
+        """Make compute wait for the copies of ``keys`` (stall time is counted)."""
+        waits = [self.jobs[k] for k in keys if k in self.jobs and not self.copier.is_ready(self.jobs[k])]
+        if not waits:
+            return
+        if self.copier.cuda:
+            stream = torch.cuda.current_stream(self.device)
+            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0.record(stream)
+            for j in waits:
+                self.copier.wait(j)
+            t1.record(stream)
+            self.counters.cuda_stalls.append((t0, t1))
+        else:
+            start = time.perf_counter()
+            for j in waits:
+                self.copier.wait(j)
+            self.counters.stall_s += time.perf_counter() - start
+
+    def sync_lut(self, layer: int, keys: list[Key]) -> None:
+        """Point the device lookup table at the slots of ``keys`` (compute thread only)."""
+        for key in keys:
+            s = self.pool.slot_of[key]
+            if self._lut_host[key] != s:
+                self._lut_host[key] = s
+                self.pool.lut[key[0], key[1]] = s
+
+    def demand(self, key: Key, now: int, unreleased: set[Key],
+               flush: Callable[[], bool]) -> None:
+        """Make room for ``key`` (streaming through ``flush`` if needed) and load it."""
+        while True:
+            try:
+                victim = self.cache.victim(key, self._protect(unreleased), now)
+                break
+            except ConfigError:
+                if flush():
+                    continue
+                raise RuntimeError(
+                    f"{self.cache.name}: cannot make room for {key}: capacity "
+                    f"{self.pool.num_slots} slots, {len(unreleased)} experts of this layer "
+                    f"pending") from None
+        if victim is not None:
+            self._evict(victim)
+        slot = self.pool.assign(key)
+        self.jobs[key] = self.copier.submit(key, slot)
+        self.cache.on_insert(key, now, False)
+        self.counters.demand_loads += 1
+        self._account_slot()
+
+    def account_prediction(self, layer: int, experts: list[int]) -> None:
+        P = self.psets.for_layer(layer)
+        c = self.counters
+        c.recall_n += 1
+        if not P:
+            return
+        inter = sum(1 for e in experts if e in P)
+        if experts:
+            c.recall_sum += inter / len(experts)
+        c.precision_sum += inter / len(P)
+        c.precision_n += 1
+
+    # ---- teardown ---------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop the copy thread and give the fused parameters back to the model."""
+        try:
+            with self.lock:
+                self.queue.clear()
+            self.copier.drain()
+        finally:
+            self.copier.close()
+            self.store.restore()
+
+    def compute(self, module: nn.Module, layer: int, hidden: torch.Tensor, token: torch.Tensor,
+                experts: torch.Tensor, weights: torch.Tensor, keys: list[Key]) -> torch.Tensor:
+        """Rows ``weights * expert(hidden[token])`` for routing rows whose experts are ``keys``."""
+        self.wait_keys(keys)
+        self.sync_lut(layer, keys)
+        slots = self.pool.lut[layer][experts]
+        out = slot_rows(module, self.pool.buffers, hidden, token, slots, weights)
+        self.copier.mark_used([self.pool.slot_of[k] for k in keys])
+        return out
