@@ -1,0 +1,77 @@
+"""MoE-Infinity's expert cache (algorithms.md §4).
+
+``variant: paper`` (Algorithm 1 of MoE-Infinity v3): the priority of a resident expert
+``(l, e)`` is ``(pEAM[l][e] + ε) / Σ_j pEAM[l][j] · (1 − l/L)``; evict the lowest. Early layers
+are favoured because prefetching helps them least. ``pEAM`` rows come from the predictor
+(:meth:`observe_scores`, the ``eam`` predictor's pEAM); a layer never scored, or scored with
+an all-zero row, counts as uniform (``1/J`` each).
+
+``variant: oss`` (the public code): least in-cache visit count over all layers (LFU; the
+count resets when the expert leaves the device).
+
+Ties: lowest (layer, expert).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from moeexp.cache.base import CACHES, CachePolicy, Key
+from moeexp.errors import ConfigError
+
+
+@CACHES.register("moe_infinity")
+class MoEInfinityCache(CachePolicy):
+    """Config keys: ``variant`` (``paper`` | ``oss``), ``epsilon`` (Algorithm 1's ε)."""
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
+                 variant: Literal["paper", "oss"] = "paper", epsilon: float = 1e-6) -> None:
+        super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
+                         num_experts=num_experts)
+        if variant not in ("paper", "oss"):
+            raise ConfigError(f"cache=moe_infinity: variant={variant!r}; valid: paper, oss")
+        if epsilon < 0:
+            raise ConfigError(f"cache=moe_infinity: epsilon={epsilon} must be >= 0")
+        self.variant = variant
+        self.epsilon = float(epsilon)
+        self.peam = np.full((num_layers, num_experts), 1.0 / num_experts)
+        self.visits = np.zeros((num_layers, num_experts), dtype=np.int64)
+        self._decay = 1.0 - np.arange(num_layers) / num_layers
+
+    def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
+        if not scores:
+            return
+        layers = list(scores)
+        rows = np.asarray([scores[i] for i in layers], dtype=np.float64)
+        if rows.shape != (len(layers), self.num_experts) or (rows < 0).any():
+            raise ValueError(f"moe_infinity cache: scores must be {self.num_experts} "
+                             f"non-negative values per layer, got {rows.shape} for {layers}")
+        rows[rows.sum(axis=1) <= 0] = 1.0 / self.num_experts
+        self.peam[layers] = rows
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        self.visits[key] += 1
+
+    def on_evict(self, key: Key) -> None:
+        super().on_evict(key)
+        self.visits[key] = 0
+
+    def priority(self, key: Key) -> float:
+        """Algorithm 1's priority (paper) or the visit count (oss) of a key."""
+        layer, e = key
+        if self.variant == "oss":
+            return float(self.visits[key])
+        row = self.peam[layer]
+        return float((row[e] + self.epsilon) / row.sum() * self._decay[layer])
+
+    def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
+        idx = np.asarray(candidates, dtype=np.int64)
+        layers, experts = idx[:, 0], idx[:, 1]
+        if self.variant == "oss":
+            prio = self.visits[layers, experts].astype(np.float64)
+        else:
+            prio = ((self.peam[layers, experts] + self.epsilon) / self.peam[layers].sum(axis=1)
+                    * self._decay[layers])
+        return candidates[int(np.argmin(prio))]

@@ -1,0 +1,302 @@
+"""MoE-Infinity's activation-aware predictor (algorithms.md §4): EAM matching and prefetch.
+
+An **EAM** (expert activation matrix) is an L×J count matrix: ``M[i][j]`` = tokens routed to
+expert j at layer i. A request's EAM is the sum of its iterations' EAMs. A fixed-capacity
+**collection** of request-level EAMs is pre-filled from the store split (:meth:`fit`, as
+FineMoE did for a fair comparison) and, with ``online_update``, grows with every finished
+request (MoE-Infinity's own behaviour). Layer indices are 0-based; ``l`` is the layer whose
+router just ran (``l = −1`` at iteration start).
+
+``variant: paper`` (MoE-Infinity v3, the default):
+    - request EAMs are kept **separately for prefill and decode** (two collections, each of
+      ``capacity`` rows); the query of a prefill iteration is its partial iteration EAM, the
+      query of a decode iteration is the request's decode EAM so far plus the partial one;
+    - matching: cosine over the flattened L·J matrices; the ``top_n`` nearest are summed and
+      each layer's row normalised to probabilities (the pEAM);
+    - prefetch score of expert j at a future layer i > l: ``pEAM[i][j] · (1 − (i − l)/L)``;
+    - collection replacement: the new EAM replaces the most similar stored one.
+``variant: oss`` (what the public code does):
+    - one request EAM for prefill + decode, top-1 match only, similarity = mean over the
+      future layers i > l of the per-layer cosine (the code blanks the stored layers ≤ l to a
+      constant row; that adds the same value to every candidate, so this ranks identically),
+    - score ``M[i][j] · (1 − (i − l)/(L + 1))`` on the raw counts of the match,
+    - replacement of the least-accessed entry (a match counts as an access; a new entry
+      starts at 1); ``oss_prefetch: false`` reproduces the release's disabled prefetch.
+
+Choices where the paper is silent:
+    - ``max_prefetch`` (default J): requests issued per hook, the highest scores over all
+      future layers. The paper prefetches "in descending score" and lets bandwidth bound it;
+      the mechanism drops stale requests, so a short, well-ordered list loses nothing.
+    - ``predicted`` (recall accounting): the top-K experts of layer l + 1 by score, i.e. the
+      last prediction made for each layer before it runs.
+    - ``scores`` (cache hints, e.g. the ``moe_infinity`` cache's Algorithm 1): the pEAM rows
+      of all layers (row-normalised for ``oss`` too), sent when the match changed (a cache
+      keeps the latest rows it was given).
+    - Batches: one query per request of the batch; its per-layer counts come from
+      ``obs.counts`` when the batch is one request, else from the top-K of each token's
+      probabilities. Scores are combined by the per-expert maximum.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Literal
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.predictors.base import (
+    PREDICTORS,
+    IterationStart,
+    LayerObservation,
+    Prediction,
+    Predictor,
+    Prefetch,
+)
+from moeexp.predictors.expert_map_store import unit, unit_rows
+from moeexp.traces.schema import Trace, TraceDims
+
+log = logging.getLogger(__name__)
+
+Variant = Literal["paper", "oss"]
+DEFAULT_CAPACITY = {"paper": 120, "oss": 1000}
+
+
+def normalize_rows(m: np.ndarray) -> np.ndarray:
+    """float64[..., J]: each row divided by its sum (all-zero rows stay zero)."""
+    s = m.sum(axis=-1, keepdims=True)
+    return np.divide(m, s, out=np.zeros(m.shape, dtype=np.float64), where=s > 0)
+
+
+class EAMCollection:
+    """A fixed-capacity set of request-level EAMs.
+
+    Args:
+        capacity: rows kept.
+        num_layers, num_experts: L, J.
+        replacement: ``similar`` (replace the most cosine-similar row, paper) or
+            ``least_accessed`` (the row matched fewest times, oss; ties: lowest index).
+    """
+
+    def __init__(self, capacity: int, num_layers: int, num_experts: int,
+                 replacement: Literal["similar", "least_accessed"]) -> None:
+        self.capacity, self.L, self.J = capacity, num_layers, num_experts
+        self.replacement = replacement
+        self.eams = np.zeros((capacity, num_layers, num_experts))
+        self.flat_n = np.zeros((capacity, num_layers * num_experts))
+        self.rows_n = np.zeros((capacity, num_layers, num_experts))
+        self.access = np.zeros(capacity, dtype=np.int64)
+        self.size = 0
+        self.version = 0  # bumped by every insertion
+
+    def add(self, eam: np.ndarray) -> int:
+        """Insert ``eam`` (float[L, J]); returns the slot it went to."""
+        eam = np.asarray(eam, dtype=np.float64)
+        flat = unit(eam.reshape(1, -1))[0]
+        if self.size < self.capacity:
+            slot = self.size
+            self.size += 1
+        elif self.replacement == "similar":
+            slot = int(np.argmax(self.flat_n @ flat))
+        else:
+            slot = int(np.argmin(self.access))
+        self.eams[slot] = eam
+        self.flat_n[slot] = flat
+        self.rows_n[slot] = unit(eam)
+        self.access[slot] = 1
+        self.version += 1
+        return slot
+
+    def match_flat(self, query: np.ndarray, top_n: int) -> np.ndarray:
+        """int64[≤top_n]: rows of highest cosine with the flattened ``query`` (best first)."""
+        sims = self.flat_n[: self.size] @ unit(query.reshape(1, -1))[0]
+        n = min(top_n, self.size)
+        if n == 1:
+            return np.array([int(np.argmax(sims))])
+        top = np.argpartition(-sims, n - 1)[:n]
+        return top[np.argsort(-sims[top], kind="stable")]
+
+    def match_layer_mean(self, query: np.ndarray, first_layer: int) -> int:
+        """Row of highest mean per-layer cosine over layers ``first_layer..L−1`` (oss)."""
+        q = unit(query[first_layer:]).reshape(-1)  # [L'·J]
+        rows = self.rows_n[: self.size, first_layer:]
+        sims = rows.reshape(self.size, -1) @ q  # Σ over layers of per-layer cosines
+        row = int(np.argmax(sims))
+        self.access[row] += 1
+        return row
+
+
+@PREDICTORS.register("eam")
+class EAMPredictor(Predictor):
+    """MoE-Infinity (``variant: paper|oss``). Config keys:
+
+    Args:
+        dims: trace dimensions.
+        variant: ``paper`` (default) or ``oss``.
+        capacity: EAMs per collection (None: 120 for paper, 1000 for oss).
+        top_n: nearest EAMs combined into the pEAM (paper variant; oss always uses 1).
+        max_prefetch: prefetch requests per hook (None: J).
+        online_update: add each finished request's EAMs to the collection(s).
+        oss_prefetch: oss variant only; False disables prefetching (the release's Mixtral
+            and DeepSeek behaviour).
+    """
+
+    def __init__(self, *, dims: TraceDims, variant: Variant = "paper", capacity: int | None = None,
+                 top_n: int = 1, max_prefetch: int | None = None, online_update: bool = True,
+                 oss_prefetch: bool = True) -> None:
+        super().__init__(dims=dims)
+        if variant not in DEFAULT_CAPACITY:
+            raise ConfigError(f"predictor=eam: variant={variant!r}; valid: paper, oss")
+        cap = DEFAULT_CAPACITY[variant] if capacity is None else int(capacity)
+        limit = dims.num_experts if max_prefetch is None else int(max_prefetch)
+        if cap < 1 or top_n < 1 or limit < 0:
+            raise ConfigError(f"predictor=eam: capacity={cap}, top_n={top_n}, max_prefetch="
+                              f"{limit}; need capacity >= 1, top_n >= 1, max_prefetch >= 0")
+        self.variant: Variant = variant
+        self.top_n = 1 if variant == "oss" else int(top_n)
+        self.max_prefetch = limit
+        self.online_update = bool(online_update)
+        self.prefetch_enabled = variant == "paper" or bool(oss_prefetch)
+        L, J = dims.num_layers, dims.num_experts
+        phases = ("prefill", "decode") if variant == "paper" else ("all",)
+        repl: Literal["similar", "least_accessed"] = (
+            "similar" if variant == "paper" else "least_accessed")
+        self.collections = {p: EAMCollection(cap, L, J, repl) for p in phases}
+        self._req: dict[int, dict[str, np.ndarray]] = {}  # request -> phase -> EAM so far
+        self._units = np.zeros(0, dtype=np.int64)
+        self._groups: list[np.ndarray] = []
+        self._phase = phases[0]
+        self._iter = np.zeros((0, L, J))
+        self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
+        # _decay[now + 1][i - now - 1] = decay of future layer i seen from layer now (-1..L-1)
+        span = float(L) if variant == "paper" else float(L + 1)
+        self._decay = [(1.0 - (np.arange(now + 1, L) - now) / span)[:, None]
+                       for now in range(-1, L)]
+
+    # ------------------------------------------------------------------ learning
+    def _phase_of(self, step: int) -> str:
+        if self.variant == "oss":
+            return "all"
+        return "prefill" if step == 0 else "decode"
+
+    def fit(self, store: Trace) -> None:
+        """Pre-fill the collection(s) with the request EAMs of the store split (only)."""
+        if any(r.split != "store" for r in store.requests):
+            log.warning("eam.fit: ignoring non-store requests")
+            store = store.split("store")
+        L, J = self.dims.num_layers, self.dims.num_experts
+        if (store.dims.num_layers, store.dims.num_experts) != (L, J):
+            raise ConfigError(f"eam: trace has L={store.dims.num_layers}, J="
+                              f"{store.dims.num_experts}; predictor built for L={L}, J={J}")
+        lens = np.diff(store.iter_offsets)
+        phase = np.array([self._phase_of(int(s)) for s in store.iter_step])
+        for rid in [r.request_id for r in store.requests]:
+            for p in self.collections:
+                its = np.flatnonzero((store.iter_request == rid) & (phase == p))
+                if len(its) == 0:
+                    continue
+                rows = np.concatenate([np.arange(store.iter_offsets[i], store.iter_offsets[i]
+                                                 + lens[i]) for i in its])
+                self.collections[p].add(self._counts(store.topk_idx[rows].astype(np.int64)))
+        log.info("eam: collection pre-filled: %s",
+                 {p: c.size for p, c in self.collections.items()})
+
+    def _counts(self, topk_idx: np.ndarray) -> np.ndarray:
+        """float64[L, J] token counts from int[T, L, K] selected experts."""
+        L, J = self.dims.num_layers, self.dims.num_experts
+        flat = (np.arange(L)[None, :, None] * J + topk_idx).reshape(-1)
+        return np.bincount(flat, minlength=L * J).reshape(L, J).astype(np.float64)
+
+    # ------------------------------------------------------------------ hooks
+    def start_iteration(self, ctx: IterationStart) -> Prediction:
+        self._units, self._groups = unit_rows(np.asarray(ctx.token_request))
+        self._phase = self._phase_of(int(ctx.step))
+        L, J = self.dims.num_layers, self.dims.num_experts
+        self._iter = np.zeros((len(self._units), L, J))
+        for r in self._units:
+            self._req.setdefault(int(r), {p: np.zeros((L, J)) for p in self.collections})
+        return self._predict(layer=-1)
+
+    def observe_layer(self, obs: LayerObservation) -> Prediction:
+        layer = obs.layer
+        if len(self._groups) == 1:
+            self._iter[0, layer] = obs.counts
+        else:
+            K, J = self.dims.top_k, self.dims.num_experts
+            top = np.argsort(-np.asarray(obs.probs), axis=1, kind="stable")[:, :K]
+            for b, g in enumerate(self._groups):
+                self._iter[b, layer] = np.bincount(top[g].ravel(), minlength=J)
+        return self._predict(layer)
+
+    def end_iteration(self) -> None:
+        for b, r in enumerate(self._units):
+            self._req[int(r)][self._phase] += self._iter[b]
+        self._iter[:] = 0
+
+    def end_request(self, request_id: int) -> None:
+        eams = self._req.pop(int(request_id), None)
+        if not self.online_update or eams is None:
+            return
+        for p, m in eams.items():
+            if m.any():
+                self.collections[p].add(m)
+
+    # ------------------------------------------------------------------ prediction
+    def _predict(self, layer: int) -> Prediction:
+        """Scores for layers > ``layer`` from the current queries (layer = −1 at start)."""
+        coll = self.collections[self._phase]
+        L = self.dims.num_layers
+        if not self.prefetch_enabled or coll.size == 0 or layer >= L - 1:
+            return Prediction()
+        decay = self._decay[layer + 1]  # [L - layer - 1, 1]
+        peams, scores, matched = [], [], []
+        for b, r in enumerate(self._units):
+            query = self._req[int(r)][self._phase] + self._iter[b]
+            if not query.any():
+                continue
+            if self.variant == "paper":
+                rows = coll.match_flat(query, self.top_n)
+                peam = normalize_rows(coll.eams[rows].sum(axis=0))
+                scores.append(peam[layer + 1 :] * decay)
+            else:
+                rows = np.array([coll.match_layer_mean(query, layer + 1)])
+                raw = coll.eams[rows[0]]
+                peam = normalize_rows(raw)
+                scores.append(raw[layer + 1 :] * decay)
+            peams.append(peam)
+            matched.append(tuple(rows.tolist()))
+        if not peams:
+            return Prediction()
+        # the pEAM is a function of the matched rows: resend the cache hints only on change
+        sent = (self._phase, coll.version, tuple(matched))
+        hints, self._sent = sent != self._sent, sent
+        return self._prediction(layer, peams, scores, hints)
+
+    def _prediction(self, layer: int, peams: list[np.ndarray], scores: list[np.ndarray],
+                    hints: bool) -> Prediction:
+        """Prefetches (best ``max_prefetch`` scores over all future layers) and hints.
+
+        ``predicted`` names only layer ``layer + 1``: the last prediction made before that
+        layer runs (the following hooks refine the later layers), top-K by score. With a
+        batch, the per-expert maximum over its requests is used.
+        """
+        J, K = self.dims.num_experts, self.dims.top_k
+        peam = peams[0] if len(peams) == 1 else np.max(peams, axis=0)
+        score = scores[0] if len(scores) == 1 else np.max(scores, axis=0)
+        pred = Prediction(scores=dict(enumerate(peam)) if hints else {})
+        nxt: set[int] = set()
+        for s in scores:
+            top = np.argsort(-s[0], kind="stable")[:K]
+            nxt.update(int(e) for e in top[s[0][top] > 0])
+        pred.predicted[layer + 1] = np.array(sorted(nxt), dtype=np.int64)
+        flat = score.reshape(-1)
+        n = min(self.max_prefetch, int(np.count_nonzero(flat > 0)))
+        if n:
+            # descending score; ties: nearer layer, then lower expert (stable on flat order)
+            best = np.argsort(-flat, kind="stable")[:n]
+            pred.prefetch = [Prefetch(float(flat[f]), layer + 1 + int(f) // J, int(f) % J)
+                             for f in best]
+        return pred
+
+    def stats(self) -> dict[str, float]:
+        return {f"eam_collection_{p}": float(c.size) for p, c in self.collections.items()}

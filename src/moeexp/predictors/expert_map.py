@@ -1,0 +1,363 @@
+"""FineMoE's expert-map predictor (algorithms.md §5): semantic + trajectory search, δ selection.
+
+An **expert map** is the L×J matrix of full router probabilities of one token (or one
+iteration). The store keeps up to ``store_capacity`` rows of (semantic key [H], map [L, J]);
+when full, a new row replaces the stored row of highest redundancy
+``RDY(x, y) = (d/L)·cos_sem(x, y) + ((L − d)/L)·cos(map_x, map_y)`` (whole flattened maps).
+
+Layer indexing (0-based here; the paper counts from 1):
+
+- at iteration start (``l_now = −1``) the **semantic search** (cosine between the iteration's
+  pooled embedding-layer output and every stored key, argmax) drives layers ``0..d−1`` with
+  prefetch priority ``p / (l − l_now) = p / (l + 1)``;
+- after layer ``l``'s router (``l_now = l``) the **trajectory search** (cosine between the
+  probabilities observed this iteration for layers ``0..l``, flattened, and the same prefix of
+  every stored map, argmax) drives layer ``l + d`` with priority ``p / d``.
+
+This is the paper's "semantic drives layers 1..d; layer l > d is predicted from layers
+1..l−d". Prefix cosines are incremental: running dot products of the query prefix with every
+stored row plus precomputed prefix norms, so one ``observe_layer`` costs O(C·J), not O(C·l·J).
+
+δ selection: δ = clip(1 − score, 0, 1) with ``score`` the matched similarity; experts are
+taken in descending probability until their cumulative probability reaches δ, never fewer
+than K (``use_delta=False``: exactly K).
+
+Choices where the paper is silent (config keys where useful):
+
+- Batches: each request of the batch is one query (its key pooled over its token rows, its
+  trajectory the **mean** of its tokens' probabilities per layer); predictions are combined
+  as the union of the selected experts, and the per-expert maximum of the matched
+  probabilities (``scores``, and the ``p`` of the priority), as the authors' code does.
+- ``scores`` at iteration start: the semantic maps for layers ``0..d−1`` and the uniform
+  ``1/J`` for every other layer ("no map speaks for that layer yet"), so the ``finemoe`` cache
+  resets its p at each iteration start from this signal.
+- ``use_trajectory=False`` (semantic only): the semantic match's map also drives layers
+  ``≥ d`` at distance d. ``use_semantic=False`` (Map(T)): layers ``0..d−1`` get no prediction.
+- Store rows (``map_granularity``): ``token`` = one row per token row of an iteration (prefill:
+  one per prompt token, key = that token's embedding, map = its probabilities; decode: one per
+  generated token); ``iteration`` = one row per (request, iteration), key pooled with
+  ``embed_pooling``, map = mean probabilities of the request's tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Literal
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.predictors.base import (
+    PREDICTORS,
+    IterationStart,
+    LayerObservation,
+    Prediction,
+    Predictor,
+    Prefetch,
+)
+from moeexp.predictors.expert_map_store import ExpertMapStore, unit_rows
+from moeexp.traces.schema import Trace, TraceDims
+
+log = logging.getLogger(__name__)
+
+Mode = Literal["offline", "online"]
+Granularity = Literal["token", "iteration"]
+Pooling = Literal["last_token", "mean"]
+
+#: Semantic-search results remembered per store version (distinct query keys).
+MEMO_ENTRIES = 1 << 16
+#: Cumulative-probability tolerance of δ selection (float rounding of the running sum).
+DELTA_TOL = 1e-9
+
+
+def select_experts(probs: np.ndarray, score: float, k: int, use_delta: bool = True) -> np.ndarray:
+    """FineMoE's δ selection on one probability vector.
+
+    Args:
+        probs: float[J] probabilities of one layer (sum 1).
+        score: the similarity of the match that produced ``probs`` (cosine, may be < 0).
+        k: the minimum number of experts (K).
+        use_delta: False: exactly ``k`` experts.
+
+    Returns:
+        int64[n] experts in descending probability, ``k <= n <= J``: the shortest prefix whose
+        cumulative probability reaches δ = clip(1 − score, 0, 1), extended to ``k``.
+    """
+    order = np.argsort(-probs, kind="stable")
+    if not use_delta:
+        return order[:k]
+    delta = min(max(1.0 - float(score), 0.0), 1.0)
+    csum = np.cumsum(probs[order], dtype=np.float64)
+    n = int(np.count_nonzero(csum < delta - DELTA_TOL)) + 1
+    return order[: min(max(n, k), len(probs))]
+
+
+def pool_keys(embed: np.ndarray, groups: list[np.ndarray], pooling: Pooling) -> np.ndarray:
+    """float32[B, H]: one semantic key per group of token rows of ``embed`` (float[T, H])."""
+    if pooling == "last_token":
+        return np.stack([embed[g[-1]] for g in groups]).astype(np.float32)
+    return np.stack([embed[g].mean(axis=0) for g in groups]).astype(np.float32)
+
+
+@PREDICTORS.register("expert_map")
+class ExpertMapPredictor(Predictor):
+    """FineMoE (paper semantics). Config keys:
+
+    Args:
+        dims: trace dimensions (L, J, K, H).
+        prefetch_distance: d (Mixtral 3, Qwen1.5-MoE 6, Phi-3.5-MoE 4; tiny 2).
+        mode: ``offline`` (store built by :meth:`fit` from the store split, then frozen) or
+            ``online`` (start empty, add rows after every iteration).
+        store_capacity: C, rows kept (paper 1000).
+        map_granularity: ``token`` (the authors' prefill rows) or ``iteration``.
+        embed_pooling: ``last_token`` (the authors' code) or ``mean``: the query key of an
+            iteration and the key of ``iteration``-granularity rows.
+        use_semantic / use_trajectory / use_delta: the ablation switches (Map(T) =
+            semantic off, delta off; Map(T+S) = delta off; Map(T+S+δ) = all on).
+        min_experts: the "never fewer than K" floor (None: the model's top-K).
+    """
+
+    def __init__(
+        self,
+        *,
+        dims: TraceDims,
+        prefetch_distance: int = 3,
+        mode: Mode = "offline",
+        store_capacity: int = 1000,
+        map_granularity: Granularity = "token",
+        embed_pooling: Pooling = "last_token",
+        use_semantic: bool = True,
+        use_trajectory: bool = True,
+        use_delta: bool = True,
+        min_experts: int | None = None,
+    ) -> None:
+        super().__init__(dims=dims)
+        L, J = dims.num_layers, dims.num_experts
+        checks = [
+            (mode in ("offline", "online"), f"mode={mode!r}; valid: offline, online"),
+            (map_granularity in ("token", "iteration"),
+             f"map_granularity={map_granularity!r}; valid: token, iteration"),
+            (embed_pooling in ("last_token", "mean"),
+             f"embed_pooling={embed_pooling!r}; valid: last_token, mean"),
+            (1 <= prefetch_distance <= L, f"prefetch_distance={prefetch_distance}; valid: 1..{L}"),
+            (store_capacity >= 1, f"store_capacity={store_capacity}; must be >= 1"),
+            (use_semantic or use_trajectory, "use_semantic and use_trajectory are both false"),
+        ]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ConfigError(f"predictor=expert_map: {'; '.join(bad)}")
+        self.k = int(min_experts if min_experts is not None else dims.top_k)
+        if not 1 <= self.k <= J:
+            raise ConfigError(f"predictor=expert_map: min_experts={self.k}; valid: 1..{J}")
+        self.d = int(prefetch_distance)
+        self.mode: Mode = mode
+        self.granularity: Granularity = map_granularity
+        self.pooling: Pooling = embed_pooling
+        self.use_semantic, self.use_trajectory, self.use_delta = (
+            bool(use_semantic), bool(use_trajectory), bool(use_delta))
+        self.store = ExpertMapStore(store_capacity, L, J, dims.hidden_size, self.d)
+        self._uniform = np.full(J, 1.0 / J)
+        self._uniform.setflags(write=False)
+        self._groups: list[np.ndarray] = []
+        self._units: np.ndarray = np.zeros(0, dtype=np.int64)
+        self._n = 0  # store rows seen by this iteration's search (the store is fixed within it)
+        self._dots = np.zeros((0, 0))
+        self._qsq = np.zeros(0)
+        self._next_layer = 0
+        self._sem_rows = np.zeros(0, dtype=np.int64)
+        self._sem_score = np.zeros(0)
+        self._layer = -1
+        self._memo: dict[bytes, tuple[int, float]] = {}
+        self._memo_version = -1
+        self._buf_embed: np.ndarray | None = None
+        self._buf_probs: list[np.ndarray] = []
+        self._buf_token_request = np.zeros(0, dtype=np.int64)
+        self._t_sem: list[float] = []
+        self._t_traj: list[float] = []
+
+    # ------------------------------------------------------------------ learning
+    def fit(self, store: Trace) -> None:
+        """Offline mode: build the store from the *store split* rows of ``store`` (frozen).
+
+        Requests whose split is not ``store`` are ignored (with a warning), so a test request
+        can never enter the map store. Online mode: nothing (the store starts empty).
+        """
+        if self.mode == "online":
+            log.info("expert_map: online mode, the store starts empty (fit ignored)")
+            return
+        other = [r.request_id for r in store.requests if r.split != "store"]
+        if other:
+            log.warning("expert_map.fit: ignoring %d non-store requests", len(other))
+            store = store.split("store")
+        self._check_dims(store.dims)
+        keys, maps, req = self._rows_from_trace(store)
+        self.store.add(keys, maps, req)
+        log.info("expert_map: store built with %d rows (%d candidates, capacity %d)",
+                 self.store.size, len(keys), self.store.capacity)
+
+    def _check_dims(self, dims: TraceDims) -> None:
+        mine = self.dims
+        if (dims.num_layers, dims.num_experts, dims.hidden_size) != (
+                mine.num_layers, mine.num_experts, mine.hidden_size):
+            raise ConfigError(
+                f"expert_map: trace dims (L={dims.num_layers}, J={dims.num_experts}, "
+                f"H={dims.hidden_size}) differ from the predictor's (L={mine.num_layers}, "
+                f"J={mine.num_experts}, H={mine.hidden_size})")
+
+    def _rows_from_trace(self, trace: Trace) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Store rows of a whole trace per ``map_granularity``: keys [N,H], maps [N,L,J], req [N]."""
+        lens = np.diff(trace.iter_offsets)
+        tok_req = np.repeat(trace.iter_request.astype(np.int64), lens)
+        if self.granularity == "token":
+            return (trace.embed.astype(np.float32), trace.probs.astype(np.float64), tok_req)
+        starts = trace.iter_offsets[:-1]
+        probs = np.add.reduceat(trace.probs.astype(np.float64), starts, axis=0) / lens[:, None, None]
+        if self.pooling == "last_token":
+            keys = trace.embed[trace.iter_offsets[1:] - 1].astype(np.float32)
+        else:
+            keys = (np.add.reduceat(trace.embed.astype(np.float64), starts, axis=0)
+                    / lens[:, None]).astype(np.float32)
+        return keys, probs, trace.iter_request.astype(np.int64)
+
+    # ------------------------------------------------------------------ hooks
+    def start_iteration(self, ctx: IterationStart) -> Prediction:
+        embed = np.asarray(ctx.embed)
+        if embed.ndim != 2 or embed.shape[1] != self.dims.hidden_size:
+            raise ValueError(f"expert_map: embed must be [T, {self.dims.hidden_size}], "
+                             f"got {embed.shape}")
+        tok_req = np.asarray(ctx.token_request, dtype=np.int64)
+        self._units, self._groups = unit_rows(tok_req)
+        B, n = len(self._groups), self.store.size
+        self._n = n
+        self._dots = np.zeros((B, n))
+        self._qsq = np.zeros(B)
+        self._next_layer = 0
+        self._layer = -1
+        if self.mode == "online":
+            self._buf_embed = embed.astype(np.float32, copy=True)
+            self._buf_token_request = tok_req
+            self._buf_probs = []
+        pred = Prediction(scores=dict.fromkeys(range(self.dims.num_layers), self._uniform))
+        if not self.use_semantic or n == 0:
+            return pred
+        t0 = time.perf_counter()
+        self._sem_rows, self._sem_score = self._semantic(pool_keys(embed, self._groups,
+                                                                   self.pooling))
+        for layer in range(min(self.d, self.dims.num_layers)):
+            self._emit(pred, layer, self._sem_rows, self._sem_score, distance=layer + 1)
+        self._t_sem.append(time.perf_counter() - t0)
+        return pred
+
+    def _semantic(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Semantic search per query key (float32[B, H]), memoised per store version.
+
+        The embedding-layer output of a token depends on its id only, so the same query key
+        recurs often; the memo returns exactly what the search would while the store is
+        unchanged (it is cleared whenever a row is inserted).
+        """
+        if self._memo_version != self.store.version or len(self._memo) > MEMO_ENTRIES:
+            self._memo, self._memo_version = {}, self.store.version
+        tags = [k.tobytes() for k in keys]
+        miss = [b for b, t in enumerate(tags) if t not in self._memo]
+        if miss:
+            rows, score = self.store.semantic_search(keys[miss])
+            for b, r, s in zip(miss, rows, score, strict=True):
+                self._memo[tags[b]] = (int(r), float(s))
+        found = [self._memo[t] for t in tags]
+        return (np.array([f[0] for f in found], dtype=np.int64),
+                np.array([f[1] for f in found], dtype=np.float64))
+
+    def observe_layer(self, obs: LayerObservation) -> Prediction:
+        layer = obs.layer
+        if layer != self._next_layer:
+            raise RuntimeError(f"expert_map: observe_layer({layer}) out of order; expected "
+                               f"layer {self._next_layer} (layers are observed 0..L-1 once)")
+        self._next_layer += 1
+        probs = np.asarray(obs.probs)
+        if self.mode == "online":
+            self._buf_probs.append(probs.astype(np.float32, copy=True))
+        target = layer + self.d
+        want = target < self.dims.num_layers
+        if self._n == 0 or not (self.use_trajectory or (want and self.use_semantic)):
+            return Prediction()
+        t0 = time.perf_counter()
+        pred = Prediction()
+        if self.use_trajectory:
+            if len(self._groups) == 1:
+                q = probs.astype(np.float64).mean(axis=0, keepdims=True)
+            else:
+                q = np.stack([probs[g].astype(np.float64).mean(axis=0) for g in self._groups])
+            rows, score = self._update_trajectory(layer, q)
+            if want:
+                self._emit(pred, target, rows, score, distance=self.d)
+        elif want:  # semantic only: its match keeps speaking for later layers
+            self._emit(pred, target, self._sem_rows, self._sem_score, distance=self.d)
+        self._t_traj.append(time.perf_counter() - t0)
+        return pred
+
+    def _update_trajectory(self, layer: int, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Fold layer ``layer``'s query rows q (float64[B, J]) into the running prefix dots.
+
+        Incremental: ``dots[b, c] += q[b] · maps[layer, c]`` and ``|prefix_b|² += |q[b]|²``;
+        the stored prefix norms are precomputed, so this is O(B·C·J) per layer.
+
+        Returns (int64[B] argmax rows, float64[B] their cosines).
+        """
+        self._dots += q @ self.store.maps[layer, : self._n].T
+        self._qsq += np.einsum("bj,bj->b", q, q)
+        self._layer = layer
+        # cos = dots / (|q| · |stored prefix|); |q| is one constant per query row
+        sims = self._dots * self.store.inv_prefix_norm[layer, : self._n]
+        rows = sims.argmax(axis=1)
+        score = sims[np.arange(len(rows)), rows] / np.maximum(np.sqrt(self._qsq), 1e-300)
+        return rows, score
+
+    @property
+    def last_cosines(self) -> np.ndarray:
+        """float64[B, n]: prefix cosines of each query with every stored row, as of the latest
+        :meth:`observe_layer` (from the incremental state; tests compare it to a direct one)."""
+        inv = self.store.inv_prefix_norm[self._layer, : self._n]
+        return self._dots * inv / np.maximum(np.sqrt(self._qsq), 1e-300)[:, None]
+
+    def _emit(self, pred: Prediction, layer: int, rows: np.ndarray, score: np.ndarray,
+              distance: int) -> None:
+        """Add the matched maps' layer ``layer`` (one matched row per query) to ``pred``."""
+        maps = self.store.maps[layer, rows]  # [B, J]
+        chosen = [select_experts(maps[b], float(score[b]), self.k, self.use_delta)
+                  for b in range(len(rows))]
+        p = maps.max(axis=0)
+        experts = chosen[0] if len(chosen) == 1 else np.unique(np.concatenate(chosen))
+        pred.scores[layer] = p
+        pred.predicted[layer] = np.sort(experts)
+        pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e)) for e in experts)
+
+    def end_iteration(self) -> None:
+        """Online mode: add this iteration's rows to the store."""
+        if self.mode != "online" or self._buf_embed is None:
+            return
+        L = self.dims.num_layers
+        if len(self._buf_probs) != L:
+            raise RuntimeError(f"expert_map: iteration ended after {len(self._buf_probs)} of "
+                               f"{L} layers; online rows need every layer's probabilities")
+        probs = np.stack(self._buf_probs, axis=1).astype(np.float64)  # [T, L, J]
+        if self.granularity == "token":
+            keys, maps, req = self._buf_embed, probs, self._buf_token_request
+        else:
+            keys = pool_keys(self._buf_embed, self._groups, self.pooling)
+            maps = np.stack([probs[g].mean(axis=0) for g in self._groups])
+            req = self._units
+        self.store.add(keys, maps, req)
+        self._buf_embed, self._buf_probs = None, []
+
+    # ------------------------------------------------------------------ reporting
+    def stats(self) -> dict[str, float]:
+        def us(ts: list[float]) -> float:
+            return float(np.mean(ts) * 1e6) if ts else float("nan")
+
+        return {
+            "store_rows": float(self.store.size),
+            "store_bytes": float(self.store.nbytes),
+            "semantic_query_us_mean": us(self._t_sem),
+            "trajectory_query_us_mean": us(self._t_traj),
+        }
