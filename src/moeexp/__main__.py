@@ -24,10 +24,14 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from moeexp.paths import CONF_DIR
+
 log = logging.getLogger("moeexp")
 
 
-@hydra.main(version_base=None, config_path="../../conf", config_name="config")
+# An absolute path: a relative one is resolved against the calling *module* when the app
+# starts from the console script, and `conf/` is not a Python package.
+@hydra.main(version_base=None, config_path=str(CONF_DIR), config_name="config")
 def app(cfg: DictConfig) -> dict[str, Any]:
     """One Hydra job: :func:`moeexp.pipeline.run` on the composed config.
 

@@ -1,18 +1,19 @@
-"""Backends (the ``backend`` config group): what executes a run's test split.
+"""Backends (the ``backend`` config group): what serves a run's test split.
 
-``sim`` replays the recorded trace through the simulator and cost model. ``engine`` (real
-expert offloading on a GPU) is a later issue; it registers itself here under ``engine``.
-A backend is built as ``BACKENDS.build(name, **rest_of_group)`` (a misspelled key fails)
-and run as::
+``sim`` replays the recorded trace through the simulator and the cost model; ``engine``
+serves the test prompts through the real offloading engine (:mod:`moeexp.engine`, torch,
+imported only when chosen). A backend is built as ``BACKENDS.build(name, **rest_of_group)``
+(a misspelled key fails, naming the accepted ones) and run as::
 
-    backend.run(test: Trace, predictor, cache, cost, *, seed) -> SimResult
+    backend.run(ctx: BackendContext) -> BackendResult(metrics, series)
 
-returning the metric keys of :mod:`moeexp.metrics` plus per-step series.
+The pipeline fills the context (model, test prompts, test trace, fitted predictor and
+cache, cost model, seed); a new backend registers a class here and gets the same inputs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
 from moeexp.errors import ConfigError
@@ -20,14 +21,41 @@ from moeexp.registry import Registry
 from moeexp.traces.schema import Trace
 
 
+@dataclass(frozen=True)
+class BackendContext:
+    """Everything a backend may need for one run.
+
+    Attributes:
+        loaded: the LoadedModel (model, tokenizer, adapter, name).
+        prompts: the test-split prompts (moeexp.data.prompts.Prompt), in request order.
+        trace: the test split of the routing trace.
+        predictor: fitted on the store split.
+        cache: fitted on the store split; ``capacity_slots`` is the budget.
+        cost: the cost model (simulated hardware profile).
+        seed: the run's seed (``trace.seed``).
+    """
+
+    loaded: Any
+    prompts: list[Any]
+    trace: Trace
+    predictor: Any
+    cache: Any
+    cost: Any
+    seed: int
+
+
+@dataclass
+class BackendResult:
+    """``metrics``: flat scalars (moeexp.metrics.CORE_KEYS + extras); ``series``: per-step lists."""
+
+    metrics: dict[str, Any]
+    series: dict[str, list[Any]] = field(default_factory=dict)
+
+
 class Backend(Protocol):
-    """Runs the test split with a predictor and a cache policy."""
+    """Serves the test split with a predictor and a cache policy."""
 
-    name: str
-
-    def run(self, test: Trace, predictor: Any, cache: Any, cost: Any, *, seed: int) -> Any:
-        """Return an object with ``metrics: dict[str, float]`` and ``series: dict[str, list]``."""
-        ...
+    def run(self, ctx: BackendContext) -> BackendResult: ...
 
 
 BACKENDS: Registry[Backend] = Registry("backend")
@@ -40,15 +68,15 @@ class SimBackend:
 
     Args:
         batch_size: requests per batch (a layer's experts are the union over the batch).
-        arrival_rate: requests per second for the online mode (Poisson arrivals; stores
-            start empty); None = offline (requests back to back).
-        num_online_requests: requests replayed in the online mode (FineMoE: 256).
+        arrival_rate: requests per second for the online mode (Poisson arrivals, seeded by
+            ``trace.seed``); None = offline (requests back to back).
+        num_online_requests: requests served in the online mode (FineMoE: 256; the test
+            split is cycled through); ignored offline.
         restricted_routing: eMoE's restricted routing (substitute a resident expert).
-        renormalize: renormalise routing weights after a substitution.
+        renormalize: renormalise routing weights after a substitution (model output only).
         progress: show a progress bar.
     """
 
-    name = "sim"
     batch_size: int = 1
     arrival_rate: float | None = None
     num_online_requests: int = 256
@@ -65,9 +93,41 @@ class SimBackend:
         if self.num_online_requests < 1:
             raise ConfigError("backend=sim: num_online_requests must be >= 1")
 
-    def run(self, test: Trace, predictor: Any, cache: Any, cost: Any, *, seed: int) -> Any:
+    def run(self, ctx: BackendContext) -> BackendResult:
         from moeexp.simulator import simulate
 
-        return simulate(test, predictor, cache, cost, batch_size=self.batch_size,
-                        arrival_rate=self.arrival_rate, restricted_routing=self.restricted_routing,
-                        renormalize=self.renormalize, seed=seed, progress=self.progress)
+        online = self.arrival_rate is not None
+        res = simulate(ctx.trace, ctx.predictor, ctx.cache, ctx.cost,
+                       batch_size=self.batch_size, arrival_rate=self.arrival_rate,
+                       restricted_routing=self.restricted_routing, renormalize=self.renormalize,
+                       seed=ctx.seed, progress=self.progress,
+                       num_requests=self.num_online_requests if online else None)
+        return BackendResult(dict(res.metrics), dict(res.series))
+
+
+@BACKENDS.register("engine")
+class EngineBackend:
+    """The real engine (:func:`moeexp.engine.backend.run_engine_backend`), torch-backed.
+
+    Accepts the keys of :class:`moeexp.engine.runtime.EngineSettings` plus the decoding
+    keys ``sampling``, ``top_k``, ``temperature``, ``seed``, ``warmup``, ``progress``;
+    anything else raises ConfigError.
+    """
+
+    def __init__(self, **settings: Any) -> None:
+        from moeexp.engine.backend import _DECODE_KEYS
+        from moeexp.engine.runtime import EngineSettings
+
+        valid = {f.name for f in fields(EngineSettings)} | set(_DECODE_KEYS)
+        unknown = sorted(set(settings) - valid)
+        if unknown:
+            raise ConfigError(f"backend=engine: unknown key(s) {unknown}. Accepted keys: "
+                              f"{', '.join(sorted(valid))}")
+        self.settings = dict(settings)
+
+    def run(self, ctx: BackendContext) -> BackendResult:
+        from moeexp.engine.backend import run_engine_backend
+
+        settings = {"seed": ctx.seed, **self.settings}
+        metrics = run_engine_backend(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings)
+        return BackendResult(dict(metrics))

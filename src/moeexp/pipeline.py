@@ -99,8 +99,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
 
 def _execute(cfg: DictConfig, spec: RunSpec, loaded: Any, prompts: list[Any], cost: Any,
              times: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Trace, fit, replay, reference; returns (metrics, series)."""
-    from moeexp.backends import BACKENDS
+    """Trace, fit, serve the test split; returns (metrics, series)."""
+    from moeexp.backends import BACKENDS, BackendContext
     from moeexp.traces.cache import get_or_record
 
     t = time.perf_counter()
@@ -122,11 +122,14 @@ def _execute(cfg: DictConfig, spec: RunSpec, loaded: Any, prompts: list[Any], co
     times["fit_time_s"] = time.perf_counter() - t
 
     backend = BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
+    test_ids = {r.request_id for r in test.requests}
+    ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
+                         trace=test, predictor=predictor, cache=cache, cost=cost,
+                         seed=spec.trace.seed)
     t = time.perf_counter()
-    result = backend.run(test, predictor, cache, cost, seed=spec.trace.seed)
+    result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t
     metrics: dict[str, Any] = dict(result.metrics)
-
     metrics.update(times)
     metrics.update(_identity(spec, trace))
     series = {k: v for k, v in result.series.items()}

@@ -138,10 +138,20 @@ def test_misspelled_key_in_a_yaml_file(tmp_path):
     ("trace.sampling=beam", "sampling='beam' .valid: top_k, greedy"),
     ("logger.mode=onlin", "mode='onlin'"),
     ("predictor=learned_mlp", r"needs hidden states \(set trace.record_hidden=true\)"),
+    ("backend.name=gpu", r"unknown backend 'gpu'. Valid backend names: engine, sim"),
 ])
 def test_bad_values_fail_in_validate(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         validate(_compose([override]))
+
+
+def test_engine_backend_keys_are_checked():
+    """backend=engine takes the engine's settings; a typo fails (the engine imports torch)."""
+    from moeexp.backends import BACKENDS
+
+    assert BACKENDS.build("engine", bandwidth_bps=1e9, sampling="greedy").settings
+    with pytest.raises(ConfigError, match=r"backend=engine: unknown key\(s\) \['bandwith_bps'\]"):
+        BACKENDS.build("engine", bandwith_bps=1e9)
 
 
 def test_capacity_below_top_k_fails_when_building():
@@ -172,3 +182,18 @@ def test_app_misspelled_option_fails_listing_options(override, listed, tmp_path)
     assert out.returncode != 0
     assert "Available options" in out.stderr and listed in out.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_console_script_from_another_directory(tmp_path):
+    """The `moeexp` console script finds conf/ from any working directory, and
+    `moeexp collect` dispatches to moeexp.collect (exit 1: no runs under an empty dir)."""
+    script = Path(sys.executable).parent / "moeexp"
+    if not script.exists():
+        pytest.skip("moeexp console script not installed in this environment")
+    out = subprocess.run([str(script), "--cfg", "job"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "name: tiny" in out.stdout
+    out = subprocess.run([str(script), "collect", str(tmp_path)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "no run (metrics.json)" in out.stderr
