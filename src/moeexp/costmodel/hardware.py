@@ -1,0 +1,160 @@
+"""Hardware profiles: the numbers a cost model needs, stored as data in ``conf/hardware``.
+
+A profile is one YAML file ``conf/hardware/NAME.yaml`` whose ``name:`` equals ``NAME``;
+its keys are exactly the fields of :class:`HardwareProfile`. Spec-sheet values (link and
+memory bandwidth, peak FLOPS, memory size) carry a comment naming their source; the
+efficiencies, copy latency and launch overheads are estimates meant to be calibrated from
+engine runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from moeexp.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """One GPU + host link.
+
+    Attributes:
+        name: profile name (== YAML file name).
+        h2d_gbps: host-to-device link bandwidth per direction, GB/s (1e9 bytes/s), nominal.
+        h2d_efficiency: achieved / nominal link bandwidth, in (0, 1].
+        copy_latency_us: fixed cost of one copy (launch + DMA set-up), microseconds.
+        peak_tflops: dense FP16/BF16 tensor-core peak, TFLOPS (1e12 FLOP/s).
+        compute_efficiency: achieved / peak FLOPS for the expert and dense GEMMs, in (0, 1].
+        hbm_gbps: device memory bandwidth, GB/s.
+        memory_efficiency: achieved / peak memory bandwidth, in (0, 1].
+        memory_gb: device memory, GB.
+        dense_overhead_us: launch overhead of one layer's attention + router part, us.
+        expert_overhead_us: launch overhead of one active expert's FFN, us.
+    """
+
+    name: str
+    h2d_gbps: float
+    h2d_efficiency: float
+    copy_latency_us: float
+    peak_tflops: float
+    compute_efficiency: float
+    hbm_gbps: float
+    memory_efficiency: float
+    memory_gb: float
+    dense_overhead_us: float
+    expert_overhead_us: float
+
+    def __post_init__(self) -> None:
+        bad = [f.name for f in fields(self) if f.name != "name" and not _finite_nonneg(getattr(self, f.name))]
+        for eff in ("h2d_efficiency", "compute_efficiency", "memory_efficiency"):
+            if not 0 < float(getattr(self, eff)) <= 1:
+                bad.append(eff)
+        for rate in ("h2d_gbps", "peak_tflops", "hbm_gbps"):
+            if not float(getattr(self, rate)) > 0:
+                bad.append(rate)
+        if bad:
+            raise ConfigError(
+                f"hardware profile {self.name!r}: invalid value(s) for {', '.join(sorted(set(bad)))}"
+                " (rates must be > 0, efficiencies in (0, 1], the rest >= 0)"
+            )
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        """Achieved host-to-device bandwidth, bytes/s."""
+        return self.h2d_gbps * 1e9 * self.h2d_efficiency
+
+    @property
+    def flops_per_s(self) -> float:
+        """Achieved GEMM throughput, FLOP/s."""
+        return self.peak_tflops * 1e12 * self.compute_efficiency
+
+    @property
+    def hbm_bytes_per_s(self) -> float:
+        """Achieved device-memory bandwidth, bytes/s."""
+        return self.hbm_gbps * 1e9 * self.memory_efficiency
+
+    @classmethod
+    def from_mapping(cls, cfg: Mapping[str, Any]) -> HardwareProfile:
+        """Build from a mapping (a YAML file or the composed ``hardware`` config group).
+
+        Raises ConfigError naming missing or unknown keys.
+        """
+        want = {f.name for f in fields(cls)}
+        got = set(cfg)
+        missing, unknown = sorted(want - got), sorted(got - want)
+        if missing or unknown:
+            name = cfg.get("name", "?")
+            parts = []
+            if missing:
+                parts.append(f"missing key(s) {', '.join(missing)}")
+            if unknown:
+                parts.append(f"unknown key(s) {', '.join(unknown)}")
+            raise ConfigError(
+                f"hardware profile {name!r}: {'; '.join(parts)}. Keys: {', '.join(sorted(want))}"
+            )
+        kwargs: dict[str, Any] = {"name": str(cfg["name"])}
+        for f in fields(cls):
+            if f.name != "name":
+                try:
+                    kwargs[f.name] = float(cfg[f.name])
+                except (TypeError, ValueError):
+                    raise ConfigError(
+                        f"hardware profile {cfg['name']!r}: {f.name} must be a number, "
+                        f"got {cfg[f.name]!r}"
+                    ) from None
+        return cls(**kwargs)
+
+
+def _finite_nonneg(v: Any) -> bool:
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        return False
+    return x == x and x >= 0 and x != float("inf")
+
+
+def default_conf_dirs() -> list[Path]:
+    """Where profiles are looked up: the repository's ``conf/hardware`` (source checkout),
+    then ``moeexp/conf/hardware`` inside the installed package, if either exists."""
+    here = Path(__file__).resolve()
+    candidates = [here.parents[3] / "conf" / "hardware", here.parents[1] / "conf" / "hardware"]
+    return [p for p in candidates if p.is_dir()]
+
+
+def available_profiles(conf_dir: str | Path | None = None) -> list[str]:
+    """Sorted names of the profiles found."""
+    dirs = [Path(conf_dir)] if conf_dir is not None else default_conf_dirs()
+    return sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+
+
+def load_profile(name: str, conf_dir: str | Path | None = None) -> HardwareProfile:
+    """Read ``conf/hardware/NAME.yaml``.
+
+    Raises ConfigError for an unknown name (listing the valid profiles), a file whose
+    ``name:`` differs from its file name, or missing/unknown/invalid keys.
+    """
+    dirs = [Path(conf_dir)] if conf_dir is not None else default_conf_dirs()
+    for d in dirs:
+        path = d / f"{name}.yaml"
+        if path.is_file():
+            break
+    else:
+        valid = available_profiles(conf_dir)
+        raise ConfigError(
+            f"unknown hardware profile {name!r}. Valid hardware profiles: "
+            f"{', '.join(valid) or '(none found in ' + ', '.join(map(str, dirs)) + ')'}"
+        )
+    try:
+        cfg = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"hardware profile {path}: not valid YAML ({e})") from None
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"hardware profile {path}: expected a mapping of keys")
+    if cfg.get("name") != name:
+        raise ConfigError(f"hardware profile {path}: name: {cfg.get('name')!r} != file name {name!r}")
+    return HardwareProfile.from_mapping(cfg)

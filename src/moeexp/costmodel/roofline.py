@@ -1,0 +1,146 @@
+"""A roofline cost model: seconds per layer part and per expert copy, from dims + a profile.
+
+Every GPU operation costs ``max(FLOPs / achieved FLOP/s, bytes / achieved memory B/s)``
+plus a fixed launch overhead; every host-to-device copy costs ``latency + bytes / link
+B/s``. Per MoE layer and iteration the model distinguishes:
+
+* the **dense part** (attention, norms, router, shared experts, and a 1/L share of the
+  embedding and LM head): its weights are ``dims.dense_bytes / L`` bytes (or ``4 H^2``
+  parameters when the trace does not say), read once per iteration; FLOPs are
+  ``2 * tokens * params`` plus ``4 * H * sum(context)`` for the attention scores;
+* one **expert FFN** per active expert: ``2 * 3 * H * I`` FLOPs per token routed to it
+  (gate, up, down projections) against reading its ``expert_bytes`` of weights.
+
+A decode step of a 47B-parameter Mixtral is therefore memory bound (each active expert
+reads 352 MB), a long prefill compute bound, as on real hardware. The same model gives the
+``no_offload`` latency (every expert resident), so normalised latencies need no second
+profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from moeexp.costmodel.hardware import HardwareProfile
+from moeexp.errors import ConfigError
+from moeexp.traces.schema import TraceDims
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Times in seconds for one model shape on one hardware profile.
+
+    Attributes:
+        profile: the hardware.
+        num_layers: L (MoE layers).
+        num_experts: J.
+        hidden_size: H.
+        intermediate_size: I of one routed expert.
+        expert_bytes: bytes of one routed expert (what one copy moves).
+        dense_layer_bytes: always-resident weight bytes read per layer and iteration.
+        dense_bytes: all always-resident weight bytes (for the memory estimate).
+        dtype_bytes: bytes per weight/activation element (2 for fp16/bf16).
+    """
+
+    profile: HardwareProfile
+    num_layers: int
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+    expert_bytes: int
+    dense_layer_bytes: float
+    dense_bytes: int
+    dtype_bytes: int
+    _expert_cache: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_profile(cls, profile: HardwareProfile, dims: TraceDims, dtype_bytes: int = 2) -> CostModel:
+        """Build from a profile and a trace's dims.
+
+        ``intermediate_size`` falls back to ``expert_bytes / (3 H dtype_bytes)`` when the
+        dims leave it 0; the dense part to ``4 H^2`` parameters when ``dense_bytes`` is 0.
+        """
+        if dtype_bytes <= 0:
+            raise ConfigError(f"dtype_bytes must be positive, got {dtype_bytes}")
+        if dims.expert_bytes <= 0 or dims.hidden_size <= 0 or dims.num_layers <= 0:
+            raise ConfigError(f"cost model needs positive expert_bytes, hidden_size, num_layers: {dims}")
+        H = dims.hidden_size
+        inter = dims.intermediate_size or max(1, dims.expert_bytes // (3 * H * dtype_bytes))
+        if dims.dense_bytes > 0:
+            dense_layer = dims.dense_bytes / dims.num_layers
+            dense_total = dims.dense_bytes
+        else:
+            dense_layer = float(4 * H * H * dtype_bytes)
+            dense_total = int(dense_layer * dims.num_layers)
+        return cls(
+            profile=profile,
+            num_layers=dims.num_layers,
+            num_experts=dims.num_experts,
+            hidden_size=H,
+            intermediate_size=int(inter),
+            expert_bytes=dims.expert_bytes,
+            dense_layer_bytes=float(dense_layer),
+            dense_bytes=int(dense_total),
+            dtype_bytes=dtype_bytes,
+        )
+
+    # ------------------------------------------------------------------ transfers
+    @property
+    def copy_s(self) -> float:
+        """Seconds to copy one expert host->device (latency + bytes / achieved bandwidth)."""
+        p = self.profile
+        return p.copy_latency_us * 1e-6 + self.expert_bytes / p.h2d_bytes_per_s
+
+    # ------------------------------------------------------------------ compute
+    def _roof(self, flops: float, nbytes: float) -> float:
+        p = self.profile
+        return max(flops / p.flops_per_s, nbytes / p.hbm_bytes_per_s)
+
+    def expert_s(self, tokens: int) -> float:
+        """Seconds for one expert FFN over ``tokens`` tokens (0 tokens: 0 s). Memoised."""
+        t = self._expert_cache.get(tokens)
+        if t is None:
+            if tokens <= 0:
+                t = 0.0
+            else:
+                H, inter, b = self.hidden_size, self.intermediate_size, self.dtype_bytes
+                flops = 6.0 * H * inter * tokens
+                nbytes = self.expert_bytes + tokens * (2 * H + 3 * inter) * b
+                t = self._roof(flops, nbytes) + self.profile.expert_overhead_us * 1e-6
+            self._expert_cache[tokens] = t
+        return t
+
+    def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int) -> float:
+        """Seconds for one layer's dense part (attention + router + shared experts).
+
+        Args:
+            tokens: tokens processed in this iteration (all sequences of the batch).
+            ctx_tokens: sum over those tokens of the context each attends to.
+            kv_tokens: KV-cache entries read (prefill: the prompt; decode: the context).
+        """
+        H, b = self.hidden_size, self.dtype_bytes
+        params = self.dense_layer_bytes / b
+        flops = 2.0 * tokens * params + 4.0 * H * ctx_tokens
+        nbytes = self.dense_layer_bytes + 2.0 * kv_tokens * H * b
+        return self._roof(flops, nbytes) + self.profile.dense_overhead_us * 1e-6
+
+    def experts_s(self, counts: np.ndarray) -> float:
+        """Seconds for all active experts of one layer; ``counts``: int[J] tokens per expert."""
+        return sum(self.expert_s(int(c)) for c in counts if c > 0)
+
+    # ------------------------------------------------------------------ memory
+    def gpu_mem_bytes(self, cache_slots: int) -> int:
+        """Weights on the device: ``cache_slots`` experts + the always-resident weights."""
+        return int(cache_slots * self.expert_bytes + self.dense_bytes)
+
+    def describe(self) -> dict[str, Any]:
+        """Flat summary for logs: per-copy and per-expert times in ms."""
+        return {
+            "hardware": self.profile.name,
+            "copy_ms": self.copy_s * 1e3,
+            "expert_1tok_ms": self.expert_s(1) * 1e3,
+            "dense_1tok_ms": self.dense_s(1, 1, 1) * 1e3,
+        }

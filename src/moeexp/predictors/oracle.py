@@ -1,0 +1,72 @@
+"""``oracle``: perfect knowledge of the current iteration's accesses (``needs={"future"}``).
+
+At every iteration start it prefetches the true experts of the next ``lookahead`` layers
+(default: all), nearest layer first (priority ``L - l``), and declares every layer's true
+experts as its prediction (recall = precision = 1). After layer l's router it re-issues
+the whole window l+1 .. l+lookahead (``reissue``, default): a prefetch the cache refused
+earlier may be accepted now (``belady`` admits a prefetch only once MIN's victim for it is
+no longer needed); the mechanism ignores keys already queued or resident. With
+``reissue: false`` only the layer entering the window is issued (cheaper; on a Mixtral-
+shaped random trace at 25 % capacity: hit rate 0.792 instead of 0.811). With ``belady``
+it forms the ``oracle`` system: the hit-rate ceiling for a capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.predictors.base import (
+    PREDICTORS,
+    IterationStart,
+    LayerObservation,
+    Prediction,
+    Predictor,
+    Prefetch,
+)
+from moeexp.traces.schema import TraceDims
+
+
+@PREDICTORS.register("oracle")
+class OraclePredictor(Predictor):
+    """Prefetch the true experts of upcoming layers.
+
+    Args:
+        dims: trace dims.
+        lookahead: how many layers ahead to prefetch (None: the rest of the iteration).
+        reissue: re-issue the whole window after each layer (default true; false: only the
+            layer entering the window is issued).
+    """
+
+    needs = frozenset({"future"})
+
+    def __init__(self, *, dims: TraceDims, lookahead: int | None = None, reissue: bool = True) -> None:
+        super().__init__(dims=dims)
+        if lookahead is not None and lookahead < 1:
+            raise ConfigError(f"oracle: lookahead must be >= 1 or null, got {lookahead}")
+        self.lookahead = dims.num_layers if lookahead is None else int(lookahead)
+        self.reissue = bool(reissue)
+        self._flat: list[Prefetch] = []
+        self._offsets: list[int] = [0] * (dims.num_layers + 1)
+
+    def start_iteration(self, ctx: IterationStart) -> Prediction:
+        if ctx.future is None:
+            raise ConfigError("oracle needs the future accesses (IterationStart.future); the mechanism gave none")
+        L = self.dims.num_layers
+        flat: list[Prefetch] = []
+        offsets = [0]
+        for layer, experts in enumerate(ctx.future):
+            pri = float(L - layer)
+            flat.extend(Prefetch(pri, layer, int(e)) for e in experts)
+            offsets.append(len(flat))
+        self._flat, self._offsets = flat, offsets
+        predicted = {layer: np.asarray(e, dtype=np.int64) for layer, e in enumerate(ctx.future)}
+        return Prediction(prefetch=flat[: offsets[min(L, self.lookahead)]], predicted=predicted)
+
+    def observe_layer(self, obs: LayerObservation) -> Prediction:
+        L = self.dims.num_layers
+        hi = min(L, obs.layer + 1 + self.lookahead)
+        lo = obs.layer + 1 if self.reissue else hi - 1
+        if lo >= hi or lo < obs.layer + 1:
+            return Prediction()
+        return Prediction(prefetch=self._flat[self._offsets[lo]: self._offsets[hi]])

@@ -1,0 +1,310 @@
+"""The simulated device: expert slots, one copy engine, the prefetch queue, layer service.
+
+Time is in seconds on one compute stream; the copy engine moves one expert at a time
+(``cost.copy_s`` each) and overlaps compute. The cache policy decides every eviction; this
+class only keeps the mechanism honest:
+
+* ``ready[key]`` is the time ``key``'s copy finishes; a key is *resident* from the moment
+  its copy starts (its slot is taken) and *ready* once the copy finished.
+* Prefetches wait in a priority queue (higher priority first, FIFO among equals). They are
+  started lazily: :meth:`advance` starts, in order, every queued prefetch whose start
+  time (engine free, not paused, enqueued) falls before the next event. A prefetch for a
+  layer whose experts already ran (``layer <= cur_layer``) is dropped, as is one the
+  policy finds no victim for. One key is queued once (at its highest priority).
+* A layer's missing experts are loaded on demand: after the copy in flight, before any
+  queued prefetch. Experts compute one after another as soon as they are ready (resident
+  hits first), so a layer's stall is the compute stream's idle time.
+* When a layer needs more experts than fit (a prefill touching every expert), experts
+  already computed in this layer are released for eviction and the rest stream through
+  the budget; the resident count never exceeds ``cache.capacity_slots``.
+* ``protected`` (never evicted): for a demand load, the running layer's experts not yet
+  computed, the loaded key included; for a prefetch, the running layer's experts. So a
+  demand load's key is always protected and a prefetch's never is (policies such as
+  Belady rely on that). If the policy raises ConfigError for a demand load, the load
+  waits for the next expert of the layer to finish computing and asks again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from moeexp.cache.base import CachePolicy, Key
+from moeexp.costmodel.roofline import CostModel
+from moeexp.errors import ConfigError
+from moeexp.predictors.base import Prefetch
+
+_NEG_INF = float("-inf")
+
+
+class Device:
+    """Residency, copy engine and counters of one replay."""
+
+    def __init__(self, cache: CachePolicy, cost: CostModel, num_layers: int, num_experts: int) -> None:
+        self.cache = cache
+        self.L, self.J = num_layers, num_experts
+        self.copy_s = cost.copy_s
+        self.expert_bytes = cost.expert_bytes
+        self.capacity = cache.capacity_slots
+        self.ready: dict[Key, float] = {}
+        self.unused_prefetched: set[Key] = set()
+        self.copy_free = 0.0
+        self.pause_until = _NEG_INF
+        self.heap: list[tuple[float, int, float, Key]] = []
+        self.pending: dict[Key, float] = {}
+        self.seq = 0
+        self.cur_layer = -1
+        self.protected: set[Key] = set()
+        self.next_access = 0
+        # counters
+        self.h2d_bytes = 0
+        self.prefetches_issued = 0
+        self.prefetches_dropped = 0
+        self.waste_bytes = 0
+        self.peak_resident = 0
+
+    # ------------------------------------------------------------------ residency
+    def preload(self, keys: Iterable[Key]) -> None:
+        """Load ``keys`` before serving starts (ready at once; not counted as traffic)."""
+        for key in keys:
+            if key in self.ready:
+                continue
+            if len(self.ready) >= self.capacity:
+                raise ConfigError(
+                    f"{self.cache.name}: initial residents exceed the capacity of {self.capacity} slots"
+                )
+            self.ready[key] = _NEG_INF
+            self.cache.on_insert(key, 0, False)
+        self.peak_resident = max(self.peak_resident, len(self.ready))
+
+    def _evict(self, key: Key) -> None:
+        if self.ready.pop(key, None) is None:
+            raise RuntimeError(f"{self.cache.name}: victim {key} is not resident (policy bug)")
+        if key in self.unused_prefetched:
+            self.unused_prefetched.discard(key)
+            self.waste_bytes += self.expert_bytes
+        self.cache.on_evict(key)
+
+    def _insert(self, key: Key, ready_at: float, now: int, prefetched: bool) -> None:
+        self.ready[key] = ready_at
+        self.h2d_bytes += self.expert_bytes
+        self.cache.on_insert(key, now, prefetched)
+        if prefetched:
+            self.unused_prefetched.add(key)
+        n = len(self.ready)
+        if n > self.capacity:
+            raise RuntimeError(
+                f"{self.cache.name}: {n} experts resident, capacity {self.capacity} (policy bug)"
+            )
+        if n > self.peak_resident:
+            self.peak_resident = n
+
+    # ------------------------------------------------------------------ prefetch queue
+    def enqueue(self, prefetches: list[Prefetch], t: float) -> None:
+        """Queue prefetch requests made at time ``t`` (call :meth:`advance` to ``t`` first)."""
+        L, J, cur = self.L, self.J, self.cur_layer
+        ready, pending, heap = self.ready, self.pending, self.heap
+        for pf in prefetches:
+            layer, expert = pf.layer, pf.expert
+            if layer <= cur:
+                if layer < 0:
+                    raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")
+                self.prefetches_dropped += 1
+                continue
+            key = (layer, expert)
+            if key in ready:
+                continue
+            neg = -pf.priority
+            old = pending.get(key)
+            if old is not None and old <= neg:
+                continue
+            if layer >= L or not 0 <= expert < J:
+                raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")
+            pending[key] = neg
+            self.seq += 1
+            heapq.heappush(heap, (neg, self.seq, t, key))
+
+    def advance(self, t: float) -> None:
+        """Start every queued prefetch that the copy engine would start before ``t``."""
+        heap = self.heap
+        while heap:
+            neg, _, enq, key = heap[0]
+            if self.pending.get(key) != neg:  # superseded by a higher-priority request
+                heapq.heappop(heap)
+                continue
+            start = max(self.copy_free, self.pause_until, enq)
+            if start >= t:
+                return
+            heapq.heappop(heap)
+            del self.pending[key]
+            if key[0] <= self.cur_layer:
+                self.prefetches_dropped += 1
+                continue
+            if key in self.ready:
+                continue
+            try:
+                victim = self.cache.victim(key, self.protected, self.next_access)
+            except ConfigError:
+                self.prefetches_dropped += 1
+                continue
+            if victim is not None:
+                self._evict(victim)
+            done = start + self.copy_s
+            self._insert(key, done, self.next_access, True)
+            self.copy_free = done
+            self.prefetches_issued += 1
+
+    def begin_iteration(self) -> None:
+        """A new forward pass: no layer has run, nothing is computing."""
+        self.cur_layer = -1
+        self.protected = set()
+
+    def end_iteration(self) -> None:
+        """Every prefetch still queued targets a layer that already ran: drop them."""
+        self.prefetches_dropped += len(self.pending)
+        self.pending.clear()
+        self.heap.clear()
+
+    # ------------------------------------------------------------------ layer service
+    def serve_layer(self, layer: int, needed: list[int], ce: list[float], pos0: int,
+                    t: float) -> tuple[float, int, int, float]:
+        """Run layer ``layer``'s experts ``needed`` (sorted) starting at time ``t``.
+
+        Args:
+            ce: seconds of each needed expert's FFN (same order).
+            pos0: stream index of this layer's first access (the policy's ``now``).
+
+        Returns:
+            (time the layer's experts finished, hits, misses, stall seconds).
+        """
+        cache, ready = self.cache, self.ready
+        self.cur_layer = layer
+        keys = [(layer, e) for e in needed]
+        protected = set(keys)
+        self.protected = protected
+        self.next_access = pos0 + len(keys)
+        hits: list[int] = []
+        waits: list[int] = []
+        absent: list[int] = []
+        for i, k in enumerate(keys):
+            r = ready.get(k)
+            if r is None:
+                absent.append(i)
+            elif r <= t:
+                hits.append(i)
+            else:
+                waits.append(i)
+        comp, stall = t, 0.0
+        finished: list[tuple[float, Key]] = []  # compute order == time order
+        unused = self.unused_prefetched
+        for i in hits:
+            k = keys[i]
+            comp += ce[i]
+            cache.on_access(k, pos0 + i, True)
+            unused.discard(k)
+            finished.append((comp, k))
+        for i in waits:
+            k = keys[i]
+            r = ready[k]
+            if r > comp:
+                stall += r - comp
+                comp = r
+            comp += ce[i]
+            cache.on_access(k, pos0 + i, False)
+            unused.discard(k)
+            finished.append((comp, k))
+        if absent:
+            comp, stall = self._demand(keys, absent, ce, pos0, t, comp, stall, finished)
+        if (absent or waits) and cache.pause_prefetch_on_miss:
+            self.pause_until = comp
+        return comp, len(hits), len(waits) + len(absent), stall
+
+    def _demand(self, keys: list[Key], absent: list[int], ce: list[float], pos0: int, t: float,
+                comp: float, stall: float, finished: list[tuple[float, Key]]) -> tuple[float, float]:
+        """Load ``absent`` experts on demand, ahead of queued prefetches; stream if needed."""
+        cache = self.cache
+        copy_t = max(self.copy_free, t)
+        unreleased = set(self.protected)
+        released = 0
+        for i in absent:
+            k = keys[i]
+            while True:
+                while released < len(finished) and finished[released][0] <= copy_t:
+                    unreleased.discard(finished[released][1])
+                    released += 1
+                try:
+                    victim = cache.victim(k, unreleased, pos0 + i)
+                    break
+                except ConfigError:
+                    if released >= len(finished):
+                        raise RuntimeError(
+                            f"{cache.name}: cannot make room for {k}: capacity "
+                            f"{self.capacity} slots, {len(unreleased)} experts of this layer pending"
+                        ) from None
+                    copy_t = max(copy_t, finished[released][0])  # wait for one to finish
+            if victim is not None:
+                self._evict(victim)
+            done = copy_t + self.copy_s
+            self._insert(k, done, pos0 + i, False)
+            copy_t = done
+            if done > comp:
+                stall += done - comp
+                comp = done
+            comp += ce[i]
+            cache.on_access(k, pos0 + i, False)
+            finished.append((comp, k))
+        self.copy_free = copy_t
+        return comp, stall
+
+    def serve_restricted(self, layer: int, needed: list[int], topk: np.ndarray, probs: np.ndarray,
+                         pos0: int, t: float, expert_s: Callable[[int], float]) -> tuple[float, int, int, int, int]:
+        """eMoE's restricted routing: tokens use only resident+ready experts; nothing loads.
+
+        A token's chosen expert that is not ready is replaced by the next expert in the
+        token's gate order (descending ``probs``) that is ready and not already used by it;
+        with none left the assignment is dropped.
+
+        Args:
+            topk: int[T, K] the token's chosen experts; probs: float[T, J] gate scores.
+            expert_s: seconds of one expert FFN over n tokens.
+
+        Returns:
+            (finish time, hits, misses, substituted assignments, dropped assignments), where
+            hits/misses count the router's original experts of the layer (ready or not).
+        """
+        ready = self.ready
+        self.cur_layer = layer
+        self.protected = {(layer, e) for e in needed}
+        self.next_access = pos0 + len(needed)
+        usable = {e for e in range(self.J) if ready.get((layer, e), np.inf) <= t}
+        hits = sum(1 for e in needed if e in usable)
+        counts: dict[int, int] = {}
+        subs = drops = 0
+        order = None
+        for row in range(topk.shape[0]):
+            chosen = topk[row].tolist()
+            used = [e for e in chosen if e in usable]
+            for e in chosen:
+                if e in usable:
+                    continue
+                if order is None:
+                    order = np.argsort(-probs, axis=1, kind="stable")
+                for alt in order[row].tolist():
+                    if alt in usable and alt not in used and alt not in chosen:
+                        used.append(alt)
+                        subs += 1
+                        break
+                else:
+                    drops += 1
+            for e in used:
+                counts[e] = counts.get(e, 0) + 1
+        comp = t
+        index = {e: i for i, e in enumerate(needed)}
+        for e in sorted(counts):
+            comp += expert_s(counts[e])
+            k = (layer, e)
+            self.cache.on_access(k, pos0 + index.get(e, 0), True)
+            self.unused_prefetched.discard(k)
+        return comp, hits, len(needed) - hits, subs, drops

@@ -1,0 +1,215 @@
+"""What the replay will serve, precomputed once: requests, batches, arrivals, forward passes.
+
+Vocabulary:
+
+* a **unit** is one served request (``num_requests`` may cycle the trace's requests);
+* a **batch** is up to ``batch_size`` consecutive units decoding together;
+* a **group** is one forward pass of a batch: step s of every member that has a step s
+  (members with fewer decode steps drop out); a layer's accesses are the union of the
+  experts over the group's tokens.
+
+Group data (experts per layer, per-expert compute seconds, dense seconds) is built lazily
+and memoised by the tuple of trace iterations, so a cycled request costs nothing twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeexp.cache.base import Key
+from moeexp.costmodel.roofline import CostModel
+from moeexp.traces.schema import RequestMeta, Trace
+
+
+@dataclass
+class GroupData:
+    """One forward pass (shared by every replay of the same trace iterations).
+
+    Attributes:
+        iters: trace iteration indices (one per member request).
+        step: decode step (0 = prefill).
+        rows: token rows of the trace (slice or int64 index array), T rows.
+        counts: int64[L, J] tokens routed to each expert.
+        experts: per layer, the sorted union of the selected experts (python ints).
+        ce: per layer, seconds of each listed expert's FFN (same order as ``experts``).
+        dense_s: seconds of one layer's dense part.
+        compute_s: seconds of the whole pass with every expert resident (no stalls).
+        request_ids: int[B] trace request ids of the members.
+        token_request: int[T] request id of every token row.
+    """
+
+    iters: tuple[int, ...]
+    step: int
+    rows: slice | np.ndarray
+    counts: np.ndarray
+    experts: list[list[int]]
+    ce: list[list[float]]
+    dense_s: float
+    compute_s: float
+    request_ids: np.ndarray
+    token_request: np.ndarray
+    _future: tuple[np.ndarray, ...] | None = None
+
+    @property
+    def num_accesses(self) -> int:
+        return sum(len(e) for e in self.experts)
+
+    def future(self) -> tuple[np.ndarray, ...]:
+        """L int64 arrays: the experts each layer will use (oracle's ``future``)."""
+        if self._future is None:
+            self._future = tuple(np.asarray(e, dtype=np.int64) for e in self.experts)
+        return self._future
+
+
+@dataclass
+class Batch:
+    """Units served together; ``groups`` lists the iteration tuples of each forward pass."""
+
+    units: list[int]
+    arrival_s: float | None
+    groups: list[tuple[int, ...]]
+    #: for each group, the units whose last iteration it is
+    finishing: list[list[int]] = field(default_factory=list)
+
+
+class Plan:
+    """Everything the replay loop needs to know ahead of time.
+
+    Args:
+        trace: the test trace.
+        cost: the cost model (dense and expert seconds).
+        batch_size: units per batch (>= 1).
+        arrival_rate: Poisson arrival rate in requests/s, or None (offline: a unit starts
+            when the previous one finished; no queueing).
+        num_requests: units to serve (None: each trace request once, in trace order;
+            more cycles through them).
+        seed: seeds the arrival process.
+    """
+
+    def __init__(self, trace: Trace, cost: CostModel, *, batch_size: int, arrival_rate: float | None,
+                 num_requests: int | None, seed: int) -> None:
+        self.trace = trace
+        self.cost = cost
+        self.L = trace.dims.num_layers
+        R = len(trace.requests)
+        n_units = R if num_requests is None else int(num_requests)
+        self.unit_request: list[RequestMeta] = [trace.requests[u % R] for u in range(n_units)]
+        self.unit_pos: list[int] = [u % R for u in range(n_units)]
+        self.arrivals: np.ndarray | None = None
+        if arrival_rate is not None:
+            rng = np.random.default_rng(seed)
+            self.arrivals = np.cumsum(rng.exponential(1.0 / arrival_rate, size=n_units))
+        self._req_iters = self._iterations_by_request()
+        self._prompt_len = {rid: int(np.diff(trace.iter_offsets)[its[0]]) if len(its) else 0
+                            for rid, its in self._req_iters.items()}
+        self._lens = np.diff(trace.iter_offsets)
+        self._cache: dict[tuple[int, ...], GroupData] = {}
+        self._table = np.zeros(0)
+        self.batches = [self._batch(list(range(i, min(i + batch_size, n_units))))
+                        for i in range(0, n_units, batch_size)]
+
+    # ------------------------------------------------------------------ structure
+    def _iterations_by_request(self) -> dict[int, list[int]]:
+        tr = self.trace
+        order = np.lexsort((tr.iter_step, tr.iter_request))  # by request, then step
+        out: dict[int, list[int]] = {r.request_id: [] for r in tr.requests}
+        for i in order.tolist():
+            out[int(tr.iter_request[i])].append(i)
+        return out
+
+    def _batch(self, units: list[int]) -> Batch:
+        its = [self._req_iters[self.unit_request[u].request_id] for u in units]
+        n_steps = max((len(x) for x in its), default=0)
+        groups, finishing = [], []
+        for s in range(n_steps):
+            groups.append(tuple(x[s] for x in its if len(x) > s))
+            finishing.append([u for u, x in zip(units, its, strict=True) if len(x) == s + 1])
+        arrival = None if self.arrivals is None else float(max(self.arrivals[u] for u in units))
+        return Batch(units=units, arrival_s=arrival, groups=groups, finishing=finishing)
+
+    def num_decode(self, unit: int) -> int:
+        """Decode iterations of ``unit``'s request (its iterations minus the prefill)."""
+        return max(0, len(self._req_iters[self.unit_request[unit].request_id]) - 1)
+
+    # ------------------------------------------------------------------ group data
+    def _expert_table(self, max_tokens: int) -> np.ndarray:
+        if len(self._table) <= max_tokens:
+            n = max(max_tokens + 1, 2 * len(self._table))
+            self._table = np.array([self.cost.expert_s(k) for k in range(n)])
+        return self._table
+
+    def group(self, iters: tuple[int, ...]) -> GroupData:
+        """The memoised data of the forward pass over trace iterations ``iters``."""
+        gd = self._cache.get(iters)
+        if gd is None:
+            gd = self._build_group(iters)
+            self._cache[iters] = gd
+        return gd
+
+    def _build_group(self, iters: tuple[int, ...]) -> GroupData:
+        tr, L = self.trace, self.L
+        off = tr.iter_offsets
+        if len(iters) == 1:
+            i = iters[0]
+            rows: slice | np.ndarray = slice(int(off[i]), int(off[i + 1]))
+            counts = tr.iteration_counts(i)
+        else:
+            rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in iters])
+            counts = sum((tr.iteration_counts(i) for i in iters), np.zeros((L, tr.dims.num_experts), np.int64))
+        ls, es = np.nonzero(counts)
+        ce = self._expert_table(int(counts.max()))[counts[ls, es]]
+        bounds = np.searchsorted(ls, np.arange(L + 1)).tolist()
+        es_l, ce_l = es.tolist(), ce.tolist()
+        experts = [es_l[bounds[k]: bounds[k + 1]] for k in range(L)]
+        ces = [ce_l[bounds[k]: bounds[k + 1]] for k in range(L)]
+        step = int(tr.iter_step[iters[0]])
+        tokens = ctx = kv = 0
+        for i in iters:
+            T = int(self._lens[i])
+            rid = int(tr.iter_request[i])
+            if int(tr.iter_step[i]) == 0:
+                tokens, ctx, kv = tokens + T, ctx + T * (T + 1) // 2, kv + T
+            else:
+                c = self._prompt_len[rid] + int(tr.iter_step[i])
+                tokens, ctx, kv = tokens + T, ctx + T * c, kv + c
+        dense = self.cost.dense_s(tokens, ctx, kv)
+        req_ids = np.asarray([int(tr.iter_request[i]) for i in iters], dtype=np.int64)
+        tok_req = np.repeat(req_ids, [int(self._lens[i]) for i in iters])
+        return GroupData(iters=iters, step=step, rows=rows, counts=counts, experts=experts, ce=ces, dense_s=dense,
+                         compute_s=L * dense + float(ce.sum()), request_ids=req_ids,
+                         token_request=tok_req)
+
+    # ------------------------------------------------------------------ streams
+    def access_stream(self) -> list[Key]:
+        """Every access (layer, expert) in replay order (Belady's future)."""
+        out: list[Key] = []
+        for b in self.batches:
+            for iters in b.groups:
+                for layer, exps in enumerate(self.group(iters).experts):
+                    out.extend((layer, e) for e in exps)
+        return out
+
+    def no_offload_times(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+        """(start, first-token, finish) seconds per unit with every expert resident.
+
+        Same arrivals and batching as the replay; service times are pure compute.
+        """
+        start: dict[int, float] = {}
+        first: dict[int, float] = {}
+        finish: dict[int, float] = {}
+        free = 0.0
+        for b in self.batches:
+            t = free if b.arrival_s is None else max(free, b.arrival_s)
+            for u in b.units:
+                start[u] = t
+            for gi, iters in enumerate(b.groups):
+                t += self.group(iters).compute_s
+                if gi == 0:
+                    for u in b.units:
+                        first[u] = t
+                for u in b.finishing[gi]:
+                    finish[u] = t
+            free = t
+        return start, first, finish

@@ -1,0 +1,159 @@
+"""Counters of one replay and the metric dictionary built from them (algorithms.md §8).
+
+Definitions (the simulator's choices where §8 leaves room):
+
+* ``hit_rate`` = hits / accesses; an access is a hit when its expert was resident *and*
+  its copy had finished when the layer needed it. Restricted routing counts the router's
+  original experts the same way (a substituted expert is a miss that loaded nothing).
+* ``prediction_recall`` = mean over every (forward pass, layer) of |P ∩ A| / |A|;
+  ``prediction_precision`` = mean of |P ∩ A| / |P| over the pairs where P is non-empty
+  (NaN if P is always empty). P is the last ``Prediction.predicted`` given for the layer
+  before its router ran, else the union of the experts prefetched for it during this pass
+  before its router ran (resident or not). A = the experts the router chose.
+* Latencies per request: TTFT = end of its prefill pass - arrival; e2e = end of its last
+  pass - arrival; TPOT = (e2e - TTFT) / decode steps (requests without decode steps are
+  left out). Offline, arrival = the moment its batch starts (no queueing).
+* ``ttft_norm_mean`` / ``tpot_norm_mean``: mean over requests of latency / the same
+  request's latency with every expert resident (same arrivals, same profile).
+* ``prefetch_waste_bytes``: bytes of prefetched experts that left the device, or were
+  still there at the end, without ever being used.
+* ``gpu_mem_peak_bytes``: expert cache bytes + always-resident weights (no KV cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from moeexp.cache.base import CachePolicy
+from moeexp.costmodel.roofline import CostModel
+from moeexp.metrics import CORE_KEYS, f1, summarize
+
+if TYPE_CHECKING:
+    from moeexp.simulator.device import Device
+    from moeexp.simulator.plan import Plan
+
+NAN = float("nan")
+
+
+@dataclass
+class Tally:
+    """Counters filled by the replay loop. Times in seconds; dicts keyed by unit."""
+
+    num_layers: int
+    start: dict[int, float] = field(default_factory=dict)
+    first: dict[int, float] = field(default_factory=dict)
+    finish: dict[int, float] = field(default_factory=dict)
+    n_decode: dict[int, int] = field(default_factory=dict)
+    it_hits: list[int] = field(default_factory=list)
+    it_misses: list[int] = field(default_factory=list)
+    it_stall: list[float] = field(default_factory=list)
+    it_time: list[float] = field(default_factory=list)
+    recall_sum: float = 0.0
+    recall_n: int = 0
+    precision_sum: float = 0.0
+    precision_n: int = 0
+    substitutions: int = 0
+    dropped_assignments: int = 0
+    assignments: int = 0
+
+    def prediction(self, predicted: set[int] | None, activated: list[int]) -> None:
+        """Account one (pass, layer): ``predicted`` P (None = nothing), ``activated`` A."""
+        self.recall_n += 1
+        if not predicted:
+            return
+        inter = sum(1 for e in activated if e in predicted)
+        if activated:
+            self.recall_sum += inter / len(activated)
+        self.precision_sum += inter / len(predicted)
+        self.precision_n += 1
+
+    def iteration(self, hits: int, misses: int, stall_s: float, dur_s: float) -> None:
+        self.it_hits.append(hits)
+        self.it_misses.append(misses)
+        self.it_stall.append(stall_s)
+        self.it_time.append(dur_s)
+
+
+def _latencies(units: list[int], arrival: dict[int, float], first: dict[int, float],
+               finish: dict[int, float], n_decode: dict[int, int]) -> tuple[list[float], ...]:
+    ttft = [first[u] - arrival[u] for u in units]
+    e2e = [finish[u] - arrival[u] for u in units]
+    tpot = [(finish[u] - first[u]) / n_decode[u] if n_decode[u] > 0 else NAN for u in units]
+    return ttft, tpot, e2e
+
+
+def _ratio_mean(a: list[float], b: list[float]) -> float:
+    r = [x / y for x, y in zip(a, b, strict=True) if np.isfinite(x) and np.isfinite(y) and y > 0]
+    return float(np.mean(r)) if r else NAN
+
+
+def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostModel, tally: Tally,
+                  restricted: bool, query_s: float, query_calls: int, wall_s: float,
+                  predictor_stats: dict[str, float]) -> tuple[dict[str, float], dict[str, list[Any]]]:
+    """The flat metrics (CORE_KEYS + extras) and the series of one replay."""
+    units = list(range(len(plan.unit_request)))
+    if plan.arrivals is not None:
+        arrival = {u: float(plan.arrivals[u]) for u in units}
+        arrival0 = arrival
+    else:
+        arrival = dict(tally.start)
+        arrival0 = None
+    n_dec = {u: plan.num_decode(u) for u in units}
+    ttft, tpot, e2e = _latencies(units, arrival, tally.first, tally.finish, n_dec)
+    s0, f0, fin0 = plan.no_offload_times()
+    ttft0, tpot0, _ = _latencies(units, arrival0 or s0, f0, fin0, n_dec)
+    hits, misses = sum(tally.it_hits), sum(tally.it_misses)
+    accesses = hits + misses
+    recall = tally.recall_sum / tally.recall_n if tally.recall_n else NAN
+    precision = tally.precision_sum / tally.precision_n if tally.precision_n else NAN
+    waste = dev.waste_bytes + len(dev.unused_prefetched) * cost.expert_bytes
+    m: dict[str, float] = {
+        "hit_rate": hits / accesses if accesses else NAN,
+        "prediction_recall": recall,
+        "prediction_precision": precision,
+        "prediction_f1": f1(precision, recall),
+        **summarize("ttft_ms", np.asarray(ttft) * 1e3),
+        **summarize("tpot_ms", np.asarray([x for x in tpot if np.isfinite(x)]) * 1e3),
+        **summarize("e2e_ms", np.asarray(e2e) * 1e3),
+        "stall_ms_total": float(sum(tally.it_stall) * 1e3),
+        "h2d_bytes_total": float(dev.h2d_bytes),
+        "prefetch_waste_bytes": float(waste),
+        "expert_cache_bytes": float(cache.capacity_slots * cost.expert_bytes),
+        "gpu_mem_peak_bytes": float(cost.gpu_mem_bytes(cache.capacity_slots)),
+        "predictor_query_us_mean": query_s / query_calls * 1e6 if query_calls else NAN,
+        "accesses_total": float(accesses),
+        "requests_total": float(len(units)),
+        "hits_total": float(hits),
+        "misses_total": float(misses),
+        "prefetches_issued": float(dev.prefetches_issued),
+        "prefetches_dropped": float(dev.prefetches_dropped),
+        "ttft_norm_mean": _ratio_mean(ttft, ttft0),
+        "tpot_norm_mean": _ratio_mean(tpot, tpot0),
+        "sim_wall_s": wall_s,
+        "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
+    }
+    if restricted:
+        n = tally.assignments
+        m["substitution_rate"] = tally.substitutions / n if n else NAN
+        m["routing_dropped_rate"] = tally.dropped_assignments / n if n else NAN
+    for k, v in predictor_stats.items():
+        m.setdefault(f"predictor_{k}", float(v))
+    missing = [k for k in CORE_KEYS if k not in m]
+    assert not missing, missing
+    series: dict[str, list[Any]] = {
+        "request_id": [plan.unit_request[u].request_id for u in units],
+        "arrival_ms": [arrival[u] * 1e3 for u in units],
+        "ttft_ms": [x * 1e3 for x in ttft],
+        "tpot_ms": [x * 1e3 for x in tpot],
+        "e2e_ms": [x * 1e3 for x in e2e],
+        "queue_ms": [(tally.start[u] - arrival[u]) * 1e3 for u in units],
+        "service_ms": [(tally.finish[u] - tally.start[u]) * 1e3 for u in units],
+        "iter_hits": list(tally.it_hits),
+        "iter_misses": list(tally.it_misses),
+        "iter_stall_ms": [x * 1e3 for x in tally.it_stall],
+        "iter_ms": [x * 1e3 for x in tally.it_time],
+    }
+    return m, series

@@ -1,0 +1,93 @@
+"""``belady``: furthest next use goes; prefetches may only make MIN's own replacements."""
+
+from __future__ import annotations
+
+import pytest
+
+from moeexp.cache.belady import BeladyCache, PrefetchRefused
+from moeexp.errors import ConfigError
+
+A, B, C, D = (0, 0), (0, 1), (1, 0), (1, 1)
+
+
+def _cache(stream, slots=2, rule="conservative"):  # type: ignore[no-untyped-def]
+    c = BeladyCache(capacity_slots=slots, num_layers=2, num_experts=2, prefetch_rule=rule)
+    c.prepare_future(stream)
+    return c
+
+
+def test_evicts_furthest_next_use_on_a_hand_sequence() -> None:
+    """Stream A B C A B D A (2 slots). At position 2 (C misses, A and B resident) A is next
+    used at 3, B at 4: B goes. At 5 (D misses, resident A and C): A is used at 6, C never
+    again: C goes. Demand loads pass their own key as protected, as the simulator does."""
+    stream = [A, B, C, A, B, D, A]
+    c = _cache(stream)
+    c.on_insert(A, 0, False)
+    c.on_access(A, 0, False)
+    c.on_insert(B, 1, False)
+    c.on_access(B, 1, False)
+    assert c.next_use(A, 2) == 3 and c.next_use(B, 2) == 4 and c.next_use(C, 3) == float("inf")
+    assert c.victim(C, {C}, 2) == B
+    c.on_evict(B)
+    c.on_insert(C, 2, False)
+    c.on_access(C, 2, False)
+    c.on_access(A, 3, True)
+    assert c.victim(B, {B}, 4) == C  # C is never used again; A at 6
+
+
+def test_min_schedule_is_recorded() -> None:
+    """MIN on A B C A B (2 slots, empty at first): A and B fill free slots; C misses at 2
+    and evicts B (A is used at 3, B at 4; B last used at 1); B misses at 4 when A and C
+    are both never used again: the tie goes to the smaller key, A (last used at 3)."""
+    c = _cache([A, B, C, A, B])
+    assert c._room_misses == {0, 1}
+    assert c._schedule == {2: (B, 1), 4: (A, 3)}
+
+
+def test_prefetch_rules() -> None:
+    """Stream A B C B, 2 slots; A and B were loaded before access 0.
+
+    MIN: C misses at 2 and evicts A (A is not used again, B is used at 3); A's last use
+    before 2 is position 0.
+    * ``conservative``: prefetching C at now=0 (A about to be used) is refused; after A's
+      use (now=1) it evicts A.
+    * ``do_no_harm`` at now=0: the furthest next use is B's (1) < C's (2): refused; at
+      now=1 A (never used again) goes.
+    * ``any`` at now=0 evicts the furthest, B -- the harm the rules prevent.
+    """
+    stream = [A, B, C, B]
+    caches = {rule: _cache(stream, rule=rule) for rule in BeladyCache.RULES}
+    for c in caches.values():
+        c.on_insert(A, 0, True)
+        c.on_insert(B, 0, True)
+    assert caches["conservative"]._schedule[2] == (A, 0)
+    with pytest.raises(PrefetchRefused):
+        caches["conservative"].victim(C, set(), 0)
+    with pytest.raises(PrefetchRefused):
+        caches["do_no_harm"].victim(C, set(), 0)
+    assert caches["any"].victim(C, set(), 0) == B
+    for rule in ("conservative", "do_no_harm"):
+        caches[rule].on_access(A, 0, True)
+        assert caches[rule].victim(C, set(), 1) == A
+
+
+def test_demand_waits_when_min_victim_is_still_computing() -> None:
+    """A demand load whose MIN victim is protected (an expert of the running layer still
+    computing) raises ConfigError: the simulator waits for it and asks again."""
+    stream = [A, B, C]
+    c = _cache(stream)
+    for k in (A, B):
+        c.on_insert(k, -1, False)
+    with pytest.raises(ConfigError):
+        c.victim(C, {A, C}, 2)
+    assert c.victim(C, {C}, 2) == A
+
+
+def test_needs_prepare_future_and_valid_rule() -> None:
+    """Without the future stream a victim query fails clearly; rules are checked."""
+    c = BeladyCache(capacity_slots=1, num_layers=1, num_experts=2)
+    c.on_insert(A, 0, False)
+    with pytest.raises(ConfigError, match="prepare_future"):
+        c.victim(B, {B}, 0)
+    with pytest.raises(ConfigError, match="prefetch_rule"):
+        BeladyCache(capacity_slots=1, num_layers=1, num_experts=2, prefetch_rule="nope")
