@@ -9,7 +9,7 @@ capacity, the model's MoE layers, the store's dims) runs before any weight moves
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,8 +60,9 @@ _SETTING_KEYS = {f.name for f in fields(EngineSettings)}
 def offload(model: nn.Module, *, system: str = "deepspeed",
             capacity: float | int | str | None = None, device: str | torch.device | None = None,
             store: Trace | str | Path | None = None, predictor: Any = None, cache: Any = None,
-            record: bool = False, prefetch_distance: int | None = None,
-            conf_dir: str | Path | None = None, **overrides: Any) -> OffloadedModel:
+            record: bool = False, future: Trace | str | Path | None = None,
+            prefetch_distance: int | None = None, conf_dir: str | Path | None = None,
+            **overrides: Any) -> OffloadedModel:
     """Offload ``model``'s routed experts under system ``system`` (see module docstring).
 
     Args:
@@ -73,6 +74,10 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
         store: a Trace (or trace path) of the store split for systems that learn from one.
         predictor / cache: a name or a mapping of keys overriding the system's choice.
         record: keep the executed accesses as a Trace (``.trace()``).
+        future: for ``oracle``/``belady`` only: a Trace of exactly the forward passes that
+            will be served, in order (e.g. ``.trace()`` of an earlier exact run on the same
+            prompts, or the recorder's greedy trace). The engine checks every layer's
+            accesses against it and raises if the run diverges.
         prefetch_distance: value of ``${model.prefetch_distance}`` in predictor configs.
         conf_dir: config root (default: the repository's ``conf/``).
         **overrides: mechanism settings (EngineSettings fields: ``bandwidth_bps``,
@@ -111,8 +116,9 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
     if trace is not None:
         pred.fit(trace)
         pol.fit(trace)
+    fut = _load_store(future, dims)
     om = build_offloaded(model, adapter, pred, pol, budget, settings, device=device,
-                         system=system, record=record)
+                         system=system, record=record, future=fut)
     log.info("offloaded %s: system=%s predictor=%s cache=%s slots=%d of %d (%.1f MB budget)",
              type(model).__name__, system, pred_name, pol.name, budget.slots,
              dims.num_layers * dims.num_experts, budget.budget_bytes / 1e6)
@@ -122,18 +128,22 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
 def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache: Any,
                     budget: Budget, settings: EngineSettings, *,
                     device: str | torch.device | None = None, system: str = "custom",
-                    record: bool = False) -> OffloadedModel:
+                    record: bool = False, future: Trace | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
-    ``cache.capacity_slots`` must equal ``budget.slots``. This is the path of the app's
-    ``backend=engine`` (the pipeline builds and fits the policies itself).
+    The device gets ``cache.capacity_slots`` slots: a policy may widen the configured
+    budget (``resident`` holds every expert whatever the capacity says). This is the path
+    of the app's ``backend=engine`` (the pipeline builds and fits the policies itself).
     """
     if cache.capacity_slots != budget.slots:
-        raise ConfigError(f"cache built for {cache.capacity_slots} slots, budget has {budget.slots}")
-    if "future" in predictor.needs or cache.needs_future:
+        log.info("%s holds %d slots (capacity asked for %d)", cache.name, cache.capacity_slots,
+                 budget.slots)
+        budget = replace(budget, slots=int(cache.capacity_slots))
+    wants_future = "future" in predictor.needs or cache.needs_future
+    if wants_future and future is None:
         raise ConfigError(f"{predictor.name}/{cache.name} need the future accesses (oracle, "
-                          f"Belady); the engine serves live requests and cannot see them: "
-                          f"use backend=sim for the oracle bound")
+                          f"Belady): pass future=<trace of the very passes to be served> "
+                          f"(e.g. .trace() of an exact run with record=True), or use backend=sim")
     here = next(model.parameters()).device
     dev = torch.device(device) if device is not None else here
     if dev != here:
@@ -148,6 +158,8 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     om = OffloadedModel(model, adapter, engine, system=system, record=record,
                         dims=model_dims(adapter, 0))
     try:
+        if wants_future and future is not None:
+            engine.set_future(future)
         engine.preload(list(cache.initial_residents()))
     except BaseException:
         om.close()

@@ -52,6 +52,8 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
     """float[T, H]: the routed experts' output of MoE layer ``layer``."""
     T, K = idx.shape
     needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
+    if eng.future is not None:
+        eng.check_future(layer, needed)
     _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
     token = torch.arange(T * K, device=idx.device) // K

@@ -164,7 +164,8 @@ class OffloadedModel:
             ctx = IterationStart(
                 request_ids=rows, step=self._step,
                 embed=output.detach().reshape(-1, output.shape[-1]).float().cpu().numpy(),
-                token_request=np.repeat(rows, self._seq))
+                token_request=np.repeat(rows, self._seq),
+                future=self.engine.future_of(self.engine.iteration))
             runner.submit("start_iteration", ctx)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:

@@ -41,6 +41,7 @@ from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine, CopyJob
 from moeexp.errors import ConfigError
 from moeexp.models.adapter import MoEAdapter
+from moeexp.traces.schema import Trace
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,8 @@ class Engine:
         self.counters = Counters()
         self.logits: dict[int, torch.Tensor] = {}  # router logits of the running pass
         self.record_accesses = False
+        self.future: list[tuple[np.ndarray, ...]] | None = None
+        self.iteration = -1  # forward passes begun so far - 1
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
         try:
             self.pool = SlotPool(self.spec, budget.slots, self.L, self.J, device)
@@ -208,8 +211,40 @@ class Engine:
         if woke:
             self.copier.wake()
 
+    def set_future(self, trace: Trace) -> None:
+        """Oracle/Belady: the accesses of every forward pass to be served, in order."""
+        self.future = []
+        stream: list[Key] = []
+        for it in range(trace.num_iterations):
+            counts = trace.iteration_counts(it)
+            per_layer = tuple(np.flatnonzero(counts[layer]).astype(np.int64)
+                              for layer in range(self.L))
+            self.future.append(per_layer)
+            for layer, exps in enumerate(per_layer):
+                stream.extend((layer, int(e)) for e in exps)
+        if self.cache.needs_future:
+            self.cache.prepare_future(stream)
+
+    def future_of(self, iteration: int) -> tuple[np.ndarray, ...] | None:
+        """The future experts per layer of forward pass ``iteration`` (None without one)."""
+        if self.future is None:
+            return None
+        if iteration >= len(self.future):
+            raise RuntimeError(f"forward pass {iteration} is beyond the future trace "
+                               f"({len(self.future)} passes)")
+        return self.future[iteration]
+
+    def check_future(self, layer: int, experts: list[int]) -> None:
+        want = self.future_of(self.iteration)
+        if want is not None and want[layer].tolist() != experts:
+            raise RuntimeError(
+                f"forward pass {self.iteration}, MoE layer {layer}: the model used experts "
+                f"{experts} but the future trace says {want[layer].tolist()}; the oracle needs "
+                f"the trace of exactly these passes (same prompts, exact decoding)")
+
     def begin_iteration(self) -> None:
         with self.lock:
+            self.iteration += 1
             self.cur_layer = -1
             self.psets.clear()
             self.apply_predictions()
