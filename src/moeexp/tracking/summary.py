@@ -49,7 +49,7 @@ def summarize_dir(sweep_dir: str | Path, baseline: str | None = "deepspeed",
     title = title or f"{sweep_dir} ({len(df)} runs)"
     if show:
         text = print_table(df, cols, title)
-        log.info("comparison table:\n%s", text)
+        log.debug("comparison table:\n%s", text)  # printed once above; also in summary.md
     log.info("summary of %d runs: %s", len(df), csv)
     return csv
 
