@@ -10,9 +10,12 @@ rows over top-k exactly as the default kernel does (``view(T, K, H).sum(1)``), s
 result matches the plain model to floating-point rounding (0.0 difference on the tested
 CPU builds).
 
-The grouped matmul is transformers' own ``_grouped_linear`` when the installed version has
-it (so the engine and the plain model share one numerical path); otherwise a per-slot
-``torch.mm`` loop with the same math.
+The grouped matmul: on CUDA (and other accelerators) transformers' own ``_grouped_linear``
+when the installed version has it, so the engine and the plain model share one numerical
+path and one launch per projection. On the CPU a ``torch.mm`` per *used* slot: the CPU
+``grouped_mm`` computes each group exactly as ``torch.mm`` does (bitwise equal, checked in
+the tests) but pays for every group of the weight tensor, and a slot pool holding every
+expert of the model has L*J groups where the default kernel has J.
 """
 
 from __future__ import annotations
@@ -26,33 +29,42 @@ except ImportError:  # pragma: no cover - depends on the installed transformers
     _hf_grouped_linear = None
 
 
-def _loop_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                         bias: torch.Tensor | None, is_transposed: bool) -> torch.Tensor:
-    """x[S, in] rows grouped by ``offs`` (cumulative counts per slot) times weight[slot]."""
+def _loop_grouped_linear(x: torch.Tensor, weight: torch.Tensor,
+                         groups: list[tuple[int, int]], bias: torch.Tensor | None,
+                         is_transposed: bool) -> torch.Tensor:
+    """x[S, in] rows in consecutive ``groups`` (slot, row count) times weight[slot]."""
     w0 = weight[0] if is_transposed else weight[0].transpose(-2, -1)
-    out = torch.zeros(x.size(0), w0.size(-1), dtype=x.dtype, device=x.device)
+    out = torch.empty(x.size(0), w0.size(-1), dtype=weight.dtype, device=x.device)
     start = 0
-    for s, end in enumerate(offs.tolist()):
-        if end > start:
-            w = weight[s] if is_transposed else weight[s].transpose(-2, -1)
-            torch.mm(x[start:end].to(w.dtype), w, out=out[start:end])
-        start = end
+    for s, n in groups:
+        w = weight[s] if is_transposed else weight[s].transpose(-2, -1)
+        torch.mm(x[start:start + n].to(w.dtype), w, out=out[start:start + n])
+        start += n
     if bias is not None:
         out.add_(bias)
     return out
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor,
-                   bias: torch.Tensor | None, is_transposed: bool) -> torch.Tensor:
-    """Grouped linear: ``x`` [S, in] sorted by group, ``weight`` [G, out, in] (or [G, in,
-    out] when transposed), ``offs`` int32[G] cumulative row counts, ``bias`` [S, out]."""
-    if _hf_grouped_linear is not None:
-        return _hf_grouped_linear(x, weight, offs, bias=bias, is_transposed=is_transposed)
-    return _loop_grouped_linear(x, weight, offs, bias, is_transposed)
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, slot_g: torch.Tensor,
+                   groups: list[tuple[int, int]] | None, bias: torch.Tensor | None,
+                   is_transposed: bool) -> torch.Tensor:
+    """Grouped linear: ``x`` [S, in] sorted by slot (``slot_g`` int64[S]), ``weight``
+    [G, out, in] (or [G, in, out] when transposed), ``bias`` [S, out] or None. ``groups``:
+    the (slot, rows) runs of ``slot_g`` (CPU path), None to use the grouped kernel."""
+    if groups is not None or _hf_grouped_linear is None:
+        if groups is None:
+            uniq, cnt = torch.unique_consecutive(slot_g, return_counts=True)
+            groups = list(zip(uniq.tolist(), cnt.tolist(), strict=True))
+        return _loop_grouped_linear(x, weight, groups, bias, is_transposed)
+    n_slots = weight.shape[0]
+    hist_in = slot_g.float() if slot_g.device.type in ("cpu", "mps") else slot_g.int()
+    counts = torch.histc(hist_in, bins=n_slots, min=0, max=n_slots - 1)
+    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    return _hf_grouped_linear(x, weight, offs, bias=bias, is_transposed=is_transposed)
 
 
 def slot_rows(module: nn.Module, buffers: dict[str, torch.Tensor], hidden: torch.Tensor,
-              token: torch.Tensor, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+              token: torch.Tensor | int, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Weighted expert outputs of routing rows, reading weights from slots.
 
     Args:
@@ -60,29 +72,30 @@ def slot_rows(module: nn.Module, buffers: dict[str, torch.Tensor], hidden: torch
         buffers: slot buffers, name -> float[S_slots, ...] (same names as the module's
             fused parameters).
         hidden: float[T, H] the experts' input.
-        token: int64[R] token row of each routing row.
+        token: int64[R] token row of each routing row, or an int K when the rows are all
+            T*K routing choices in order (row r belongs to token r // K).
         slot: int64[R] slot holding the routing row's expert (all valid).
         weight: float[R] routing weight of each row.
 
     Returns:
         float[R, H]: ``weight * expert(hidden[token])`` per row, in the input row order.
     """
-    n_slots = next(iter(buffers.values())).shape[0]
     slot_g, perm = torch.sort(slot)
-    x_g = hidden[token[perm]]
+    x_g = hidden[perm // token] if isinstance(token, int) else hidden[token[perm]]
     w_g = weight[perm]
-    hist_in = slot_g.float() if slot_g.device.type in ("cpu", "mps") else slot_g.int()
-    counts = torch.histc(hist_in, bins=n_slots, min=0, max=n_slots - 1)
-    offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    groups = None
+    if slot_g.device.type == "cpu":
+        uniq, cnt = torch.unique_consecutive(slot_g, return_counts=True)
+        groups = list(zip(uniq.tolist(), cnt.tolist(), strict=True))
     transposed = bool(getattr(module, "is_transposed", False))
     has_bias = bool(getattr(module, "has_bias", False))
     has_gate = bool(getattr(module, "has_gate", True))
     up = "gate_up_proj" if has_gate else "up_proj"
     bias = buffers[f"{up}_bias"][slot_g] if has_bias else None
-    out = grouped_linear(x_g, buffers[up], offs, bias, transposed)
+    out = grouped_linear(x_g, buffers[up], slot_g, groups, bias, transposed)
     out = module._apply_gate(out) if has_gate else module.act_fn(out)
     bias = buffers["down_proj_bias"][slot_g] if has_bias else None
-    out = grouped_linear(out, buffers["down_proj"], offs, bias, transposed)
+    out = grouped_linear(out, buffers["down_proj"], slot_g, groups, bias, transposed)
     if getattr(module, "has_post_expert_norm", False):
         out = module.post_expert_norm(out)
     out = out * w_g.unsqueeze(-1)

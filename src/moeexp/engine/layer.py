@@ -56,23 +56,24 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
         eng.check_future(layer, needed)
     _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
-    token = torch.arange(T * K, device=idx.device) // K
     keys: list[Key] = [(layer, e) for e in needed]
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, weighted rows)
 
     def compute(chunk: list[Key], e: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None,
                 all_rows: bool) -> torch.Tensor | None:
         if all_rows and keep is None:
-            return eng.compute(module, layer, hidden, token, e, w, chunk)
+            return eng.compute(module, layer, hidden, K, e, w, chunk, all_ready=all_ready)
         sel = torch.tensor([k[1] for k in chunk], device=idx.device)
         mask = torch.isin(e, sel)
         rows = (mask if keep is None else mask & keep).nonzero().squeeze(1)
-        parts.append((rows, eng.compute(module, layer, hidden, token[rows], e[rows], w[rows],
+        parts.append((rows, eng.compute(module, layer, hidden, rows // K, e[rows], w[rows],
                                         chunk)))
         return None
 
+    all_ready = False
     with eng.lock:
-        eng.apply_predictions()
+        if eng.runner.any_active:
+            eng.apply_predictions()
         eng.account_prediction(layer, needed)
         eng.cur_layer = layer
         eng.protected = set(keys)
@@ -83,7 +84,7 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
             streamed = False
         else:
             keep = None
-            chunk, streamed = _serve(
+            chunk, streamed, all_ready = _serve(
                 eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False))
     full = compute(chunk, flat_e, flat_w, keep, not streamed) if chunk else None
     if eng.paused:
@@ -99,10 +100,11 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
 
 
 def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
-           compute_rows: Callable[[list[Key]], object]) -> tuple[list[Key], bool]:
+           compute_rows: Callable[[list[Key]], object]) -> tuple[list[Key], bool, bool]:
     """Exact mode (lock held): classify, access, demand-load.
 
-    Returns the keys still to compute and whether earlier chunks were streamed already.
+    Returns the keys still to compute, whether earlier chunks were streamed already, and
+    whether every key was a hit (nothing to wait for).
     """
     cache, c = eng.cache, eng.counters
     hits, waits, absent = [], [], []
@@ -150,7 +152,7 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     if eng.record_accesses:
         hit_set = {keys[i] for i in hits}
         c.access_log.extend((layer, k[1], k in hit_set) for k in keys)
-    return pinned, streamed
+    return pinned, streamed, not (absent or waits)
 
 
 def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tensor,

@@ -232,6 +232,20 @@ class OffloadedModel:
         self.engine.runner.flush()
         return build_metrics(self.engine, self.timing, self._requests_done)
 
+    def reset_metrics(self) -> None:
+        """Zero every counter and timing (residency, policy and predictor state are kept):
+        call after warm-up requests so that ``metrics()`` covers what follows only."""
+        self.engine.runner.flush()
+        eng = self.engine
+        with eng.lock:
+            eng.counters = type(eng.counters)()
+            eng.unused_prefetch.clear()
+            eng.queue.dropped = 0
+            eng.copier.reset_counters()
+            eng.runner.query_seconds, eng.runner.queries = 0.0, 0
+        self.timing = RequestTiming()
+        self._requests_done = 0
+
     def trace(self) -> Trace:
         """What the engine executed, as a Trace (needs ``record=True``)."""
         if self.recorder is None:

@@ -46,6 +46,7 @@ class PredictorRunner:
         self.predictor = predictor
         self.asynchronous = asynchronous
         self.active = {h: overrides(predictor, h) for h in _HOOKS}
+        self.any_active = any(self.active.values())
         self.query_seconds = 0.0
         self.queries = 0
         self._out: list[tuple[str, Any, Prediction]] = []

@@ -124,7 +124,7 @@ class Engine:
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
         try:
             self.pool = SlotPool(self.spec, budget.slots, self.L, self.J, device)
-            self._lut_host = np.full((self.L, self.J), -1, dtype=np.int64)
+            self._lut_host: dict[Key, int] = {}  # what pool.lut holds (compute thread)
             self.copier = CopyEngine(self.store, self.pool, prefetch_source=self._start_prefetch,
                                      bandwidth_bps=settings.bandwidth_bps,
                                      max_inflight=settings.max_inflight)
@@ -287,7 +287,7 @@ class Engine:
         """Point the device lookup table at the slots of ``keys`` (compute thread only)."""
         for key in keys:
             s = self.pool.slot_of[key]
-            if self._lut_host[key] != s:
+            if self._lut_host.get(key) != s:
                 self._lut_host[key] = s
                 self.pool.lut[key[0], key[1]] = s
 
@@ -336,12 +336,16 @@ class Engine:
             self.copier.close()
             self.store.restore()
 
-    def compute(self, module: nn.Module, layer: int, hidden: torch.Tensor, token: torch.Tensor,
-                experts: torch.Tensor, weights: torch.Tensor, keys: list[Key]) -> torch.Tensor:
-        """Rows ``weights * expert(hidden[token])`` for routing rows whose experts are ``keys``."""
-        self.wait_keys(keys)
+    def compute(self, module: nn.Module, layer: int, hidden: torch.Tensor,
+                token: torch.Tensor | int, experts: torch.Tensor, weights: torch.Tensor,
+                keys: list[Key], *, all_ready: bool = False) -> torch.Tensor:
+        """Rows ``weights * expert(hidden[token])`` for routing rows whose experts are
+        ``keys`` (``token`` an int K: row r is token r // K)."""
+        if not all_ready:
+            self.wait_keys(keys)
         self.sync_lut(layer, keys)
         slots = self.pool.lut[layer][experts]
         out = slot_rows(module, self.pool.buffers, hidden, token, slots, weights)
-        self.copier.mark_used([self.pool.slot_of[k] for k in keys])
+        if self.copier.cuda:
+            self.copier.mark_used([self.pool.slot_of[k] for k in keys])
         return out

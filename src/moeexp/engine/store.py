@@ -77,6 +77,10 @@ class HostStore:
         self.names = names
         self.tensors: list[dict[str, torch.Tensor]] = []
         self._moved: list[tuple[nn.Parameter, torch.device]] = []
+        with torch.inference_mode(False), torch.no_grad():
+            self._take(experts, names, pin)
+
+    def _take(self, experts: list[nn.Module], names: tuple[str, ...], pin: bool) -> None:
         for module in experts:
             layer: dict[str, torch.Tensor] = {}
             for n in names:
@@ -97,8 +101,9 @@ class HostStore:
 
     def restore(self) -> None:
         """Move the fused parameters back to where they were before (idempotent)."""
-        for p, device in self._moved:
-            p.data = p.data.to(device)
+        with torch.inference_mode(False), torch.no_grad():
+            for p, device in self._moved:
+                p.data = p.data.to(device)
         self._moved.clear()
 
 
@@ -115,9 +120,11 @@ class SlotPool:
         self.spec = spec
         self.num_slots = slots
         self.device = device
-        self.buffers = {n: torch.empty((slots, *spec.shapes[n]), dtype=spec.dtype, device=device)
-                        for n in spec.names}
-        self.lut = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=device)
+        # normal tensors even under inference_mode: the copy thread writes them outside it
+        with torch.inference_mode(False), torch.no_grad():
+            self.buffers = {n: torch.empty((slots, *spec.shapes[n]), dtype=spec.dtype,
+                                           device=device) for n in spec.names}
+            self.lut = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=device)
         self.key_of: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self._free = list(range(slots - 1, -1, -1))

@@ -114,6 +114,12 @@ class CopyEngine:
             self.bytes_copied += job.nbytes
         return job
 
+    def reset_counters(self) -> None:
+        """Zero ``bytes_copied`` and ``copy_seconds`` (copies in flight count afterwards)."""
+        with self._cond:
+            self.bytes_copied = 0
+            self.copy_seconds = 0.0
+
     def wake(self) -> None:
         """New prefetches are queued (or prefetching resumed): let the worker look."""
         with self._cond:
@@ -194,6 +200,10 @@ class CopyEngine:
                     self._cond.wait()
 
     def _run(self) -> None:
+        with torch.no_grad():
+            self._loop()
+
+    def _loop(self) -> None:
         inflight: collections.deque[CopyJob] = collections.deque()
         try:
             while True:

@@ -42,15 +42,16 @@ def test_slot_rows_match_grouped_mm(model_type: str) -> None:
     assert (out - ref).abs().max().item() < 1e-6
 
 
-def test_loop_fallback_matches_grouped() -> None:
-    """The per-slot loop (used when transformers lacks the helper) equals the grouped path."""
+def test_cpu_loop_is_bitwise_grouped_mm() -> None:
+    """The CPU path (torch.mm per used slot) equals torch's grouped_mm bit for bit: rows
+    0:2 in slot 0, rows 2:6 in slot 2, slot 1 empty."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(6, 5, generator=g)
-    w = torch.randn(3, 4, 5, generator=g)  # [G, out, in]
+    x = torch.randn(6, 8, generator=g)
+    w = torch.randn(3, 4, 8, generator=g)  # [G, out, in]
+    out = _loop_grouped_linear(x, w, [(0, 2), (2, 4)], None, False)
     offs = torch.tensor([2, 2, 6], dtype=torch.int32)
-    out = _loop_grouped_linear(x, w, offs, None, False)
-    ref = torch.cat([x[:2] @ w[0].T, x[2:] @ w[2].T])
-    assert torch.allclose(out, ref, atol=1e-6)
+    ref = torch.nn.functional.grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    assert torch.equal(out, ref)
 
 
 def test_restrict_routing_worked_example() -> None:

@@ -107,13 +107,15 @@ def test_prediction_accounting_equals_simulator(store_of) -> None:
 
 
 def test_oracle_with_future_trace() -> None:
-    """oracle + belady from the recorded future of the same passes: exact tokens, recall 1,
-    and at least deepspeed's hit rate; a run that diverges from the future is refused."""
+    """oracle + belady from the recorded future of the same passes: exact tokens, recall 1
+    (inline predictor: an asynchronous one may answer after layer 0 ran), and at least
+    deepspeed's hit rate; a run that diverges from the future is refused."""
     model = tiny_model("mixtral")
     with offload(model, system="deepspeed", capacity=0.25, record=True) as om:
         ref = _serve(om)
         base, future = om.metrics(), om.trace()
-    with offload(model, system="oracle", capacity=0.25, future=future) as om:
+    with offload(model, system="oracle", capacity=0.25, future=future,
+                 predictor_async=False) as om:
         outs = _serve(om)
         m = om.metrics()
     assert all(torch.equal(a, b) for a, b in zip(outs, ref, strict=True))
