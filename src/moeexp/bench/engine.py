@@ -98,7 +98,7 @@ def _systems(model: Any, prompts: list[list[int]], new: int, store: Any,
 
     out: dict[str, Any] = {}
     for system in ("deepspeed", "finemoe"):
-        kw = {"bandwidth_bps": bandwidth} if bandwidth else {}
+        kw: dict[str, Any] = {"bandwidth_bps": bandwidth} if bandwidth else {}
         with offload(model, system=system, capacity=0.5, store=store, **kw) as om:
             _time_engine(om, prompts[:1], 4)  # warm-up (and a first request for the engine)
             om.reset_metrics()  # measure the timed requests only

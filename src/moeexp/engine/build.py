@@ -144,6 +144,9 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
         raise ConfigError(f"{predictor.name}/{cache.name} need the future accesses (oracle, "
                           f"Belady): pass future=<trace of the very passes to be served> "
                           f"(e.g. .trace() of an exact run with record=True), or use backend=sim")
+    impl = str(getattr(model.config, "_experts_implementation", "") or "")
+    if impl.startswith("moeexp_offload_"):
+        raise ConfigError("this model is offloaded already; close() that OffloadedModel first")
     here = next(model.parameters()).device
     dev = torch.device(device) if device is not None else here
     if dev != here:

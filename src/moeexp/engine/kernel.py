@@ -20,9 +20,12 @@ expert of the model has L*J groups where the default kernel has J.
 
 from __future__ import annotations
 
-import torch
-from torch import nn
+from collections.abc import Callable
+from typing import Any
 
+import torch
+
+_hf_grouped_linear: Callable[..., torch.Tensor] | None
 try:  # transformers >= 5.x: the helper its grouped_mm kernel uses
     from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
 except ImportError:  # pragma: no cover - depends on the installed transformers
@@ -63,7 +66,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, slot_g: torch.Tensor,
     return _hf_grouped_linear(x, weight, offs, bias=bias, is_transposed=is_transposed)
 
 
-def slot_rows(module: nn.Module, buffers: dict[str, torch.Tensor], hidden: torch.Tensor,
+def slot_rows(module: Any, buffers: dict[str, torch.Tensor], hidden: torch.Tensor,
               token: torch.Tensor | int, slot: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Weighted expert outputs of routing rows, reading weights from slots.
 

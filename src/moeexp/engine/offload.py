@@ -48,7 +48,7 @@ class OffloadedModel:
         system: the system name the policies came from.
     """
 
-    def __init__(self, model: nn.Module, adapter: MoEAdapter, engine: Engine, *, system: str,
+    def __init__(self, model: Any, adapter: MoEAdapter, engine: Engine, *, system: str,
                  record: bool, dims: TraceDims) -> None:
         self.model = model
         self.adapter = adapter
@@ -135,7 +135,10 @@ class OffloadedModel:
     def _pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
-        shape = tuple(ids.shape if ids is not None else embeds.shape[:2])
+        ref: Any = ids if ids is not None else embeds
+        if ref is None:
+            raise ConfigError("forward needs input_ids or inputs_embeds")
+        shape = tuple(ref.shape[:2])
         if self._active is None:
             self._auto = True
             self._begin_requests(shape[0], shape[1], 0, None, None)
@@ -188,8 +191,12 @@ class OffloadedModel:
             self.recorder._cur = None
         self._auto = False
         if self._active is not None:
-            self.engine.runner.submit("end_iteration")
-            self._end_requests(None)
+            try:
+                self.engine.runner.submit("end_iteration")
+                self._end_requests(None)
+            except Exception:  # the predictor itself failed: keep the original error
+                log.debug("predictor hooks failed while aborting", exc_info=True)
+                self._active = None
 
     # ---- public API -----------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

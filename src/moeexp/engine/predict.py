@@ -119,5 +119,6 @@ class PredictorRunner:
                 self._q.task_done()
 
     def _raise_if_failed(self) -> None:
+        """Re-raise the worker's exception (its own type, e.g. ConfigError) on this thread."""
         if self._error is not None:
-            raise RuntimeError(f"predictor {self.predictor.name!r} failed") from self._error
+            raise self._error

@@ -34,9 +34,10 @@ import torch.nn.functional as F
 def next_token_logits(model: Callable[..., Any], seqs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """float32[S, V] logits of each int64[S] (or [1, S]) sequence, on the CPU."""
     out = []
+    inner: Any = getattr(model, "model", model)
+    dev = next(iter(inner.parameters())).device
     for s in seqs:
         ids = s.reshape(1, -1)
-        dev = next(iter(getattr(model, "model", model).parameters())).device
         res = model(input_ids=ids.to(dev))
         out.append(res.logits[0].float().cpu())
     return out

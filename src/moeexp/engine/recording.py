@@ -74,9 +74,11 @@ class TraceRecorder:
         off = 0
         for it, t in zip(self.iters, lens, strict=True):
             for layer in range(d.num_layers):
-                probs[off:off + t, layer] = it.probs[layer]
-                idx[off:off + t, layer] = it.idx[layer]
-                w[off:off + t, layer] = it.weight[layer]
+                p, i, wt = it.probs[layer], it.idx[layer], it.weight[layer]
+                assert p is not None and i is not None and wt is not None
+                probs[off:off + t, layer] = p
+                idx[off:off + t, layer] = i
+                w[off:off + t, layer] = wt
             if it.embed is not None:
                 embed[off:off + t] = it.embed
             off += t

@@ -104,10 +104,10 @@ def resolve_system(
     if not isinstance(name, str) or not (root / "system" / f"{name}.yaml").exists():
         raise ConfigError(f"unknown system {name!r}. Valid system names: "
                           f"{', '.join(_options(root, 'system')) or '(none found in ' + str(root) + ')'}")
-    sys_cfg = OmegaConf.load(root / "system" / f"{name}.yaml")
+    sys_cfg: Any = OmegaConf.load(root / "system" / f"{name}.yaml")
     choice = _choices(sys_cfg, name)
     user = {"predictor": predictor, "cache": cache}
-    resolved: dict[str, dict[str, Any]] = {}
+    resolved: dict[str, Any] = {}
     for group in ("predictor", "cache"):
         extra = user[group]
         if isinstance(extra, str):
@@ -115,23 +115,24 @@ def resolve_system(
         elif isinstance(extra, Mapping) and "name" in extra:
             choice[group] = str(extra["name"])
         base = _load(root, group, choice[group])
-        parts = [base, sys_cfg.get(group) or {}]
+        parts: list[Any] = [base, sys_cfg.get(group) or {}]
         if extra is not None:
             if not isinstance(extra, Mapping):
                 raise ConfigError(f"{group}= must be a name or a mapping, got {extra!r}")
             parts.append(OmegaConf.create(dict(extra)))
-        merged = OmegaConf.merge(*parts)
+        merged: Any = OmegaConf.merge(*parts)
         merged["name"] = choice[group]
         resolved[group] = merged
     model_node = {"prefetch_distance": 2, **dict(model or {})}
-    tree = OmegaConf.create({"model": model_node, "system": {"name": name}})
+    tree: Any = OmegaConf.create({"model": model_node, "system": {"name": name}})
     tree = OmegaConf.merge(tree, {"predictor": resolved["predictor"], "cache": resolved["cache"]})
     try:
         plain = OmegaConf.to_container(tree, resolve=True)
     except Exception as exc:  # an interpolation the engine cannot resolve
         raise ConfigError(f"system {name!r}: cannot resolve its configs: {exc}") from exc
     assert isinstance(plain, dict)
-    settings = dict(OmegaConf.to_container(sys_cfg.get("backend") or OmegaConf.create({})))
+    backend: Any = OmegaConf.to_container(sys_cfg.get("backend") or OmegaConf.create({}))
+    settings = dict(backend)
     settings.update(overrides)
     return dict(plain["predictor"]), dict(plain["cache"]), settings
 

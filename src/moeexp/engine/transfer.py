@@ -192,9 +192,9 @@ class CopyEngine:
                     self.bytes_copied += job.nbytes
                     return job
                 seen = self._wakeups
-            job = self.prefetch_source() if self.prefetch_source is not None else None
-            if job is not None or inflight:
-                return job
+            started = self.prefetch_source() if self.prefetch_source is not None else None
+            if started is not None or inflight:
+                return started
             with self._cond:
                 if self._wakeups == seen and not self._demand and not self._stop:
                     self._cond.wait()

@@ -152,3 +152,31 @@ def test_exception_inside_forward_leaves_model_restorable(mixtral) -> None:
     assert torch.equal(_reference(mixtral, ids)[0], ref[0])
     with pytest.raises(RuntimeError, match="closed"):
         om.generate(ids, max_new_tokens=2)
+
+
+def test_double_offload_and_reset_metrics(mixtral) -> None:
+    """A model offloaded twice is refused; reset_metrics() zeroes counters and timings but
+    keeps residency (the next identical request hits where the first one missed)."""
+    ids = prompt_ids(7, seed=9)
+    with offload(mixtral, capacity=1.0) as om:
+        with pytest.raises(ConfigError, match="offloaded already"):
+            offload(mixtral)
+        om.generate(ids, max_new_tokens=3, do_sample=False)
+        first = om.metrics()
+        om.reset_metrics()
+        zero = om.metrics()
+        om.generate(ids, max_new_tokens=3, do_sample=False)
+        second = om.metrics()
+    assert first["h2d_bytes_total"] > 0 and first["hit_rate"] < 1
+    assert zero["accesses_total"] == 0 and zero["requests_total"] == 0
+    assert second["hit_rate"] == 1.0 and second["h2d_bytes_total"] == 0
+
+
+def test_predictor_errors_surface_with_their_type(mixtral) -> None:
+    """emoe without a store fails in its worker thread; the ConfigError reaches the caller
+    unchanged and the model is restored."""
+    om = offload(mixtral, system="emoe", capacity=0.5)
+    with pytest.raises(ConfigError, match="fit"):
+        om.generate(prompt_ids(6), max_new_tokens=2, do_sample=False)
+    om.close()
+    assert mixtral.config._experts_implementation == "grouped_mm"
