@@ -110,6 +110,8 @@ def _systems(model: Any, prompts: list[list[int]], new: int, store: Any,
         out[f"{tag}_hit_rate"] = round(m["hit_rate"], 4)
         out[f"{tag}_stall_ms"] = round(m["stall_ms_total"], 2)
         out[f"{tag}_recall"] = round(m["prediction_recall"], 4)
+        out[f"{tag}_prefetches"] = m["prefetches_issued"]
+        out[f"{tag}_predictor_query_us"] = round(m["predictor_query_us_mean"], 1)
     return out
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from transformers.integrations.moe import ExpertsInterface
@@ -148,6 +150,7 @@ def test_exception_inside_forward_leaves_model_restorable(mixtral) -> None:
     om.close()
     om.close()  # idempotent
     assert name not in ExpertsInterface._global_mapping
+    assert not [t for t in threading.enumerate() if t.name.startswith("moeexp-")]
     assert mixtral.config._experts_implementation == "grouped_mm"
     assert torch.equal(_reference(mixtral, ids)[0], ref[0])
     with pytest.raises(RuntimeError, match="closed"):
