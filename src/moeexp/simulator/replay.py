@@ -163,6 +163,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
     for batch in plan.batches:
         t = server_free if batch.arrival_s is None else max(server_free, batch.arrival_s)
         dev.advance(t)
+        req_preds: list[Prediction] = []
         for u in batch.units:
             tally.start[u] = t
             meta = plan.unit_request[u]
@@ -171,7 +172,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
             pred = predictor.start_request(RequestStart(request=meta, prompt_embed=pe))
             q_time += perf_counter() - q0
             q_calls += 1
-            take(pred, t, -1)
+            req_preds.append(pred)
         for gi, iters in enumerate(batch.groups):
             gd = plan.group(iters)
             rows = gd.rows
@@ -179,6 +180,11 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
             pred_sets.clear()
             pf_sets.clear()
             pf_hooks.clear()
+            # start_request predictions belong to the request's first pass: applied after
+            # begin_iteration, or the previous pass's last layer would drop them as passed.
+            for rp in req_preds:
+                take(rp, t, -1)
+            req_preds.clear()
             t_iter = t
             ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
                                  embed=embed_all[rows].astype(np.float32),

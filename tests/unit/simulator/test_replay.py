@@ -188,3 +188,28 @@ def test_normalised_latency_at_least_one_without_restriction() -> None:
     """Offloading can only add stalls to the same compute: ttft/tpot norms >= 1."""
     m = _system(_trace(7), "none", "lru", 0.2).metrics
     assert m["ttft_norm_mean"] >= 1.0 and m["tpot_norm_mean"] >= 1.0
+
+
+class _RequestStartPrefetcher(Predictor):
+    """Prefetches every expert of layer L-1 at start_request, nothing else."""
+
+    def start_request(self, ctx):  # type: ignore[no-untyped-def]
+        from moeexp.predictors.base import Prediction, Prefetch
+
+        L, J = self.dims.num_layers, self.dims.num_experts
+        return Prediction(prefetch=[Prefetch(1.0, L - 1, e) for e in range(J)])
+
+
+def test_start_request_prefetches_survive_for_every_request() -> None:
+    """start_request predictions belong to each request's first pass, including the 2nd and
+    later requests (the previous pass ended at layer L-1, which must not make them look
+    'already run'). Only layer L-1 of each first pass is predicted (all J experts, recall 1
+    there) and recall averages over every (pass, layer) pair, so recall = n_req / pairs."""
+    tr = _trace().split("test")
+    dims = tr.dims
+    pred = _RequestStartPrefetcher(dims=dims)
+    cache = LRUCache(capacity_slots=dims.num_layers * dims.num_experts,
+                     num_layers=dims.num_layers, num_experts=dims.num_experts)
+    res = simulate(tr, pred, cache, unit_cost(dims), progress=False)
+    pairs = tr.num_iterations * dims.num_layers
+    assert res.metrics["prediction_recall"] == pytest.approx(len(tr.requests) / pairs)
