@@ -23,6 +23,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from moeexp.atomic import write_text
+from moeexp.tracking.compare import comparison_markdown
 from moeexp.tracking.results import gather, print_table, table_columns, to_markdown
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ def summarize_dir(sweep_dir: str | Path, baseline: str | None = "deepspeed",
     csv = sweep_dir / SUMMARY_CSV
     write_text(csv, df.to_csv(index=False))
     cols = table_columns(df, baseline)
-    write_text(sweep_dir / SUMMARY_MD, to_markdown(df, cols))
+    # + each system against FineMoE's four baselines beside the paper's numbers, if present
+    write_text(sweep_dir / SUMMARY_MD, to_markdown(df, cols) + comparison_markdown(df))
     title = title or f"{sweep_dir} ({len(df)} runs)"
     if show:
         text = print_table(df, cols, title)
