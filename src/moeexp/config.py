@@ -30,12 +30,15 @@ from moeexp.errors import ConfigError
 from moeexp.registry import accepted_kwargs
 from moeexp.traces.schema import TraceDims
 
-#: Top-level keys a composed config may hold (the groups, ``trace``, the experiment name).
-#: A new config group (e.g. ``eval``) must be added here, or a run with it fails validation.
+#: Top-level keys a composed config may hold (the groups, ``trace``, the experiment name,
+#: the optional ``eval`` group and ``resume`` flag).
+#: A new config group must be added here, or a run with it fails validation.
 TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger",
-    "trace", "experiment_name",
+    "trace", "experiment_name", "eval", "resume",
 })
+#: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true).
+OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume"})
 
 
 def to_dict(node: Any) -> dict[str, Any]:
@@ -267,7 +270,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     if unknown:
         raise ConfigError(f"unknown top-level key(s) {', '.join(map(repr, unknown))}; valid: "
                           f"{', '.join(sorted(TOP_LEVEL_KEYS))}")
-    missing = sorted(k for k in TOP_LEVEL_KEYS - {"experiment_name"} if k not in cfg)
+    missing = sorted(k for k in TOP_LEVEL_KEYS - OPTIONAL_KEYS if k not in cfg)
     if missing:
         raise ConfigError(f"config lacks group(s) {', '.join(missing)}")
     load_registries()

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 
 def main() -> None:
-    import moeexp.eval.lm  # noqa: F401  (registers the moeexp model)
     from lm_eval.__main__ import cli_evaluate
+
+    import moeexp.eval.lm  # noqa: F401  (registers the moeexp model)
 
     cli_evaluate()
 

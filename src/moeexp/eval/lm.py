@@ -1,19 +1,38 @@
 """moeexp as an lm-eval model: ``--model moeexp --model_args model=tiny,system=emoe,capacity=0.5``.
 
 :class:`MoeexpLM` loads a model through :func:`moeexp.models.loading.load_model` (the same
-presets as the Hydra ``model`` group), optionally offloads its experts with
-:func:`moeexp.engine.offload` (any ``system``; lossy systems such as ``emoe`` change the
-routing, which is what their accuracy checks measure) and hands the resulting model to
-lm-eval's own :class:`HFLM`, so scoring code is lm-eval's, not ours.
+presets as the Hydra ``model`` group), offloads its experts with :func:`moeexp.engine.offload`
+for every system but the plain ones (exact systems such as ``deepspeed`` give the plain
+model's outputs; lossy ones such as ``emoe`` change the routing, which is what their
+accuracy checks measure) and hands the model to lm-eval's own :class:`HFLM`, so the
+scoring code is lm-eval's, not ours.
 
-The stock ``lm_eval`` command has no plugin discovery for models, so use
-``python -m moeexp.eval.cli ...`` (same arguments as ``lm_eval``; it registers ``moeexp``
-first), or call :func:`evaluate` from Python.
+lm-eval 0.4.13 finds models only in its own registry, and the stock ``lm_eval`` command
+imports nothing of ours (no plug-in discovery for models), so ``lm_eval --model moeexp``
+fails with "unknown model". Use ``python -m moeexp.eval.cli ...`` (lm-eval's CLI, same
+arguments, with ``moeexp`` registered first) or :func:`moeexp.eval.run.evaluate`.
+
+Model arguments (``--model_args k=v,...``; lm-eval types the values):
+
+- ``model`` (``tiny``), ``model_path``, ``dtype``, ``device`` (lm-eval's CLI passes
+  ``--device``, default ``cuda:0``: without CUDA the model stays on the CPU, with a warning);
+- ``system`` (``plain`` | ``no_offload`` = no engine, or any ``conf/system`` name),
+  ``capacity`` (fraction of all expert bytes, bytes, or ``"2GB"``; default: the system's);
+- ``store``: what systems that learn (FineMoE's maps, eMoE's regressions, ...) are fitted
+  on: ``auto`` (default: the store split of ``dataset`` sampled as the app does and recorded
+  with the root config's trace recipe, cached by content hash under ``results/traces``), a
+  trace path, or ``none``;
+- ``predictor.KEY`` / ``cache.KEY``: override one key of the system's predictor or cache
+  (``predictor.period=20``); any :class:`~moeexp.engine.runtime.EngineSettings` field
+  (``restricted_routing``, ``renormalize``, ``predictor_async`` (default false here, so a
+  lossy run is deterministic), ...);
+- ``batch_size``, ``max_length``: passed to HFLM.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from lm_eval.api.registry import register_model
@@ -25,15 +44,74 @@ log = logging.getLogger(__name__)
 PLAIN_SYSTEMS = ("plain", "no_offload", "none")
 
 
-def _model_cfg(model: str, model_path: str | None, dtype: str) -> dict[str, Any]:
+def _model_cfg(model: str, model_path: str | None, dtype: str | None,
+               device: str | None) -> dict[str, Any]:
     from moeexp.paths import load_group_yaml
 
     cfg = load_group_yaml("model", model)
     if model_path:
-        cfg["path"] = model_path
+        cfg["path"] = str(model_path)
     if dtype:
-        cfg["dtype"] = dtype
+        cfg["dtype"] = str(dtype)
+    if device:
+        cfg["device"] = _usable_device(str(device))
     return cfg
+
+
+def _usable_device(device: str) -> str:
+    """``device``, or ``cpu`` (with a warning) when it names CUDA and none is available."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        log.warning("device %r requested but CUDA is not available: using the CPU", device)
+        return "cpu"
+    return device
+
+
+def default_trace_cfg() -> dict[str, Any]:
+    """The root config's ``trace`` block (conf/config.yaml), resolved: the app's recipe."""
+    from omegaconf import OmegaConf
+
+    from moeexp.paths import CONF_DIR
+
+    root: Any = OmegaConf.load(CONF_DIR / "config.yaml")
+    out = OmegaConf.to_container(root.trace, resolve=True)
+    assert isinstance(out, dict)
+    return {str(k): v for k, v in out.items()}
+
+
+def auto_store(loaded: Any, dataset: str = "sharegpt",
+               trace_cfg: Mapping[str, Any] | None = None) -> Any:
+    """The store split of ``dataset``'s default sample on ``loaded``, as a Trace.
+
+    Sampled exactly as the app does (``conf/dataset/<dataset>.yaml``) and recorded with the
+    root config's trace recipe, so a default ``python -m moeexp`` run and this share one
+    cached trace (:func:`moeexp.traces.cache.get_or_record`).
+    """
+    from moeexp.data.prompts import sample_prompts
+    from moeexp.paths import load_group_yaml
+    from moeexp.traces.cache import get_or_record
+
+    prompts = sample_prompts(load_group_yaml("dataset", dataset), loaded.tokenizer)
+    trace = get_or_record(loaded, prompts, dict(trace_cfg or default_trace_cfg()))
+    return trace.split("store")
+
+
+def _split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
+                                                           dict[str, Any]]:
+    """``predictor.*`` / ``cache.*`` keys apart from the engine settings."""
+    pred: dict[str, Any] = {}
+    cache: dict[str, Any] = {}
+    settings: dict[str, Any] = {}
+    for key, value in overrides.items():
+        group, dot, name = str(key).partition(".")
+        if dot and group == "predictor":
+            pred[name] = _num(value)
+        elif dot and group == "cache":
+            cache[name] = _num(value)
+        else:
+            settings[str(key)] = value
+    return pred, cache, settings
 
 
 @register_model("moeexp")
@@ -42,12 +120,18 @@ class MoeexpLM(HFLM):
 
     Args:
         model: a ``conf/model`` preset name (``tiny``, ``mixtral_8x7b``, ...).
-        model_path: local checkpoint directory (overrides the preset's hub id).
+        model_path: local checkpoint directory (overrides the preset's source).
         system: a ``conf/system`` name; ``plain``/``no_offload`` evaluates the plain model.
-        capacity: expert-cache budget for the engine (fraction, bytes, or "2GB").
-        store: a trace path that fits systems needing a store (FineMoE maps, ...).
+        capacity: expert-cache budget (fraction, bytes, or "2GB"); None: the system's.
+        store: ``auto`` | a trace path | None (see the module docstring).
+        dataset: the dataset preset the ``auto`` store is sampled from.
         dtype: model dtype (default: the preset's).
-        batch_size, max_length, device: passed to HFLM.
+        batch_size, max_length: passed to HFLM.
+        device: where the model runs (default: the preset's; CUDA falls back to the CPU).
+        loaded: an already loaded ``LoadedModel`` (Python use; ``model`` is then ignored).
+        offloaded: the ``OffloadedModel`` wrapping ``loaded.model`` (Python use: the caller
+            built it and closes it); with it, ``system``/``capacity``/``store`` are ignored.
+        **overrides: ``predictor.KEY``, ``cache.KEY`` and EngineSettings fields.
     """
 
     def __init__(
@@ -55,27 +139,38 @@ class MoeexpLM(HFLM):
         model: str = "tiny",
         model_path: str | None = None,
         system: str = "plain",
-        capacity: float | int | str = 0.5,
-        store: str | None = None,
-        dtype: str = "",
+        capacity: float | int | str | None = None,
+        store: str | None = "auto",
+        dataset: str = "sharegpt",
+        dtype: str | None = None,
         batch_size: int | str = 1,
         max_length: int | None = None,
-        device: str = "cpu",
+        device: str | None = None,
+        loaded: Any = None,
+        offloaded: Any = None,
         **overrides: Any,
     ) -> None:
-        from moeexp.models.loading import load_model
+        if loaded is None:
+            from moeexp.models.loading import load_model
 
-        cfg = _model_cfg(model, model_path, dtype)
-        cfg["device"] = device
-        loaded = load_model(cfg)
+            loaded = load_model(_model_cfg(model, model_path, dtype, device))
         self.loaded = loaded
-        self.system = system
-        self.offloaded = None
-        if system not in PLAIN_SYSTEMS:
+        self.system = offloaded.system if offloaded is not None else system
+        self.offloaded = offloaded
+        self._owns_engine = False
+        if offloaded is None and system not in PLAIN_SYSTEMS:
             from moeexp.engine import offload
 
-            self.offloaded = offload(loaded.model, system=system, capacity=_num(capacity),
-                                     store=store, **overrides)
+            pred, cache, settings = _split_overrides(overrides)
+            settings.setdefault("predictor_async", False)
+            trace = auto_store(loaded, dataset) if store == "auto" else store
+            self.offloaded = offload(loaded.model, system=system,
+                                     capacity=None if capacity is None else _num(capacity),
+                                     store=trace, predictor=pred or None, cache=cache or None,
+                                     prefetch_distance=loaded.prefetch_distance, **settings)
+            self._owns_engine = True
+        elif overrides:
+            log.warning("moeexp: %s ignored for a plain model", sorted(overrides))
         super().__init__(pretrained=loaded.model, tokenizer=loaded.tokenizer,
                          backend="causal", batch_size=int(batch_size), max_length=max_length)
 
@@ -84,13 +179,20 @@ class MoeexpLM(HFLM):
         return {} if self.offloaded is None else dict(self.offloaded.metrics())
 
     def close(self) -> None:
-        if self.offloaded is not None:
+        """Restore the plain model if this object offloaded it (idempotent)."""
+        if self.offloaded is not None and self._owns_engine:
             self.offloaded.close()
-            self.offloaded = None
+        self.offloaded = None
+
+    def __del__(self) -> None:  # pragma: no cover - best effort for the CLI path
+        try:
+            self.close()
+        except Exception:
+            pass
 
 
-def _num(v: float | int | str) -> float | int | str:
-    """lm-eval passes model_args as strings; turn numeric strings into numbers."""
+def _num(v: Any) -> Any:
+    """lm-eval may pass model_args as strings; turn numeric strings into numbers."""
     if isinstance(v, str):
         for cast in (int, float):
             try:

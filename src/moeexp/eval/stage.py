@@ -1,0 +1,274 @@
+"""The app's evaluation stage (the ``eval`` config group): quality and lm-eval of a run's model.
+
+``eval=none`` (the default) does nothing. ``eval=lm_eval`` runs after the backend, on the
+run's own model, system and budget::
+
+    python -m moeexp system=emoe eval=lm_eval eval.tasks=[moeexp_sharegpt_ppl] eval.limit=20
+
+What is evaluated: the plain model for ``no_offload``; otherwise the model offloaded by the
+real engine (:func:`moeexp.engine.build_offloaded`) with the run's predictor and cache
+(built from the config, fitted on the store split of the run's trace) and the backend
+group's mechanism keys (``restricted_routing``, ``renormalize``: eMoE's lossy mode). An
+exact system gives the plain model's numbers; a lossy one shows what it costs. Each phase
+below gets a fresh engine (a deep copy of the fitted policies), so one phase's requests do
+not change another's. Systems whose policies need the future (oracle, belady) are exact
+and are evaluated as the plain model (``eval_model: plain``; lossy + future is refused).
+
+Metrics (added to ``metrics.json``; W&B mirrors them):
+
+- ``lm_eval/<task>/<metric>`` for ``eval.tasks`` (local ``moeexp_*`` tasks are built from
+  the test split of the run's dataset sample, or of the default ShareGPT sample when the
+  run uses another dataset; see :mod:`moeexp.eval.tasks`);
+- with ``eval.quality: true``, against the unrestricted (plain) model on the test prompts
+  (:mod:`moeexp.engine.quality`): ``perplexity`` / ``perplexity_ref`` / ``perplexity_ratio``
+  (token level, teacher-forced on prompt + real first reply, at most ``quality_max_tokens``),
+  ``token_agreement`` and ``kl_mean`` (nats) on the same positions, ``greedy_agreement``
+  (``quality_new_tokens`` free-running greedy tokens per prompt), and the engine's
+  ``quality_substitution_rate`` / ``quality_hit_rate`` while doing it;
+- ``eval_model`` (``engine`` | ``plain``), ``experts_per_layer`` (eMoE-style predictors),
+  ``eval_time_s``.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+from moeexp.config import to_dict, typed
+from moeexp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """The ``eval`` group (conf/eval/*.yaml).
+
+    Attributes:
+        name: ``none`` | ``lm_eval``.
+        tasks: lm-eval task names (local ``moeexp_*`` or standard ones); [] = none.
+        limit: documents per task (an int, a fraction < 1, or None = all).
+        num_fewshot: lm-eval few-shot count (None = the task's).
+        include_path: a directory of task YAMLs; None = build the local tasks.
+        tasks_dir: where local tasks are built (None = ``results/eval_tasks``).
+        batch_size: lm-eval batch size.
+        quality: compute the quality metrics against the plain model (see module doc).
+        quality_prompts: test prompts used for quality (None = all).
+        quality_max_tokens: cap on teacher-forced sequence length (tokens).
+        quality_new_tokens: greedy tokens generated per prompt for ``greedy_agreement``.
+        predictor_async: run the engine's predictor on its thread (False: deterministic).
+        seed: lm-eval seeds.
+    """
+
+    name: str = "none"
+    tasks: tuple[str, ...] = ()
+    limit: int | float | None = None
+    num_fewshot: int | None = None
+    include_path: str | None = None
+    tasks_dir: str | None = None
+    batch_size: int = 1
+    quality: bool = False
+    quality_prompts: int | None = None
+    quality_max_tokens: int = 256
+    quality_new_tokens: int = 32
+    predictor_async: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("none", "lm_eval"):
+            raise ConfigError(f"eval: name must be 'none' or 'lm_eval', got {self.name!r}")
+        object.__setattr__(self, "tasks", tuple(str(t) for t in (self.tasks or ())))
+        bad = []
+        if self.limit is not None and not self.limit > 0:
+            bad.append(f"limit={self.limit} (> 0, or null for all documents)")
+        if self.batch_size < 1:
+            bad.append(f"batch_size={self.batch_size} (>= 1)")
+        if self.quality_max_tokens < 2 or self.quality_new_tokens < 1:
+            bad.append("quality_max_tokens >= 2 and quality_new_tokens >= 1")
+        if self.quality_prompts is not None and self.quality_prompts < 1:
+            bad.append(f"quality_prompts={self.quality_prompts} (>= 1 or null)")
+        if bad:
+            raise ConfigError("eval: " + "; ".join(bad))
+
+    @property
+    def enabled(self) -> bool:
+        return self.name != "none" and (bool(self.tasks) or self.quality)
+
+
+def eval_spec(node: Any) -> EvalSpec:
+    """The typed ``eval`` group (None or absent = ``none``); ConfigError on a bad key."""
+    if node is None:
+        return EvalSpec()
+    return typed(EvalSpec, to_dict(node), f"eval={node.get('name')}")
+
+
+# ----------------------------------------------------------------------------- engine
+def _engine_factory(cfg: Any, loaded: Any, store: Any,
+                    spec: EvalSpec) -> tuple[Callable[[], Any] | None, dict[str, Any]]:
+    """``(make, info)``: ``make()`` offloads ``loaded.model`` afresh (None = plain model)."""
+    from moeexp.config import build_cache, build_predictor
+    from moeexp.engine import build_offloaded, model_dims
+    from moeexp.engine.budget import Budget
+    from moeexp.engine.runtime import EngineSettings
+    from moeexp.eval.lm import PLAIN_SYSTEMS
+
+    system = str(cfg.system.name)
+    backend = to_dict(cfg.backend)
+    names = {f.name for f in fields(EngineSettings)}
+    settings = EngineSettings(**{k: v for k, v in backend.items() if k in names
+                                 and k != "predictor_async"},
+                              predictor_async=spec.predictor_async)
+    dims = model_dims(loaded.adapter, settings.spec_depth)
+    predictor = build_predictor(cfg.predictor, dims)
+    cache = build_cache(cfg.cache, dims)
+    info: dict[str, Any] = {"eval_model": "plain"}
+    epl = getattr(predictor, "experts_per_layer", None)
+    if isinstance(epl, int):
+        info["experts_per_layer"] = epl
+    if system in PLAIN_SYSTEMS:
+        return None, info
+    if "future" in predictor.needs or cache.needs_future:
+        if settings.restricted_routing:
+            raise ConfigError(f"eval: system={system} needs the future accesses and is lossy "
+                              "(restricted_routing): the engine cannot evaluate it")
+        log.info("eval: %s is exact and needs the future accesses: the plain model is "
+                 "evaluated (same outputs)", system)
+        return None, info
+    predictor.fit(store)
+    cache.fit(store)
+    budget = Budget(slots=int(cache.capacity_slots), expert_bytes=dims.expert_bytes,
+                    total_expert_bytes=dims.num_layers * dims.num_experts * dims.expert_bytes)
+    info["eval_model"] = "engine"
+
+    def make() -> Any:
+        return build_offloaded(loaded.model, loaded.adapter, copy.deepcopy(predictor),
+                               copy.deepcopy(cache), budget, settings, system=system)
+
+    return make, info
+
+
+# ----------------------------------------------------------------------------- quality
+def quality_sequences(cfg: Any, loaded: Any, prompts: Sequence[Any],
+                      max_tokens: int) -> list[Any]:
+    """int64[S] sequences: each test prompt's ids + its real first reply, cut to ``max_tokens``."""
+    import torch
+
+    from moeexp.eval.tasks import replies_for
+
+    replies: dict[str, str] = {}
+    try:
+        replies = replies_for(to_dict(cfg.dataset), [p.text for p in prompts])
+    except Exception as err:  # data unavailable: prompts alone still compare the models
+        log.warning("eval: replies of the test prompts unavailable (%s): prompts only", err)
+    seqs = []
+    for p in prompts:
+        ids = list(p.input_ids)
+        reply = replies.get(p.text, "")
+        if reply:
+            ids += list(loaded.tokenizer.encode(" " + reply, add_special_tokens=False))
+        seqs.append(torch.tensor(ids[:max_tokens], dtype=torch.long))
+    return seqs
+
+
+def _quality(make: Callable[[], Any] | None, loaded: Any, prompts: Sequence[Any],
+             seqs: Sequence[Any], new_tokens: int) -> dict[str, Any]:
+    import torch
+
+    from moeexp.engine.quality import greedy_agreement, next_token_logits, quality_report
+
+    model = loaded.model
+    pad = loaded.tokenizer.pad_token_id
+    ref = next_token_logits(model, seqs)
+    gen_kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+              "pad_token_id": pad}
+    dev = next(model.parameters()).device
+    ids = [torch.tensor([list(p.input_ids)], dtype=torch.long, device=dev) for p in prompts]
+    with torch.no_grad():
+        ref_gen = [model.generate(x, **gen_kw) for x in ids]
+    out: dict[str, Any] = {}
+    if make is None:
+        test, test_gen = ref, ref_gen
+    else:
+        with make() as om:
+            test = next_token_logits(om, seqs)
+            m = om.metrics()
+        out["quality_substitution_rate"] = m.get("substitution_rate")
+        out["quality_hit_rate"] = m.get("hit_rate")
+        with make() as om:
+            test_gen = [om.generate(x, **gen_kw) for x in ids]
+    rep = quality_report(ref, test, seqs)
+    agree = [greedy_agreement(r, t, x.shape[1]) for r, t, x in zip(ref_gen, test_gen, ids,
+                                                                     strict=True)]
+    out.update(perplexity=rep["ppl_test"], perplexity_ref=rep["ppl_ref"],
+               perplexity_ratio=rep["ppl_ratio"], token_agreement=rep["token_agreement"],
+               kl_mean=rep["kl_mean"], greedy_agreement=sum(agree) / len(agree))
+    return out
+
+
+# ----------------------------------------------------------------------------- lm-eval
+def _include_path(spec: EvalSpec, cfg: Any, tokenizer: Any) -> str | None:
+    from moeexp.eval.tasks import LOCAL_TASKS, ensure_tasks
+
+    if spec.include_path is not None or not any(t in LOCAL_TASKS for t in spec.tasks):
+        return spec.include_path
+    dataset = to_dict(cfg.dataset)
+    if dataset.get("name") != "sharegpt":
+        from moeexp.paths import load_group_yaml
+
+        log.info("eval: local tasks come from ShareGPT; using conf/dataset/sharegpt.yaml's "
+                 "test split (the run's dataset is %s)", dataset.get("name"))
+        dataset = load_group_yaml("dataset", "sharegpt")
+    return str(ensure_tasks(dataset, tokenizer, spec.tasks_dir))
+
+
+def _lm_eval(spec: EvalSpec, make: Callable[[], Any] | None, loaded: Any,
+             include_path: str | None) -> dict[str, Any]:
+    from moeexp.eval.lm import MoeexpLM
+    from moeexp.eval.run import evaluate
+
+    om = make() if make is not None else None
+    try:
+        lm = MoeexpLM(loaded=loaded, offloaded=om, batch_size=spec.batch_size)
+        out: dict[str, Any] = dict(evaluate(lm, spec.tasks, include_path=include_path,
+                                            limit=spec.limit, num_fewshot=spec.num_fewshot,
+                                            seed=spec.seed))
+        if om is not None:
+            m = om.metrics()
+            out["lm_eval/engine/substitution_rate"] = m.get("substitution_rate")
+            out["lm_eval/engine/hit_rate"] = m.get("hit_rate")
+    finally:
+        if om is not None:
+            om.close()
+    return out
+
+
+def run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> dict[str, Any]:
+    """The stage (see the module docstring); returns flat metrics to add to the run's.
+
+    Args:
+        spec: the typed ``eval`` group.
+        cfg: the composed run config (system, predictor, cache, backend, dataset, trace).
+        loaded: the run's LoadedModel (plain; it is plain again afterwards).
+        prompts: the run's prompts (store and test; the test split is evaluated).
+    """
+    if not spec.enabled:
+        return {}
+    t0 = time.perf_counter()
+    from moeexp.traces.cache import get_or_record
+
+    store = get_or_record(loaded, prompts, to_dict(cfg.trace)).split("store")  # cache hit
+    make, out = _engine_factory(cfg, loaded, store, spec)
+    test = [p for p in prompts if p.split == "test"][: spec.quality_prompts]
+    if spec.quality:
+        seqs = quality_sequences(cfg, loaded, test, spec.quality_max_tokens)
+        out.update(_quality(make, loaded, test, seqs, spec.quality_new_tokens))
+    if spec.tasks:
+        out.update(_lm_eval(spec, make, loaded, _include_path(spec, cfg, loaded.tokenizer)))
+    out["eval_time_s"] = time.perf_counter() - t0
+    log.info("eval: %s", ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                   for k, v in out.items()))
+    return out
