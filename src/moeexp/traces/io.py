@@ -84,13 +84,14 @@ def load(path: str | Path) -> Trace:
     missing = [k for k in _REQUIRED if k not in arrays]
     if missing:
         raise TraceError(f"trace {npz} lacks arrays {missing}")
+    fields: dict[str, Any] = {k: arrays[k] for k in _REQUIRED}
+    fields.update({k: arrays.get(k) for k in _OPTIONAL})
     try:
         trace = Trace(
             dims=TraceDims(**meta["dims"]),
             requests=[RequestMeta(**r) for r in meta["requests"]],
             meta=meta.get("meta", {}),
-            **{k: arrays[k] for k in _REQUIRED},
-            **{k: arrays.get(k) for k in _OPTIONAL},
+            **fields,
         )
     except (KeyError, TypeError) as exc:
         raise TraceError(f"trace sidecar of {npz} does not match the schema: {exc}") from exc

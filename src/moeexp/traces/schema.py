@@ -119,11 +119,11 @@ class Trace:
             (self.token_ids.shape == (n_tok,), "token_ids shape"),
         ]
         if self.spec_probs is not None:
-            want = (n_tok, d.num_layers, d.spec_depth, d.num_experts)
-            checks.append((self.spec_probs.shape == want, "spec_probs shape"))
+            want_spec = (n_tok, d.num_layers, d.spec_depth, d.num_experts)
+            checks.append((self.spec_probs.shape == want_spec, "spec_probs shape"))
         if self.hidden is not None:
-            want = (n_tok, d.num_layers, d.hidden_size)
-            checks.append((self.hidden.shape == want, "hidden shape"))
+            want_hidden = (n_tok, d.num_layers, d.hidden_size)
+            checks.append((self.hidden.shape == want_hidden, "hidden shape"))
         if self.prompt_embed is not None:
             checks.append((self.prompt_embed.shape[0] == len(self.requests), "prompt_embed rows"))
         if n_tok:

@@ -95,7 +95,7 @@ def random_trace(
         topk_idx=topk_idx.astype(np.int16),
         topk_weight=topk_w.astype(np.float16),
         embed=embed.astype(np.float16),
-        token_ids=rng.integers(0, 1000, n_tok).astype(np.int32),
+        token_ids=np.asarray(rng.integers(0, 1000, n_tok), dtype=np.int32),
         spec_probs=None if spec is None else spec.astype(np.float16),
         hidden=hidden,
         meta={"source": "synthetic", "seed": seed},
