@@ -8,10 +8,20 @@ The pipeline calls::
     logger.finish()
 
 W&B runs offline unless the user asks otherwise (``mode`` defaults to ``$WANDB_MODE``,
-and to ``offline`` when that is unset). wandb 0.31 cannot read its ``.wandb`` files back
-from Python, so :class:`WandbLogger` also writes what it logged to
-``run_dir/wandb_logged.json`` (project, group, tags, mode, run id, config, metrics).
+and to ``offline`` when that is unset); ``wandb sync <run_dir>/wandb/offline-run-*``
+uploads an offline run later. wandb 0.31 cannot read its ``.wandb`` files back from
+Python, so :class:`WandbLogger` also writes what it logged to ``run_dir/wandb_logged.json``
+(project, group, tags, mode, run id, config, metrics, tables, figures, trace).
 ``none`` writes nothing at all.
+
+What a W&B run holds: the resolved config; the final metrics (history and summary; string
+metrics in the summary); the run directory's per-step series (``series.parquet``, written
+before ``log_metrics``) as one ``wandb.Table`` per series, ``series/<name>`` with columns
+``step``, ``value``; every figure ``*.png`` of the run directory as ``figures/<stem>``; and a
+reference to the run's routing trace: summary keys ``trace/path`` and
+``trace/content_hash`` (the trace cache's sha256 content hash, ``metrics["trace_hash"]``;
+the path is ``<config trace.cache_dir>/<hash>.npz``) plus a ``trace`` reference artifact
+(``file://`` URI, no upload of the trace itself).
 """
 
 from __future__ import annotations
@@ -119,8 +129,46 @@ class WandbLogger(Logger):
         for key, value in {**numbers, **strings}.items():
             self._run.summary[key] = value
         self._record["metrics"].update(flat)
+        self._mirror_run_dir(flat)
         assert self._path is not None
         write_json(self._path, self._record)
+
+    # ---- the run directory's other results --------------------------------------------
+    def _mirror_run_dir(self, metrics: Mapping[str, Any]) -> None:
+        """Series as tables, figures as images, the trace as a reference (module doc)."""
+        import wandb
+
+        run_dir = self._path.parent if self._path is not None else None
+        if run_dir is None:
+            return
+        from moeexp.tracking.run_dir import SERIES_FILE, read_series
+
+        tables: dict[str, Any] = {}
+        if (run_dir / SERIES_FILE).is_file():
+            for name, values in read_series(run_dir).items():
+                rows = [[i, float(v)] for i, v in enumerate(values)]
+                tables[f"series/{name}"] = wandb.Table(columns=["step", "value"], data=rows)
+                self._record.setdefault("tables", {})[f"series/{name}"] = {
+                    "columns": ["step", "value"], "rows": len(rows)}
+        figures = {}
+        for png in sorted(run_dir.glob("*.png")):
+            figures[f"figures/{png.stem}"] = wandb.Image(str(png))
+            self._record.setdefault("figures", []).append(png.name)
+        if tables or figures:
+            self._run.log({**tables, **figures})
+        digest = metrics.get("trace_hash")
+        if isinstance(digest, str) and digest:
+            cache_dir = (self._record["config"].get("trace") or {}).get("cache_dir") or "results/traces"
+            path = (Path(str(cache_dir)) / f"{digest}.npz").resolve()
+            self._run.summary["trace/path"] = str(path)
+            self._run.summary["trace/content_hash"] = digest
+            self._record["trace"] = {"path": str(path), "content_hash": digest,
+                                     "exists": path.is_file()}
+            if path.is_file():
+                art = wandb.Artifact(f"trace-{digest[:16]}", type="trace",
+                                     metadata={"content_hash": digest, "path": str(path)})
+                art.add_reference(path.as_uri(), name=path.name, checksum=False)
+                self._run.log_artifact(art)
 
     def finish(self, failed: bool = False) -> None:
         if self._run is None:
