@@ -14,6 +14,7 @@ cache, cost model, seed); a new backend registers a class here and gets the same
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Protocol
 
 from moeexp.errors import ConfigError
@@ -33,6 +34,9 @@ class BackendContext:
         cache: fitted on the store split; ``capacity_slots`` is the budget.
         cost: the cost model (simulated hardware profile).
         seed: the run's seed (``trace.seed``).
+        store: the store split of the trace (what predictor and cache were fitted on);
+            backends that build more policies (``sim_vs_engine``) fit them on it.
+        run_dir: the run's results directory (backends that write files of their own).
     """
 
     loaded: Any
@@ -42,6 +46,8 @@ class BackendContext:
     cache: Any
     cost: Any
     seed: int
+    store: Trace | None = None
+    run_dir: Path | None = None
 
 
 @dataclass
@@ -75,6 +81,9 @@ class SimBackend:
         restricted_routing: eMoE's restricted routing (substitute a resident expert).
         renormalize: renormalise routing weights after a substitution (model output only).
         progress: show a progress bar.
+        cost_profile: path of a calibrated profile (``calibration.json`` of a
+            ``sim_vs_engine`` run, :mod:`moeexp.costmodel.calibrate`): its fitted cost model
+            replaces the ``hardware`` profile's roofline; None = the hardware profile.
     """
 
     batch_size: int = 1
@@ -83,6 +92,7 @@ class SimBackend:
     restricted_routing: bool = False
     renormalize: bool = False
     progress: bool = True
+    cost_profile: str | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -92,26 +102,40 @@ class SimBackend:
                               f"got {self.arrival_rate}")
         if self.num_online_requests < 1:
             raise ConfigError("backend=sim: num_online_requests must be >= 1")
+        if self.cost_profile is not None and not Path(self.cost_profile).expanduser().is_file():
+            raise ConfigError(f"backend=sim: cost_profile={self.cost_profile!r} does not exist "
+                              "(a calibration.json written by +experiment=sim_vs_engine, or null)")
 
     def run(self, ctx: BackendContext) -> BackendResult:
         from moeexp.simulator import simulate
 
         online = self.arrival_rate is not None
-        res = simulate(ctx.trace, ctx.predictor, ctx.cache, ctx.cost,
+        cost = ctx.cost
+        if self.cost_profile is not None:
+            from moeexp.costmodel.calibrate import load_cost_model
+
+            cost = load_cost_model(self.cost_profile, ctx.trace.dims, dtype_bytes=cost.dtype_bytes)
+        res = simulate(ctx.trace, ctx.predictor, ctx.cache, cost,
                        batch_size=self.batch_size, arrival_rate=self.arrival_rate,
                        restricted_routing=self.restricted_routing, renormalize=self.renormalize,
                        seed=ctx.seed, progress=self.progress,
                        num_requests=self.num_online_requests if online else None)
-        return BackendResult(dict(res.metrics), dict(res.series))
+        metrics = dict(res.metrics)
+        if self.cost_profile is not None:
+            metrics["cost_profile"] = str(self.cost_profile)
+        return BackendResult(metrics, dict(res.series))
 
 
 @BACKENDS.register("engine")
 class EngineBackend:
-    """The real engine (:func:`moeexp.engine.backend.run_engine_backend`), torch-backed.
+    """The real engine (:func:`moeexp.engine.backend.serve_engine`), torch-backed.
 
-    Accepts the keys of :class:`moeexp.engine.runtime.EngineSettings` plus the decoding
-    keys ``sampling``, ``top_k``, ``temperature``, ``seed``, ``warmup``, ``progress``;
-    anything else raises ConfigError.
+    Accepts the keys of :class:`moeexp.engine.runtime.EngineSettings` plus ``sampling``,
+    ``top_k``, ``temperature``, ``seed``, ``warmup``, ``progress``, ``device``,
+    ``num_threads``, ``replay_tokens`` and ``reference`` (conf/backend/engine.yaml);
+    anything else raises ConfigError, and so does ``device=cuda`` without CUDA (before
+    any work). With ``replay_tokens`` the engine decodes the test trace's recorded tokens,
+    so it serves the very forward passes ``backend=sim`` replays.
     """
 
     def __init__(self, **settings: Any) -> None:
@@ -123,11 +147,34 @@ class EngineBackend:
         if unknown:
             raise ConfigError(f"backend=engine: unknown key(s) {unknown}. Accepted keys: "
                               f"{', '.join(sorted(valid))}")
+        if settings.get("device") is not None:
+            from moeexp.engine.backend import resolve_device
+
+            resolve_device(settings["device"])
         self.settings = dict(settings)
 
     def run(self, ctx: BackendContext) -> BackendResult:
-        from moeexp.engine.backend import run_engine_backend
+        from moeexp.engine.backend import serve_engine
 
         settings = {"seed": ctx.seed, **self.settings}
-        metrics = run_engine_backend(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings)
-        return BackendResult(dict(metrics))
+        res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
+                           trace=ctx.trace)
+        return BackendResult(dict(res.metrics), dict(res.series))
+
+
+@BACKENDS.register("sim_vs_engine")
+class SimVsEngineBackend:
+    """Calibration (``+experiment=sim_vs_engine``): profile the engine, fit the simulator's
+    cost model, run several systems both ways, write summary.csv (:mod:`moeexp.calibrate`).
+    Keys: those of :class:`moeexp.calibrate.SimVsEngineSettings`."""
+
+    def __init__(self, **settings: Any) -> None:
+        from moeexp.calibrate import SimVsEngineSettings
+
+        self.settings = SimVsEngineSettings.from_mapping(settings)
+
+    def run(self, ctx: BackendContext) -> BackendResult:
+        from moeexp.calibrate import run_sim_vs_engine
+
+        metrics, series = run_sim_vs_engine(ctx, self.settings)
+        return BackendResult(metrics, series)

@@ -83,7 +83,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     logger.start(run_dir, config=_resolved(cfg), group=spec.experiment_name or "adhoc",
                  name=_run_name(spec, run_dir), tags=_tags(spec))
     try:
-        metrics, series = _execute(cfg, spec, loaded, prompts, cost, times)
+        metrics, series = _execute(cfg, spec, loaded, prompts, cost, times, run_dir)
         metrics["total_time_s"] = time.perf_counter() - t_start
         write_metrics(run_dir, metrics)
         write_series(run_dir, series)
@@ -98,7 +98,8 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
 
 
 def _execute(cfg: DictConfig, spec: RunSpec, loaded: Any, prompts: list[Any], cost: Any,
-             times: dict[str, float]) -> tuple[dict[str, Any], dict[str, Any]]:
+             times: dict[str, float], run_dir: Path | None = None
+             ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trace, fit, serve the test split; returns (metrics, series)."""
     from moeexp.backends import BACKENDS, BackendContext
     from moeexp.traces.cache import get_or_record
@@ -125,7 +126,7 @@ def _execute(cfg: DictConfig, spec: RunSpec, loaded: Any, prompts: list[Any], co
     test_ids = {r.request_id for r in test.requests}
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
                          trace=test, predictor=predictor, cache=cache, cost=cost,
-                         seed=spec.trace.seed)
+                         seed=spec.trace.seed, store=store, run_dir=run_dir)
     t = time.perf_counter()
     result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t

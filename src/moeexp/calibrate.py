@@ -1,0 +1,304 @@
+"""``+experiment=sim_vs_engine``: calibrate the simulator on the engine, then measure its error.
+
+One job (``backend=sim_vs_engine``, :class:`moeexp.backends.SimVsEngineBackend`) does::
+
+    profile the engine on the store prompts      moeexp.engine.profile (compute + copies)
+    fit the cost model                           moeexp.costmodel.calibrate.fit_profile
+        -> calibration.json, profile_samples.json, conf/hardware/calibrated.yaml
+    for every system (same capacity, policies fitted on the store split):
+        simulator: replay the test trace with the calibrated cost model
+        engine:    serve the test prompts, decoding the trace's tokens (same passes)
+    summary.csv / summary.md / requests.csv in the run directory
+
+The error of the simulator per system: MAPE (%) over test requests of TTFT and TPOT
+(``|sim - engine| / engine``, request by request), and ``hit_rate_diff = sim - engine``.
+The profile is taken on the store split and the comparison on the test split, so the fit
+is never evaluated on the requests it was fitted on.
+
+Reuse the fit elsewhere: ``python -m moeexp backend.cost_profile=RUN/calibration.json``
+(the full fit), or ``hydra.searchpath=[file://RUN/conf] hardware=calibrated`` (its roofline
+approximation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from moeexp.atomic import write_text
+from moeexp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SYSTEMS: tuple[Any, ...] = (
+    "no_offload", "deepspeed", "mixtral_offloading", "moe_infinity", "finemoe",
+    {"name": "static", "system": "deepspeed", "cache": "static"}, "oracle")
+SUMMARY_COLUMNS = ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean", "engine_tpot_ms_mean",
+                   "sim_tpot_ms_mean", "engine_hit_rate", "sim_hit_rate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemEntry:
+    """One row of the comparison: a label, a system bundle, optional group overrides."""
+
+    name: str
+    system: str
+    predictor: str | None = None
+    cache: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SimVsEngineSettings:
+    """The ``sim_vs_engine`` backend group (conf/backend/sim_vs_engine.yaml).
+
+    Attributes:
+        systems: names of conf/system bundles, or mappings ``{name, system, predictor?,
+            cache?}`` (e.g. ``static`` = deepspeed with the static cache).
+        capacity: the expert budget of every system (cache.capacity syntax).
+        prefetch_distance: ``${model.prefetch_distance}`` for predictor configs.
+        device, bandwidth_bps, num_threads, predictor_async, max_inflight, spec_depth,
+            warmup: the engine's settings (as in conf/backend/engine.yaml) for the engine
+            runs and the profile; ``bandwidth_bps`` is the emulated link on a CPU.
+        profile_requests: store requests profiled (prompts truncated to the fractions below).
+        length_fractions: prompt lengths profiled, as fractions of each store prompt.
+        decode_tokens: tokens generated per profiled request (None: the test output length).
+        copy_factors: copy sizes profiled, as multiples of one expert's bytes.
+        copy_repeats: timed copies per size.
+        outlier_mads: None fits mean times (the default: the engine's runs have the same
+            slow tail); a number drops samples beyond that many MADs first.
+        progress: progress bars.
+    """
+
+    systems: tuple[SystemEntry, ...]
+    capacity: float | int | str = 0.25
+    prefetch_distance: int = 1
+    device: str | None = "cpu"
+    bandwidth_bps: float | None = None
+    num_threads: int | None = None
+    predictor_async: bool = True
+    max_inflight: int = 2
+    spec_depth: int = 4
+    warmup: int = 1
+    profile_requests: int = 8
+    length_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
+    decode_tokens: int | None = None
+    copy_factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+    copy_repeats: int = 6
+    outlier_mads: float | None = None
+    progress: bool = True
+
+    @classmethod
+    def from_mapping(cls, data: Mapping[str, Any]) -> SimVsEngineSettings:
+        """Validate the group (unknown keys, bad systems and engine keys raise ConfigError)."""
+        from moeexp.config import typed
+        from moeexp.engine.systems import system_names
+
+        d = dict(data)
+        entries = []
+        for item in d.pop("systems", DEFAULT_SYSTEMS):
+            if isinstance(item, str):
+                item = {"name": item, "system": item}
+            if not isinstance(item, Mapping) or "system" not in item:
+                raise ConfigError(f"backend=sim_vs_engine: a systems entry must be a system name "
+                                  f"or {{name, system, predictor?, cache?}}, got {item!r}")
+            entries.append(typed(SystemEntry, {"name": item.get("name", item["system"]), **item},
+                                 "backend=sim_vs_engine systems entry"))
+        valid = system_names()
+        bad = sorted({e.system for e in entries} - set(valid))
+        if bad:
+            raise ConfigError(f"backend=sim_vs_engine: unknown system(s) {bad}. Valid: "
+                              f"{', '.join(valid)}")
+        for k in ("length_fractions", "copy_factors"):
+            if k in d:
+                d[k] = tuple(float(x) for x in d[k])
+        out = typed(cls, {"systems": tuple(entries), **d}, "backend=sim_vs_engine")
+        if not out.systems:
+            raise ConfigError("backend=sim_vs_engine: systems is empty")
+        from moeexp.backends import EngineBackend
+
+        EngineBackend(**out.engine)  # device (CUDA present?) checked before any work
+        return out
+
+    @property
+    def engine(self) -> dict[str, Any]:
+        """The backend=engine settings of the engine runs and the profile."""
+        return {k: getattr(self, k) for k in ("device", "bandwidth_bps", "num_threads",
+                                              "predictor_async", "max_inflight", "spec_depth",
+                                              "warmup")}
+
+
+def _store_requests(store: Any, n: int, fractions: tuple[float, ...], new: int
+                    ) -> list[tuple[list[int], int]]:
+    """Profile requests from the store trace's prompts, truncated to ``fractions``."""
+    out = []
+    for i, r in enumerate(store.requests[:n]):
+        its = store.request_iterations(r.request_id)
+        first = its[np.argmin(store.iter_step[its])]
+        ids = store.token_ids[int(store.iter_offsets[first]): int(store.iter_offsets[first + 1])]
+        keep = max(1, int(round(len(ids) * fractions[i % len(fractions)])))
+        out.append(([int(t) for t in ids[:keep]], int(new)))
+    return out
+
+
+def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
+    """Profile + fit; writes calibration.json, profile_samples.json, conf/hardware/."""
+    import torch
+
+    from moeexp.costmodel.calibrate import fit_profile
+    from moeexp.engine.profile import profile_compute, profile_copy
+    from moeexp.engine.runtime import EngineSettings
+
+    eng = dict(s.engine)
+    known = {f.name for f in dataclasses.fields(EngineSettings)}
+    est = EngineSettings(**{k: v for k, v in eng.items() if k in known})
+    new = s.decode_tokens or max(int(p.output_len) for p in ctx.prompts)
+    reqs = _store_requests(ctx.store, s.profile_requests, s.length_fractions, new)
+    samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=int(eng.get("warmup", 1)),
+                              progress=s.progress)
+    dims = ctx.trace.dims
+    device = next(ctx.loaded.model.parameters()).device
+    dtype = next(ctx.loaded.model.parameters()).dtype
+    profile_copy(device, dims.expert_bytes, bandwidth_bps=est.bandwidth_bps,
+                 max_inflight=est.max_inflight, factors=s.copy_factors, repeats=s.copy_repeats,
+                 dtype=dtype, samples=samples)
+    meta = {"device": str(device), "torch_threads": torch.get_num_threads(),
+            "emulated_bandwidth_bps": est.bandwidth_bps, "profile_requests": len(reqs),
+            "decode_tokens": new, "model": ctx.loaded.name,
+            "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+                        intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
+                        outlier_mads=s.outlier_mads, meta=meta)
+    calib.save(run_dir / "calibration.json")
+    calib.write_hardware_yaml(run_dir / "conf")
+    write_text(run_dir / "profile_samples.json",
+               json.dumps({k: list(map(float, v)) for k, v in dataclasses.asdict(samples).items()}))
+    log.info("calibrated: layer %.0f us + %.2f us/token, expert %.0f us + %.2f us/token, "
+             "decode pass %.0f us, prefill pass %.0f us + %.1f us/token, copy %.0f us + %.1f MB/s",
+             calib.layer_s * 1e6, calib.dense_token_s * 1e6, calib.expert_s * 1e6,
+             calib.expert_token_s * 1e6, calib.decode_pass_s * 1e6, calib.prefill_pass_s * 1e6,
+             calib.prefill_token_s * 1e6, calib.copy_latency_s * 1e6, calib.copy_bytes_per_s / 1e6)
+    return calib
+
+
+def _mape(sim: list[float], eng: list[float]) -> float:
+    pairs = [(a, b) for a, b in zip(sim, eng, strict=True)
+             if np.isfinite(a) and np.isfinite(b) and b > 0]
+    return float(np.mean([abs(a - b) / b for a, b in pairs]) * 100) if pairs else float("nan")
+
+
+def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
+                ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Both backends on one system; the summary row and the per-request rows."""
+    from moeexp.config import build_cache, build_predictor
+    from moeexp.engine.backend import serve_engine
+    from moeexp.engine.systems import resolve_system
+    from moeexp.simulator import simulate
+
+    cache_o: dict[str, Any] = {"capacity": s.capacity}
+    if entry.cache:
+        cache_o["name"] = entry.cache
+    pcfg, ccfg, sys_settings = resolve_system(
+        entry.system, entry.predictor, cache_o, model={"prefetch_distance": s.prefetch_distance})
+    dims = ctx.trace.dims
+    restricted = bool(sys_settings.get("restricted_routing", False))
+    renorm = bool(sys_settings.get("renormalize", False))
+    objs = []
+    for _ in range(2):  # fresh, separately fitted objects for each backend
+        pred, pol = build_predictor(pcfg, dims), build_cache(ccfg, dims)
+        pred.fit(ctx.store)
+        pol.fit(ctx.store)
+        objs.append((pred, pol))
+    sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
+                   renormalize=renorm, seed=ctx.seed, progress=False)
+    settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,
+                "replay_tokens": True, "reference": False, "seed": ctx.seed, "progress": False}
+    eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace)
+    sm, em = sim.metrics, eng.metrics
+    by_id = {rid: i for i, rid in enumerate(sim.series["request_id"])}
+    order = [by_id[rid] for rid in eng.series["request_id"]]
+    sim_ttft = [sim.series["ttft_ms"][i] for i in order]
+    sim_tpot = [sim.series["tpot_ms"][i] for i in order]
+    row = {
+        "system": entry.name,
+        "engine_ttft_ms_mean": em["ttft_ms_mean"], "sim_ttft_ms_mean": sm["ttft_ms_mean"],
+        "engine_tpot_ms_mean": em["tpot_ms_mean"], "sim_tpot_ms_mean": sm["tpot_ms_mean"],
+        "engine_hit_rate": em["hit_rate"], "sim_hit_rate": sm["hit_rate"],
+        "ttft_mape_pct": _mape(sim_ttft, eng.series["ttft_ms"]),
+        "tpot_mape_pct": _mape(sim_tpot, eng.series["tpot_ms"]),
+        "hit_rate_diff": sm["hit_rate"] - em["hit_rate"],
+        "engine_h2d_bytes_total": em["h2d_bytes_total"], "sim_h2d_bytes_total": sm["h2d_bytes_total"],
+        "engine_stall_ms_total": em["stall_ms_total"], "sim_stall_ms_total": sm["stall_ms_total"],
+        "engine_prediction_recall": em["prediction_recall"],
+        "sim_prediction_recall": sm["prediction_recall"],
+        "engine_accesses_total": em["accesses_total"], "sim_accesses_total": sm["accesses_total"],
+        "predictor": pcfg["name"], "cache": ccfg["name"],
+    }
+    reqs = [{"system": entry.name, "request_id": rid, "engine_ttft_ms": et, "sim_ttft_ms": st,
+             "engine_tpot_ms": ep, "sim_tpot_ms": sp}
+            for rid, et, st, ep, sp in zip(eng.series["request_id"], eng.series["ttft_ms"],
+                                           sim_ttft, eng.series["tpot_ms"], sim_tpot, strict=True)]
+    log.info("%-20s TTFT engine %.2f sim %.2f ms (MAPE %.1f%%)  TPOT engine %.2f sim %.2f ms "
+             "(MAPE %.1f%%)  hit engine %.3f sim %.3f", entry.name, row["engine_ttft_ms_mean"],
+             row["sim_ttft_ms_mean"], row["ttft_mape_pct"], row["engine_tpot_ms_mean"],
+             row["sim_tpot_ms_mean"], row["tpot_mape_pct"], row["engine_hit_rate"],
+             row["sim_hit_rate"])
+    return row, reqs
+
+
+def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any], dict[str, list]]:
+    """The whole experiment on a pipeline context; returns (metrics, series)."""
+    from moeexp.costmodel.calibrate import CalibratedCostModel
+    from moeexp.engine.backend import resolve_device, run_on
+
+    if ctx.store is None or not ctx.store.requests:
+        raise ConfigError("backend=sim_vs_engine needs the store split (profile and fits): "
+                          "raise dataset.num_prompts or dataset.store_fraction")
+    run_dir = Path(ctx.run_dir) if ctx.run_dir is not None else _hydra_dir()
+    device = resolve_device(s.engine.get("device"), ctx.loaded.model)
+    rows, reqs = [], []
+    with run_on(ctx.loaded.model, device, s.engine.get("num_threads")):
+        calib = _calibrate(ctx, s, run_dir)
+        cost = CalibratedCostModel.from_calibration(calib, ctx.trace.dims,
+                                                    dtype_bytes=ctx.cost.dtype_bytes)
+        for entry in s.systems:
+            row, rr = _one_system(ctx, s, entry, cost)
+            rows.append(row)
+            reqs.extend(rr)
+    df = pd.DataFrame(rows)
+    df = df[SUMMARY_COLUMNS + [c for c in df.columns if c not in SUMMARY_COLUMNS]]
+    write_text(run_dir / "summary.csv", df.to_csv(index=False))
+    write_text(run_dir / "requests.csv", pd.DataFrame(reqs).to_csv(index=False))
+    show = df[["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean", "ttft_mape_pct",
+               "engine_tpot_ms_mean", "sim_tpot_ms_mean", "tpot_mape_pct", "engine_hit_rate",
+               "sim_hit_rate", "hit_rate_diff"]]
+    write_text(run_dir / "summary.md", show.to_markdown(index=False, floatfmt=".3f") + "\n")
+    log.info("sim_vs_engine:\n%s", show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    metrics: dict[str, Any] = {
+        "ttft_mape_pct_mean": float(df["ttft_mape_pct"].mean()),
+        "tpot_mape_pct_mean": float(df["tpot_mape_pct"].mean()),
+        "hit_rate_abs_diff_mean": float(df["hit_rate_diff"].abs().mean()),
+        "systems": ",".join(df["system"]),
+        "calibration_file": str(run_dir / "calibration.json"),
+    }
+    for r in rows:
+        for k in ("ttft_mape_pct", "tpot_mape_pct", "hit_rate_diff"):
+            metrics[f"{r['system']}_{k}"] = r[k]
+    for k in ("layer_s", "dense_token_s", "expert_s", "expert_token_s", "decode_pass_s",
+              "prefill_pass_s", "copy_latency_s"):
+        metrics[f"calib_{k[:-2]}_us"] = getattr(calib, k) * 1e6
+    metrics["calib_copy_mbps"] = calib.copy_bytes_per_s / 1e6
+    series = {c: df[c].tolist() for c in SUMMARY_COLUMNS[1:]}
+    return metrics, series
+
+
+def _hydra_dir() -> Path:
+    from moeexp.pipeline import output_dir
+
+    return output_dir()
