@@ -9,7 +9,11 @@
       get_or_record(...)                the routing trace (cached by content hash)
       predictor.fit(store); cache.fit(store)
       backend.run(test, ...)            sim: simulator + cost model
+      run_eval(...)                     eval=lm_eval: quality + lm-eval (moeexp.eval.stage)
     metrics.json, series.parquet, env.json, W&B
+
+With ``resume`` true (the default) a job whose directory already holds ``metrics.json``
+is skipped (logged as "skipping: metrics.json exists"); ``resume=false`` reruns it.
 
 Metrics are flat: the backend's keys (:data:`moeexp.metrics.CORE_KEYS` plus its extras,
 e.g. the simulator's ``ttft_norm_mean``/``tpot_norm_mean``: latency over the same
@@ -33,7 +37,13 @@ from omegaconf import DictConfig, OmegaConf
 from moeexp.config import RunSpec, build_cache, build_predictor, validate
 from moeexp.tracking.env import collect_env
 from moeexp.tracking.loggers import LOGGERS, Logger
-from moeexp.tracking.run_dir import write_env, write_metrics, write_series
+from moeexp.tracking.run_dir import (
+    METRICS_FILE,
+    read_metrics,
+    write_env,
+    write_metrics,
+    write_series,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +68,14 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     spec = validate(cfg)
+    from moeexp.eval.stage import eval_spec, run_eval
+
+    evals = eval_spec(cfg.get("eval"))
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
+    if cfg.get("resume", True) and (run_dir / METRICS_FILE).is_file():
+        log.info("skipping: metrics.json exists in %s (resume=true; resume=false reruns)",
+                 run_dir)
+        return dict(read_metrics(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     logger: Logger = LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     times: dict[str, float] = {}
@@ -84,6 +101,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
                  name=_run_name(spec, run_dir), tags=_tags(spec))
     try:
         metrics, series = _execute(cfg, spec, loaded, prompts, cost, times, run_dir)
+        metrics.update(run_eval(evals, cfg, loaded, prompts))  # eval=none: nothing
         metrics["total_time_s"] = time.perf_counter() - t_start
         write_metrics(run_dir, metrics)
         write_series(run_dir, series)
