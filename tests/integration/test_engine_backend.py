@@ -1,0 +1,142 @@
+"""backend=engine and the sim_vs_engine calibration from the Hydra app.
+
+Decision (conf/backend/engine.yaml, ``replay_tokens: true``): the engine decodes the tokens
+the trace recorded (top-k sampled by the recorder, as for the simulator), so both backends
+serve the very same forward passes; a system whose decisions do not depend on timing
+(deepspeed) then takes the same decisions in both.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from moeexp.metrics import CORE_KEYS
+from moeexp.tracking.run_dir import read_series
+
+#: The issue's small setting: 6 prompts (4 store / 2 test) of 12 tokens + 6 generated.
+LEN = ["dataset.num_prompts=6", "dataset.input_len=12", "dataset.output_len=6",
+       "trace.prompt_embedder=null", "trace.progress=false", "backend.progress=false",
+       "logger=none", "++hydra.job.env_set.OMP_NUM_THREADS=1"]
+
+
+def _ok(out) -> None:
+    assert out.returncode == 0, f"stdout:\n{out.stdout[-3000:]}\nstderr:\n{out.stderr[-5000:]}"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, model_overrides, trace_dir, run_app):
+    """deepspeed through backend=sim and backend=engine on the same prompts and trace."""
+    base = tmp_path_factory.mktemp("engine_backend")
+    for b in ("sim", "engine"):
+        _ok(run_app(*model_overrides, *LEN, f"trace.cache_dir={trace_dir}", f"backend={b}",
+                    "system=deepspeed", f"hydra.run.dir={base / b}"))
+    return {b: base / b for b in ("sim", "engine")}
+
+
+def test_engine_writes_the_sim_layout(runs):
+    """metrics.json: every CORE_KEY and every key backend=sim writes except its own wall
+    clock (sim_wall_s), ttft/tpot norms >= 0; series.parquet: the sim's series, 2 per-request
+    values (2 test requests) and 12 per-pass values (2 requests x 6 passes); env.json."""
+    sim = json.loads((runs["sim"] / "metrics.json").read_text())
+    eng = json.loads((runs["engine"] / "metrics.json").read_text())
+    assert set(CORE_KEYS) <= set(eng)
+    assert set(sim) - {"sim_wall_s"} <= set(eng), sorted(set(sim) - set(eng))
+    assert eng["backend"] == "engine" and eng["requests_total"] == 2
+    assert eng["ttft_norm_mean"] > 0 and eng["tpot_norm_mean"] > 0
+    s_sim, s_eng = read_series(runs["sim"]), read_series(runs["engine"])
+    assert set(s_sim) <= set(s_eng)
+    assert len(s_eng["ttft_ms"]) == 2 and len(s_eng["iter_ms"]) == 12
+    assert sum(s_eng["iter_hits"]) + sum(s_eng["iter_misses"]) == eng["accesses_total"]
+    assert (runs["engine"] / "env.json").is_file()
+
+
+def test_deepspeed_engine_decisions_equal_the_simulator(runs):
+    """Same passes (token replay), no timing-dependent decision: hit_rate, h2d_bytes_total,
+    accesses and hits equal exactly; the engine moved real bytes (h2d > 0) and took time."""
+    sim = json.loads((runs["sim"] / "metrics.json").read_text())
+    eng = json.loads((runs["engine"] / "metrics.json").read_text())
+    assert sim["trace_hash"] == eng["trace_hash"]
+    for k in ("hit_rate", "h2d_bytes_total", "accesses_total", "hits_total", "requests_total"):
+        assert eng[k] == sim[k], k
+    assert eng["h2d_bytes_total"] > 0 and eng["ttft_ms_mean"] > 0 and eng["tpot_ms_mean"] > 0
+
+
+def test_system_sets_backend_keys_for_both_backends():
+    """emoe's `backend: {restricted_routing: true}` reaches backend=sim and backend=engine
+    (system is last in the root defaults); a command-line override still wins; the engine
+    group validates; backend.device=cuda without CUDA fails validation, naming the fix."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from moeexp.config import validate
+    from moeexp.errors import ConfigError
+    from moeexp.paths import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        for b in ("sim", "engine"):
+            cfg = compose(config_name="config", overrides=["system=emoe", f"backend={b}"])
+            assert validate(cfg).backend.kwargs["restricted_routing"] is True
+        cfg = compose(config_name="config", overrides=["system=emoe", "backend=engine",
+                                                      "backend.restricted_routing=false"])
+        assert cfg.backend.restricted_routing is False
+        if not torch.cuda.is_available():
+            cfg = compose(config_name="config", overrides=["backend=engine", "backend.device=cuda"])
+            with pytest.raises(ConfigError, match="CUDA is not available"):
+                validate(cfg)
+
+
+def test_sim_vs_engine_experiment(tmp_path, model_overrides, trace_dir, run_app):
+    """+experiment=sim_vs_engine shrunk to two systems: summary.csv has the columns the
+    figure reads, one row per system, deepspeed's hit rates equal; the fitted profile is
+    written (calibration.json, and its roofline approximation as a hardware profile)."""
+    run = tmp_path / "cal"
+    _ok(run_app(*model_overrides, "+experiment=sim_vs_engine", *LEN,
+                f"trace.cache_dir={trace_dir}", f"hydra.run.dir={run}",
+                "backend.systems=[deepspeed,oracle]", "backend.profile_requests=4",
+                "backend.copy_repeats=2", "backend.copy_factors=[0.5,1.0,2.0]"))
+    df = pd.read_csv(run / "summary.csv")
+    assert list(df.columns[:7]) == ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean",
+                                    "engine_tpot_ms_mean", "sim_tpot_ms_mean",
+                                    "engine_hit_rate", "sim_hit_rate"]
+    assert list(df["system"]) == ["deepspeed", "oracle"]
+    ds = df.set_index("system").loc["deepspeed"]
+    assert ds["engine_hit_rate"] == ds["sim_hit_rate"] and ds["hit_rate_diff"] == 0
+    assert (df[["sim_ttft_ms_mean", "sim_tpot_ms_mean", "ttft_mape_pct"]] > 0).all().all()
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["systems"] == "deepspeed,oracle" and m["ttft_mape_pct_mean"] >= 0
+    assert (run / "calibration.json").is_file() and (run / "conf/hardware/calibrated.yaml").is_file()
+
+
+def test_sim_backend_uses_a_cost_profile(tmp_path):
+    """backend=sim with cost_profile=calibration.json replays with the fitted model: every
+    expert resident, a decode pass costs exactly L * (layer_s + 2 experts of one token) +
+    decode_pass_s = 8 * (500 + 2 * 50) + 2000 us = 6.8 ms (the TPOT); a missing file is a
+    ConfigError at construction."""
+    from moeexp.backends import BackendContext, SimBackend
+    from moeexp.cache import CACHES
+    from moeexp.costmodel import CostModel, load_profile
+    from moeexp.costmodel.calibrate import CalibratedProfile
+    from moeexp.errors import ConfigError
+    from moeexp.predictors import PREDICTORS
+    from moeexp.traces.synthetic import random_trace
+
+    tr = random_trace(num_requests=2, num_layers=8, num_experts=8, top_k=2, output_len=4)
+    d = tr.dims
+    prof = CalibratedProfile(
+        num_layers=8, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size or 1,
+        expert_bytes=d.expert_bytes, layer_s=500e-6, dense_token_s=0.0, dense_ctx_s=0.0,
+        expert_s=50e-6, expert_token_s=0.0, prefill_pass_s=0.0, prefill_token_s=0.0,
+        decode_pass_s=2e-3, copy_latency_s=0.0, copy_bytes_per_s=1e9)
+    path = prof.save(tmp_path / "calibration.json")
+    pol = CACHES.build("resident", capacity_slots=64, num_layers=8, num_experts=8)
+    ctx = BackendContext(loaded=None, prompts=[], trace=tr,
+                         predictor=PREDICTORS.build("none", dims=d), cache=pol,
+                         cost=CostModel.from_profile(load_profile("rtx3090_pcie4"), d), seed=0)
+    m = SimBackend(cost_profile=str(path), progress=False).run(ctx).metrics
+    assert m["cost_profile"] == str(path)
+    assert m["tpot_ms_mean"] == pytest.approx(6.8)
+    with pytest.raises(ConfigError, match="does not exist"):
+        SimBackend(cost_profile=str(tmp_path / "nope.json"))
