@@ -120,7 +120,7 @@ class SimBackend:
                        restricted_routing=self.restricted_routing, renormalize=self.renormalize,
                        seed=ctx.seed, progress=self.progress,
                        num_requests=self.num_online_requests if online else None)
-        metrics = dict(res.metrics)
+        metrics: dict[str, Any] = dict(res.metrics)
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
         return BackendResult(metrics, dict(res.series))

@@ -58,7 +58,7 @@ def forced_tokens(tokens: Sequence[int], prompt_len: int) -> Any:
     toks = list(tokens)
 
     class ForceRecorded(LogitsProcessor):
-        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> Any:
             step = input_ids.shape[1] - prompt_len
             if step < len(toks):
                 forced = torch.full_like(scores, float("-inf"))

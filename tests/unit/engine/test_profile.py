@@ -1,0 +1,47 @@
+"""Profiling the engine for the calibration: what is timed, and the copy path's link."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from moeexp.costmodel.calibrate import fit_linear
+from moeexp.engine.profile import profile_compute, profile_copy
+from moeexp.models.adapters import adapter_for
+
+from .conftest import prompt_ids
+
+
+def test_profile_compute_times_every_layer_and_pass(mixtral) -> None:
+    """Two requests (6 and 3 prompt tokens, 3 generated each) on the 2-layer tiny Mixtral:
+    6 passes (2 prefills with T = 6 and 3, then T = 1), 12 MoE layer samples whose experts
+    call is part of the layer, attended context T(T+1)/2 at prefill and prompt + step after;
+    the model is plain again afterwards."""
+    loaded = types.SimpleNamespace(model=mixtral, adapter=adapter_for(mixtral), name="t")
+    reqs = [(prompt_ids(6, 0)[0].tolist(), 3), (prompt_ids(3, 1)[0].tolist(), 3)]
+    s = profile_compute(loaded, reqs, warmup=1)
+    a = s.arrays()
+    assert a["pass_prefill"].tolist() == [1, 0, 0, 1, 0, 0]
+    assert a["pass_tokens"].tolist() == [6, 1, 1, 3, 1, 1]
+    assert len(a["layer_s"]) == 12
+    assert a["layer_ctx"].tolist() == [21, 21, 7, 7, 8, 8, 6, 6, 4, 4, 5, 5]
+    assert (a["layer_rows"] == 2 * a["layer_tokens"]).all()
+    assert (a["experts_s"] > 0).all() and (a["layer_s"] >= a["experts_s"]).all()
+    assert (a["pass_s"] > 0).all() and (a["layer_active"] >= 2).all()
+    assert mixtral.config._experts_implementation == "grouped_mm"
+
+
+def test_profile_copy_follows_the_emulated_link() -> None:
+    """Copies of 0.5, 1 and 2 x 18 KiB through the copy thread with a 20 MB/s emulated link
+    take at least bytes / 20 MB/s each, and the fitted bandwidth is the link's within 25%."""
+    bw = 20e6
+    s = profile_copy(torch.device("cpu"), 18432, bandwidth_bps=bw, factors=(0.5, 1.0, 2.0),
+                     repeats=3)
+    b, t = np.asarray(s.copy_bytes), np.asarray(s.copy_s)
+    assert sorted(set(b.tolist())) == [9216, 18432, 36864] and len(t) == 9
+    assert (t >= b / bw * 0.999).all()
+    fit = fit_linear(np.c_[np.ones(len(b)), b], t)
+    assert 1 / fit.coef[1] == pytest.approx(bw, rel=0.25)
