@@ -23,7 +23,8 @@ Model arguments (``--model_args k=v,...``; lm-eval types the values):
   with the root config's trace recipe, cached by content hash under ``results/traces``), a
   trace path, or ``none``;
 - ``predictor.KEY`` / ``cache.KEY``: override one key of the system's predictor or cache
-  (``predictor.period=20``); any :class:`~moeexp.engine.runtime.EngineSettings` field
+  (``predictor.period=20``); ``dataset.KEY`` / ``trace.KEY``: change the ``auto`` store's
+  sample or recording (``dataset.num_prompts=16``); any :class:`~moeexp.engine.runtime.EngineSettings` field
   (``restricted_routing``, ``renormalize``, ``predictor_async`` (default false here, so a
   lossy run is deterministic), ...);
 - ``batch_size``, ``max_length``: passed to HFLM.
@@ -81,37 +82,41 @@ def default_trace_cfg() -> dict[str, Any]:
 
 
 def auto_store(loaded: Any, dataset: str = "sharegpt",
-               trace_cfg: Mapping[str, Any] | None = None) -> Any:
+               dataset_overrides: Mapping[str, Any] | None = None,
+               trace_overrides: Mapping[str, Any] | None = None) -> Any:
     """The store split of ``dataset``'s default sample on ``loaded``, as a Trace.
 
-    Sampled exactly as the app does (``conf/dataset/<dataset>.yaml``) and recorded with the
-    root config's trace recipe, so a default ``python -m moeexp`` run and this share one
-    cached trace (:func:`moeexp.traces.cache.get_or_record`).
+    Sampled exactly as the app does (``conf/dataset/<dataset>.yaml`` + ``dataset_overrides``)
+    and recorded with the root config's trace recipe (+ ``trace_overrides``), so a default
+    ``python -m moeexp`` run and this share one cached trace
+    (:func:`moeexp.traces.cache.get_or_record`).
     """
     from moeexp.data.prompts import sample_prompts
     from moeexp.paths import load_group_yaml
     from moeexp.traces.cache import get_or_record
 
-    prompts = sample_prompts(load_group_yaml("dataset", dataset), loaded.tokenizer)
-    trace = get_or_record(loaded, prompts, dict(trace_cfg or default_trace_cfg()))
+    dcfg = {**load_group_yaml("dataset", dataset), **dict(dataset_overrides or {})}
+    prompts = sample_prompts(dcfg, loaded.tokenizer)
+    trace = get_or_record(loaded, prompts, {**default_trace_cfg(), **dict(trace_overrides or {})})
     return trace.split("store")
 
 
-def _split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any],
+#: model_args prefixes routed to a config group instead of the engine settings
+GROUP_PREFIXES = ("predictor", "cache", "dataset", "trace")
+
+
+def _split_overrides(overrides: Mapping[str, Any]) -> tuple[dict[str, dict[str, Any]],
                                                            dict[str, Any]]:
-    """``predictor.*`` / ``cache.*`` keys apart from the engine settings."""
-    pred: dict[str, Any] = {}
-    cache: dict[str, Any] = {}
+    """``({group: {key: value}}, engine settings)`` from ``GROUP.KEY=value`` model_args."""
+    groups: dict[str, dict[str, Any]] = {g: {} for g in GROUP_PREFIXES}
     settings: dict[str, Any] = {}
     for key, value in overrides.items():
         group, dot, name = str(key).partition(".")
-        if dot and group == "predictor":
-            pred[name] = _num(value)
-        elif dot and group == "cache":
-            cache[name] = _num(value)
+        if dot and group in groups:
+            groups[group][name] = _num(value)
         else:
             settings[str(key)] = value
-    return pred, cache, settings
+    return groups, settings
 
 
 @register_model("moeexp")
@@ -131,7 +136,8 @@ class MoeexpLM(HFLM):
         loaded: an already loaded ``LoadedModel`` (Python use; ``model`` is then ignored).
         offloaded: the ``OffloadedModel`` wrapping ``loaded.model`` (Python use: the caller
             built it and closes it); with it, ``system``/``capacity``/``store`` are ignored.
-        **overrides: ``predictor.KEY``, ``cache.KEY`` and EngineSettings fields.
+        **overrides: ``predictor.KEY``, ``cache.KEY``, ``dataset.KEY``, ``trace.KEY`` and
+            EngineSettings fields.
     """
 
     def __init__(
@@ -161,12 +167,14 @@ class MoeexpLM(HFLM):
         if offloaded is None and system not in PLAIN_SYSTEMS:
             from moeexp.engine import offload
 
-            pred, cache, settings = _split_overrides(overrides)
+            groups, settings = _split_overrides(overrides)
             settings.setdefault("predictor_async", False)
-            trace = auto_store(loaded, dataset) if store == "auto" else store
+            trace = (auto_store(loaded, dataset, groups["dataset"], groups["trace"])
+                     if store == "auto" else store)
             self.offloaded = offload(loaded.model, system=system,
                                      capacity=None if capacity is None else _num(capacity),
-                                     store=trace, predictor=pred or None, cache=cache or None,
+                                     store=trace, predictor=groups["predictor"] or None,
+                                     cache=groups["cache"] or None,
                                      prefetch_distance=loaded.prefetch_distance, **settings)
             self._owns_engine = True
         elif overrides:

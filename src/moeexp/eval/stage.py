@@ -61,6 +61,8 @@ class EvalSpec:
         quality_max_tokens: cap on teacher-forced sequence length (tokens).
         quality_new_tokens: greedy tokens generated per prompt for ``greedy_agreement``.
         predictor_async: run the engine's predictor on its thread (False: deterministic).
+        num_threads: torch intra-op threads during the stage (None = unchanged; on a
+            shared CPU, 1 is much faster and steadier with the engine's copy thread).
         seed: lm-eval seeds.
     """
 
@@ -76,6 +78,7 @@ class EvalSpec:
     quality_max_tokens: int = 256
     quality_new_tokens: int = 32
     predictor_async: bool = False
+    num_threads: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +92,8 @@ class EvalSpec:
             bad.append(f"batch_size={self.batch_size} (>= 1)")
         if self.quality_max_tokens < 2 or self.quality_new_tokens < 1:
             bad.append("quality_max_tokens >= 2 and quality_new_tokens >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            bad.append(f"num_threads={self.num_threads} (>= 1 or null)")
         if self.quality_prompts is not None and self.quality_prompts < 1:
             bad.append(f"quality_prompts={self.quality_prompts} (>= 1 or null)")
         if bad:
@@ -257,6 +262,18 @@ def run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> d
     """
     if not spec.enabled:
         return {}
+    import torch
+
+    threads = torch.get_num_threads()
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    try:
+        return _run_eval(spec, cfg, loaded, prompts)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     from moeexp.traces.cache import get_or_record
 
