@@ -169,7 +169,8 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
                  max_inflight=est.max_inflight, factors=s.copy_factors, repeats=s.copy_repeats,
                  dtype=dtype, samples=samples)
     meta = {"device": str(device), "torch_threads": torch.get_num_threads(),
-            "emulated_bandwidth_bps": est.bandwidth_bps, "profile_requests": len(reqs),
+            "emulated_bandwidth_bps": est.bandwidth_bps if device.type == "cpu" else None,
+            "profile_requests": len(reqs),
             "decode_tokens": new, "model": ctx.loaded.name,
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,

@@ -219,7 +219,8 @@ def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
         metrics.setdefault(f"predictor_{k}", float(v))
     metrics["engine_wall_s"] = wall
     metrics["accesses_per_s"] = metrics["accesses_total"] / wall if wall > 0 else float("nan")
-    metrics["emulated_bandwidth_bps"] = float(eng_settings.bandwidth_bps or float("nan"))
+    emulated = eng_settings.bandwidth_bps if device.type == "cpu" else None  # CPU-only
+    metrics["emulated_bandwidth_bps"] = float(emulated) if emulated else float("nan")
     series: dict[str, list[Any]] = dict(per_req)
     series["queue_ms"] = [0.0] * len(prompts)
     series["service_ms"] = list(per_req["e2e_ms"])
