@@ -28,11 +28,12 @@ def _ok(out) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, model_overrides, trace_dir, run_app):
-    """deepspeed through backend=sim and backend=engine on the same prompts and trace."""
+    """deepspeed through backend=sim and backend=engine on the same prompts and trace (one
+    multirun: one process start)."""
     base = tmp_path_factory.mktemp("engine_backend")
-    for b in ("sim", "engine"):
-        _ok(run_app(*model_overrides, *LEN, f"trace.cache_dir={trace_dir}", f"backend={b}",
-                    "system=deepspeed", f"hydra.run.dir={base / b}"))
+    _ok(run_app("--multirun", "backend=sim,engine", *model_overrides, *LEN,
+                f"trace.cache_dir={trace_dir}", "system=deepspeed", f"hydra.sweep.dir={base}",
+                "hydra.sweep.subdir=${backend.name}"))
     return {b: base / b for b in ("sim", "engine")}
 
 
