@@ -12,9 +12,13 @@ export HF_HUB_OFFLINE ?= 1
 export HF_DATASETS_OFFLINE ?= 1
 export WANDB_MODE ?= offline
 export TOKENIZERS_PARALLELISM ?= false
+# The embedded model is tiny: one intra-op thread is faster than several and avoids OpenMP
+# spinning on shared CPUs (17x slower with 2 threads on a loaded 2-core machine). Override
+# with `make run OMP_NUM_THREADS=8` on a big idle machine or for real models.
+THREADS ?= 1
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-all bench lint tiny-model figures clean
+.PHONY: help install run test bench bench-gpu lint tiny-model figures clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-12s\033[0m %s\n",$$1,$$2}'
@@ -34,13 +38,16 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP) ## create .venv and install the pinned stack + moeexp (editable); TORCH=keep keeps your torch
 
 run: $(STAMP) ## the default comparison on the embedded defaults (tiny model, ShareGPT)
-	$(PY) -m moeexp +experiment=finemoe_vs_moeinfinity
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp +experiment=finemoe_vs_moeinfinity
 
 test: $(STAMP) ## the default test suite (CPU, offline)
-	$(PY) -m pytest -q
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q
 
 bench: $(STAMP) ## benchmarks: writes results/bench/*.json and prints a table
-	$(PY) -m moeexp.bench
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp.bench
+
+bench-gpu: $(STAMP) ## CUDA checks in one pass: GPU tests, sim_vs_engine on CUDA, engine benchmarks (outputs in $$OUT or results/gpu_check/<time>)
+	PY=$(PY) bash scripts/gpu_check.sh
 
 lint: $(STAMP) ## ruff + mypy on src/
 	$(VENV)/bin/ruff check src tests
