@@ -53,7 +53,7 @@ lint: $(STAMP) ## ruff + mypy on src/
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy src/moeexp
 
-tiny-model: $(STAMP) ## retrain the embedded tiny model + tokenizer deterministically (~15 min, 2 cores)
+tiny-model: $(STAMP) ## retrain the embedded tiny model + tokenizer deterministically (~17 min on one idle core; 25 min measured on a loaded 2-core machine)
 	$(PY) -m moeexp.models.tiny_train
 
 figures: $(STAMP) ## paper figures from results/ into results/figures/
