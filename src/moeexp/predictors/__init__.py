@@ -6,7 +6,7 @@ Importing this package imports every predictor module, so ``PREDICTORS`` is comp
 import sys
 
 from moeexp._autoload import import_submodules
-from moeexp.predictors.base import PREDICTORS, Predictor, Prediction, Prefetch
+from moeexp.predictors.base import PREDICTORS, Prediction, Predictor, Prefetch
 
 import_submodules(sys.modules[__name__])
 
