@@ -27,7 +27,8 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "fig4_prefetch_distance": ("prefetch_distance_sweep", plots.prefetch_distance),
     "fig14_predictor_ablation": (
         "predictor_ablation",
-        lambda df: plots.ablation(df, ("predictor", "predictor.name"), "prediction ablation")),
+        lambda df: plots.ablation(df, ("system", "system.name", "predictor"),
+                                   "prediction ablation")),
     "fig14_cache_ablation": (
         "cache_ablation", lambda df: plots.ablation(df, ("cache", "cache.name"), "cache ablation")),
     "fig16a_store_capacity": ("store_capacity_sweep", plots.store_capacity),

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -67,8 +68,12 @@ def find_runs(root: str | Path) -> list[Path]:
 
 
 def _natural_key(p: Path) -> list[Any]:
-    """Sort job directories 0, 1, ..., 10 numerically."""
-    return [int(part) if part.isdigit() else part for part in p.parts]
+    """Sort job directories 0_x, 1_x, ..., 10_x numerically (digit runs compare as ints)."""
+    key: list[Any] = []
+    for part in p.parts:
+        key.extend((0, int(tok)) if tok.isdigit() else (1, tok)
+                   for tok in re.split(r"(\d+)", part) if tok)
+    return key
 
 
 def gather(root: str | Path, baseline: str | None = "deepspeed") -> pd.DataFrame:
