@@ -51,3 +51,18 @@ def f1(precision: float, recall: float) -> float:
         return float("nan")
     s = precision + recall
     return 0.0 if s == 0 else 2 * precision * recall / s
+
+
+def prediction_overlap(predicted: set[int] | None,
+                       activated: Sequence[int]) -> tuple[float | None, float | None]:
+    """(recall, precision) of one (pass, layer): P = ``predicted``, A = ``activated``.
+
+    recall = |P ∩ A| / |A| and precision = |P ∩ A| / |P|. recall is 0 when nothing was
+    predicted (it still counts: recall averages over every (pass, layer)), None when A is
+    empty; precision is None when nothing was predicted (it averages only over pairs with a
+    prediction). The simulator and the engine both account through this one definition.
+    """
+    if not predicted:
+        return (0.0 if activated else None), None
+    inter = sum(1 for e in activated if e in predicted)
+    return (inter / len(activated) if activated else None), inter / len(predicted)

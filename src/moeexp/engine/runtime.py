@@ -40,6 +40,7 @@ from moeexp.engine.prefetch import PredictionSets, PrefetchQueue
 from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine, CopyJob
 from moeexp.errors import ConfigError
+from moeexp.metrics import prediction_overlap
 from moeexp.models.adapter import MoEAdapter
 from moeexp.traces.schema import Trace
 
@@ -317,13 +318,12 @@ class Engine:
         P = self.psets.for_layer(layer)
         c = self.counters
         c.recall_n += 1
-        if not P:
-            return
-        inter = sum(1 for e in experts if e in P)
-        if experts:
-            c.recall_sum += inter / len(experts)
-        c.precision_sum += inter / len(P)
-        c.precision_n += 1
+        recall, precision = prediction_overlap(P, experts)
+        if recall is not None:
+            c.recall_sum += recall
+        if precision is not None:
+            c.precision_sum += precision
+            c.precision_n += 1
 
     # ---- teardown ---------------------------------------------------------------------
     def close(self) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 
 from moeexp.cache.base import CachePolicy
 from moeexp.costmodel.roofline import CostModel
-from moeexp.metrics import CORE_KEYS, f1, summarize
+from moeexp.metrics import CORE_KEYS, f1, prediction_overlap, summarize
 
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
@@ -62,13 +62,12 @@ class Tally:
     def prediction(self, predicted: set[int] | None, activated: list[int]) -> None:
         """Account one (pass, layer): ``predicted`` P (None = nothing), ``activated`` A."""
         self.recall_n += 1
-        if not predicted:
-            return
-        inter = sum(1 for e in activated if e in predicted)
-        if activated:
-            self.recall_sum += inter / len(activated)
-        self.precision_sum += inter / len(predicted)
-        self.precision_n += 1
+        recall, precision = prediction_overlap(predicted, activated)
+        if recall is not None:
+            self.recall_sum += recall
+        if precision is not None:
+            self.precision_sum += precision
+            self.precision_n += 1
 
     def iteration(self, hits: int, misses: int, stall_s: float, dur_s: float) -> None:
         self.it_hits.append(hits)
