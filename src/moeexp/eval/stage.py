@@ -24,7 +24,9 @@ Metrics (added to ``metrics.json``; W&B mirrors them):
   (token level, teacher-forced on prompt + real first reply, at most ``quality_max_tokens``),
   ``token_agreement`` and ``kl_mean`` (nats) on the same positions, ``greedy_agreement``
   (``quality_new_tokens`` free-running greedy tokens per prompt), and the engine's
-  ``quality_substitution_rate`` / ``quality_hit_rate`` while doing it;
+  ``quality_substitution_rate`` / ``quality_dropped_rate`` (choices with no resident
+  candidate: weight 0) / ``quality_hit_rate`` while doing it (``lm_eval/engine/*`` for the
+  lm-eval requests); ``eval.warmup`` passes run first (see :class:`EvalSpec`);
 - ``eval_model`` (``engine`` | ``plain``), ``experts_per_layer`` (eMoE-style predictors),
   ``eval_time_s``.
 """
@@ -60,7 +62,12 @@ class EvalSpec:
         quality_prompts: test prompts used for quality (None = all).
         quality_max_tokens: cap on teacher-forced sequence length (tokens).
         quality_new_tokens: greedy tokens generated per prompt for ``greedy_agreement``.
-        predictor_async: run the engine's predictor on its thread (False: deterministic).
+        warmup: forward passes of the first test prompt through each fresh engine before
+            measuring (metrics reset after; residency and predictor state kept). eMoE's
+            first prompt streams every expert in, and in restricted mode a layer whose
+            experts have not landed yet drops its tokens (timing dependent): warm-up keeps
+            that start-up transient out of the numbers. 0 = measure from a cold engine.
+        predictor_async: run the engine's predictor on its thread (False: inline).
         num_threads: torch intra-op threads during the stage (None = unchanged; on a
             shared CPU, 1 is much faster and steadier with the engine's copy thread).
         seed: lm-eval seeds.
@@ -77,6 +84,7 @@ class EvalSpec:
     quality_prompts: int | None = None
     quality_max_tokens: int = 256
     quality_new_tokens: int = 32
+    warmup: int = 2
     predictor_async: bool = False
     num_threads: int | None = None
     seed: int = 0
@@ -92,6 +100,8 @@ class EvalSpec:
             bad.append(f"batch_size={self.batch_size} (>= 1)")
         if self.quality_max_tokens < 2 or self.quality_new_tokens < 1:
             bad.append("quality_max_tokens >= 2 and quality_new_tokens >= 1")
+        if self.warmup < 0:
+            bad.append(f"warmup={self.warmup} (>= 0)")
         if self.num_threads is not None and self.num_threads < 1:
             bad.append(f"num_threads={self.num_threads} (>= 1 or null)")
         if self.quality_prompts is not None and self.quality_prompts < 1:
@@ -113,8 +123,9 @@ def eval_spec(node: Any) -> EvalSpec:
 
 # ----------------------------------------------------------------------------- engine
 def _engine_factory(cfg: Any, loaded: Any, store: Any,
-                    spec: EvalSpec) -> tuple[Callable[[], Any] | None, dict[str, Any]]:
-    """``(make, info)``: ``make()`` offloads ``loaded.model`` afresh (None = plain model)."""
+                    spec: EvalSpec) -> tuple[Callable[..., Any] | None, dict[str, Any]]:
+    """``(make, info)``: ``make(warm)`` offloads ``loaded.model`` afresh (None = plain model)
+    and runs ``spec.warmup`` passes of the int64[S] sequence ``warm`` through it."""
     from moeexp.config import build_cache, build_predictor
     from moeexp.engine import build_offloaded, model_dims
     from moeexp.engine.budget import Budget
@@ -149,9 +160,17 @@ def _engine_factory(cfg: Any, loaded: Any, store: Any,
                     total_expert_bytes=dims.num_layers * dims.num_experts * dims.expert_bytes)
     info["eval_model"] = "engine"
 
-    def make() -> Any:
-        return build_offloaded(loaded.model, loaded.adapter, copy.deepcopy(predictor),
-                               copy.deepcopy(cache), budget, settings, system=system)
+    def make(warm: Any = None) -> Any:
+        om = build_offloaded(loaded.model, loaded.adapter, copy.deepcopy(predictor),
+                             copy.deepcopy(cache), budget, settings, system=system)
+        if warm is not None and spec.warmup:
+            import torch
+
+            with torch.no_grad():
+                for _ in range(spec.warmup):
+                    om(input_ids=warm.reshape(1, -1))
+            om.reset_metrics()
+        return om
 
     return make, info
 
@@ -179,7 +198,7 @@ def quality_sequences(cfg: Any, loaded: Any, prompts: Sequence[Any],
     return seqs
 
 
-def _quality(make: Callable[[], Any] | None, loaded: Any, prompts: Sequence[Any],
+def _quality(make: Callable[..., Any] | None, loaded: Any, prompts: Sequence[Any],
              seqs: Sequence[Any], new_tokens: int) -> dict[str, Any]:
     import torch
 
@@ -198,12 +217,14 @@ def _quality(make: Callable[[], Any] | None, loaded: Any, prompts: Sequence[Any]
     if make is None:
         test, test_gen = ref, ref_gen
     else:
-        with make() as om:
+        warm = ids[0].reshape(-1)
+        with make(warm) as om:
             test = next_token_logits(om, seqs)
             m = om.metrics()
         out["quality_substitution_rate"] = m.get("substitution_rate")
+        out["quality_dropped_rate"] = m.get("routing_dropped_rate")
         out["quality_hit_rate"] = m.get("hit_rate")
-        with make() as om:
+        with make(warm) as om:
             test_gen = [om.generate(x, **gen_kw) for x in ids]
     rep = quality_report(ref, test, seqs)
     agree = [greedy_agreement(r, t, x.shape[1]) for r, t, x in zip(ref_gen, test_gen, ids,
@@ -230,12 +251,12 @@ def _include_path(spec: EvalSpec, cfg: Any, tokenizer: Any) -> str | None:
     return str(ensure_tasks(dataset, tokenizer, spec.tasks_dir))
 
 
-def _lm_eval(spec: EvalSpec, make: Callable[[], Any] | None, loaded: Any,
-             include_path: str | None) -> dict[str, Any]:
+def _lm_eval(spec: EvalSpec, make: Callable[..., Any] | None, loaded: Any,
+             include_path: str | None, warm: Any = None) -> dict[str, Any]:
     from moeexp.eval.lm import MoeexpLM
     from moeexp.eval.run import evaluate
 
-    om = make() if make is not None else None
+    om = make(warm) if make is not None else None
     try:
         lm = MoeexpLM(loaded=loaded, offloaded=om, batch_size=spec.batch_size)
         out: dict[str, Any] = dict(evaluate(lm, spec.tasks, include_path=include_path,
@@ -244,6 +265,7 @@ def _lm_eval(spec: EvalSpec, make: Callable[[], Any] | None, loaded: Any,
         if om is not None:
             m = om.metrics()
             out["lm_eval/engine/substitution_rate"] = m.get("substitution_rate")
+            out["lm_eval/engine/dropped_rate"] = m.get("routing_dropped_rate")
             out["lm_eval/engine/hit_rate"] = m.get("hit_rate")
     finally:
         if om is not None:
@@ -284,7 +306,11 @@ def _run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> 
         seqs = quality_sequences(cfg, loaded, test, spec.quality_max_tokens)
         out.update(_quality(make, loaded, test, seqs, spec.quality_new_tokens))
     if spec.tasks:
-        out.update(_lm_eval(spec, make, loaded, _include_path(spec, cfg, loaded.tokenizer)))
+        import torch
+
+        warm = torch.tensor(list(test[0].input_ids), dtype=torch.long) if test else None
+        out.update(_lm_eval(spec, make, loaded, _include_path(spec, cfg, loaded.tokenizer),
+                            warm))
     out["eval_time_s"] = time.perf_counter() - t0
     log.info("eval: %s", ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                    for k, v in out.items()))

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from moeexp.eval.lm import MoeexpLM, _split_overrides, _usable_device
-from moeexp.eval.run import evaluate, flatten_results
+from moeexp.eval.run import evaluate
 from moeexp.eval.tasks import MC_TASK, PPL_TASK
 
 PPL_METRICS = ("word_perplexity", "byte_perplexity", "bits_per_byte")
@@ -75,11 +75,3 @@ def test_model_args_helpers():
     assert groups == {"predictor": {"period": 20}, "cache": {"capacity": 0.5},
                       "dataset": {"num_prompts": 16}, "trace": {}}
     assert settings == {"restricted_routing": True}
-
-
-def test_flatten_results():
-    """lm-eval's 'acc,none' -> acc, other filters suffixed, alias and NaN dropped."""
-    res = {"t": {"alias": "t", "acc,none": 0.5, "acc_stderr,none": 0.1,
-                 "exact_match,strict": 1.0, "f1,none": float("nan")}}
-    assert flatten_results(res) == {"lm_eval/t/acc": 0.5, "lm_eval/t/acc_stderr": 0.1,
-                                    "lm_eval/t/exact_match_strict": 1.0}
