@@ -56,7 +56,9 @@ class EvalSpec:
         limit: documents per task (an int, a fraction < 1, or None = all).
         num_fewshot: lm-eval few-shot count (None = the task's).
         include_path: a directory of task YAMLs; None = build the local tasks.
-        tasks_dir: where local tasks are built (None = ``results/eval_tasks``).
+        tasks_dir: where local tasks are built, one ``<hash>/`` per dataset config (None =
+            ``results/eval_task_cache``: not under ``results/eval_tasks``, which
+            ``python -m moeexp.eval.prepare`` fills and lm-eval scans recursively).
         batch_size: lm-eval batch size.
         quality: compute the quality metrics against the plain model (see module doc).
         quality_prompts: test prompts used for quality (None = all).

@@ -206,13 +206,15 @@ def ensure_tasks(dataset_cfg: Mapping[str, Any], tokenizer: Any, root: str | Pat
                  **kwargs: Any) -> Path:
     """The local tasks of ``dataset_cfg``'s test split in ``<root>/<hash>/``, built once.
 
-    ``root`` defaults to ``results/eval_tasks``. The directory is built in a temporary
-    sibling and renamed into place, so concurrent jobs never read half a task directory
-    (the loser of a race discards its copy).
+    ``root`` defaults to ``results/eval_task_cache``, apart from ``results/eval_tasks`` where
+    ``python -m moeexp.eval.prepare`` writes (lm-eval scans an include path recursively, and
+    two directories defining one task name would clash). The directory is built in a
+    temporary sibling and renamed into place, so concurrent jobs never read half a task
+    directory (the loser of a race discards its copy).
     """
     from moeexp.paths import results_dir
 
-    base = Path(root) if root is not None else results_dir() / "eval_tasks"
+    base = Path(root) if root is not None else results_dir() / "eval_task_cache"
     final = base / tasks_hash(dataset_cfg, tokenizer, **kwargs)
     if (final / f"{MC_TASK}.yaml").is_file():
         return final
