@@ -32,16 +32,6 @@ def model_cfg(model_dir) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="session")
-def one_thread():
-    import torch
-
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
-@pytest.fixture(scope="session")
 def loaded(model_cfg, one_thread) -> Any:
     from moeexp.models.loading import load_model
 

@@ -11,7 +11,6 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 
 from moeexp.data.prompts import Prompt
 from moeexp.errors import ConfigError
@@ -19,14 +18,6 @@ from moeexp.models.adapters import adapter_for
 from moeexp.models.tiny_configs import tiny_model
 from moeexp.traces import cache, recorder
 from moeexp.traces.synthetic import random_trace
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")

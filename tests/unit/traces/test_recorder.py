@@ -18,15 +18,6 @@ from moeexp.traces.recorder import record_trace
 L = 4  # MoE layers of the test model (tiny mixtral config with 4 decoder layers)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models run ~10x faster single-threaded on a shared 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def loaded():
     from transformers import AutoModelForCausalLM
