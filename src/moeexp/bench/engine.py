@@ -6,7 +6,10 @@
    held-out-style random prompts): time per output token and hit rate, over the real
    memcpy and over an emulated host-to-device link (``bandwidth_bps``, an emulation that
    makes copy time visible on a CPU; see :mod:`moeexp.engine.transfer`).
-3. **CUDA only**: achieved host-to-device bandwidth of the engine's copy thread (every
+3. **CUDA only**: (a) 1 and 2 again with the tiny model on the GPU (keys ``cuda_*``);
+   (b) ``no_offload``/``deepspeed``/``finemoe`` at capacity 50 % on a random-weight
+   Mixtral-shaped model with 21 MiB bf16 experts (keys ``cuda_big_*``), where copies cost
+   real PCIe time; (c) achieved host-to-device bandwidth of the engine's copy thread (every
    expert loaded on demand, back to back, from pinned memory) against one plain pinned
    ``copy_`` of the same bytes; target >= 0.8. Skipped (reported as such) without CUDA.
 
@@ -50,25 +53,42 @@ def _store(loaded: Any, vocab: int) -> Any:
                         progress=False)
 
 
+def _device_of(model: Any) -> Any:
+    return next(model.parameters()).device
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _time_plain(model: Any, prompts: list[list[int]], new: int) -> float:
     import torch
 
+    dev = _device_of(model)
+    _sync(dev)
     t0 = time.perf_counter()
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=dev)
         model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
                        max_new_tokens=new, min_new_tokens=new)
+    _sync(dev)
     return time.perf_counter() - t0
 
 
 def _time_engine(om: Any, prompts: list[list[int]], new: int) -> float:
     import torch
 
+    dev = om.engine.device
+    _sync(dev)
     t0 = time.perf_counter()
     for ids in prompts:
-        x = torch.tensor([ids])
+        x = torch.tensor([ids], device=dev)
         om.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
                     min_new_tokens=new)
+    _sync(dev)
     return time.perf_counter() - t0
 
 
@@ -93,18 +113,20 @@ def _overhead(model: Any, prompts: list[list[int]], new: int, repeats: int) -> d
 
 
 def _systems(model: Any, prompts: list[list[int]], new: int, store: Any,
-             bandwidth: float | None) -> dict[str, Any]:
+             bandwidth: float | None, systems: tuple[str, ...] = ("deepspeed", "finemoe"),
+             prefix: str = "") -> dict[str, Any]:
     from moeexp.engine import offload
 
     out: dict[str, Any] = {}
-    for system in ("deepspeed", "finemoe"):
+    for system in systems:
         kw: dict[str, Any] = {"bandwidth_bps": bandwidth} if bandwidth else {}
-        with offload(model, system=system, capacity=0.5, store=store, **kw) as om:
+        cap = 1.0 if system == "no_offload" else 0.5  # no_offload keeps every expert
+        with offload(model, system=system, capacity=cap, store=store, **kw) as om:
             _time_engine(om, prompts[:1], 4)  # warm-up (and a first request for the engine)
             om.reset_metrics()  # measure the timed requests only
             _time_engine(om, prompts, new)
             m = om.metrics()
-        tag = f"{system}_{'emulated' if bandwidth else 'memcpy'}"
+        tag = f"{prefix}{system}_{'emulated' if bandwidth else 'memcpy'}"
         out[f"{tag}_tpot_ms"] = round(m["tpot_ms_mean"], 3)
         out[f"{tag}_ttft_ms"] = round(m["ttft_ms_mean"], 3)
         out[f"{tag}_hit_rate"] = round(m["hit_rate"], 4)
@@ -112,6 +134,49 @@ def _systems(model: Any, prompts: list[list[int]], new: int, store: Any,
         out[f"{tag}_recall"] = round(m["prediction_recall"], 4)
         out[f"{tag}_prefetches"] = m["prefetches_issued"]
         out[f"{tag}_predictor_query_us"] = round(m["predictor_query_us_mean"], 1)
+    return out
+
+
+def _cuda_tiny(loaded: Any, prompts: list[list[int]], new: int, repeats: int,
+               device: str = "cuda") -> dict[str, Any]:
+    """The tiny model on CUDA: the same overhead and capacity-50 % measurements as on the
+    CPU (keys prefixed ``cuda_``). Its experts are 96 KiB, so a copy costs microseconds and
+    what remains is the engine's per-layer host work against very short kernels."""
+    model = loaded.model.to(device)
+    try:
+        out = {f"cuda_{k}": v for k, v in _overhead(model, prompts, new, repeats).items()}
+        store = _store(loaded, int(model.config.vocab_size))
+        out.update(_systems(model, prompts, new, store, None, prefix="cuda_"))
+    finally:
+        loaded.model.to("cpu")
+    return out
+
+
+def _cuda_big_experts(new: int = 32, num_prompts: int = 3, device: str = "cuda") -> dict[str, Any]:
+    """A random-weight Mixtral-shaped model with big experts (bf16, hidden 1024,
+    intermediate 3584: 21 MiB per expert, 4 layers x 8 experts) on CUDA at capacity 50 %:
+    TPOT of ``no_offload``, ``deepspeed`` and ``finemoe`` (store recorded from the same
+    model on other random prompts), where expert copies cost real PCIe time."""
+    import types
+
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from moeexp.models.adapters import adapter_for
+
+    cfg = MixtralConfig(hidden_size=1024, intermediate_size=3584, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, num_local_experts=8,
+                        num_experts_per_tok=2, vocab_size=1024)
+    state = torch.random.get_rng_state()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval().to(device)
+    torch.random.set_rng_state(state)
+    loaded = types.SimpleNamespace(model=model, adapter=adapter_for(model), name="mixtral-big-random")
+    prompts = _prompts(1024, num_prompts, 43, seed=0)
+    store = _store(loaded, 1024)
+    out = _systems(model, prompts, new, store, None, systems=("no_offload", "deepspeed", "finemoe"),
+                   prefix="cuda_big_")
+    out["cuda_big_expert_mib"] = round(loaded.adapter.expert_bytes() / 2**20, 2)
     return out
 
 
@@ -182,6 +247,9 @@ def run(num_prompts: int = 3, input_len: int = 43, output_len: int = 32, repeats
     finally:
         torch.set_num_threads(old)
     if torch.cuda.is_available():
+        with torch.inference_mode():
+            result.update(_cuda_tiny(loaded, prompts, output_len, repeats))
+            result.update(_cuda_big_experts(output_len))
         result.update(_cuda_bandwidth())
     else:
         result["h2d_ratio"] = "skipped: no CUDA device"
