@@ -54,6 +54,13 @@ class SystemEntry:
     cache: str | None = None
 
 
+# Default copy sizes of the profile, multiples of one expert's bytes: {on CUDA: sizes}.
+COPY_FACTORS: dict[bool, tuple[float, ...]] = {
+    False: (0.25, 0.5, 1.0, 2.0, 4.0),           # CPU: the emulated link is linear already
+    True: (1.0, 4.0, 16.0, 64.0, 256.0, 1024.0),  # CUDA: latency-bound below ~1 MB
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class SimVsEngineSettings:
     """The ``sim_vs_engine`` backend group (conf/backend/sim_vs_engine.yaml).
@@ -69,7 +76,10 @@ class SimVsEngineSettings:
         profile_requests: store requests profiled (prompts truncated to the fractions below).
         length_fractions: prompt lengths profiled, as fractions of each store prompt.
         decode_tokens: tokens generated per profiled request (None: the test output length).
-        copy_factors: copy sizes profiled, as multiples of one expert's bytes.
+        copy_factors: copy sizes profiled, as multiples of one expert's bytes; None picks
+            by device (:data:`COPY_FACTORS`): 0.25-4x through the emulated link of a CPU,
+            1-1024x on CUDA, where a small expert's copy is all latency and the slope
+            (bandwidth) shows only once copies reach megabytes.
         copy_repeats: timed copies per size.
         outlier_mads: None fits mean times (the default: the engine's runs have the same
             slow tail); a number drops samples beyond that many MADs first.
@@ -89,7 +99,7 @@ class SimVsEngineSettings:
     profile_requests: int = 8
     length_fractions: tuple[float, ...] = (0.125, 0.25, 0.5, 1.0)
     decode_tokens: int | None = None
-    copy_factors: tuple[float, ...] = (0.25, 0.5, 1.0, 2.0, 4.0)
+    copy_factors: tuple[float, ...] | None = None
     copy_repeats: int = 6
     outlier_mads: float | None = None
     progress: bool = True
@@ -116,7 +126,7 @@ class SimVsEngineSettings:
             raise ConfigError(f"backend=sim_vs_engine: unknown system(s) {bad}. Valid: "
                               f"{', '.join(valid)}")
         for k in ("length_fractions", "copy_factors"):
-            if k in d:
+            if d.get(k) is not None:
                 d[k] = tuple(float(x) for x in d[k])
         out = typed(cls, {"systems": tuple(entries), **d}, "backend=sim_vs_engine")
         if not out.systems:
@@ -166,20 +176,21 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
     device = next(ctx.loaded.model.parameters()).device
     dtype = next(ctx.loaded.model.parameters()).dtype
     profile_copy(device, dims.expert_bytes, bandwidth_bps=est.bandwidth_bps,
-                 max_inflight=est.max_inflight, factors=s.copy_factors, repeats=s.copy_repeats,
+                 max_inflight=est.max_inflight, repeats=s.copy_repeats,
+                 factors=s.copy_factors or COPY_FACTORS[device.type == "cuda"],
                  dtype=dtype, samples=samples)
     meta = {"device": str(device), "torch_threads": torch.get_num_threads(),
             "emulated_bandwidth_bps": est.bandwidth_bps if device.type == "cpu" else None,
             "profile_requests": len(reqs),
             "decode_tokens": new, "model": ctx.loaded.name,
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+    write_text(run_dir / "profile_samples.json",  # before the fit: kept if the fit fails
+               json.dumps({k: list(map(float, v)) for k, v in dataclasses.asdict(samples).items()}))
     calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
                         intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
                         outlier_mads=s.outlier_mads, meta=meta)
     calib.save(run_dir / "calibration.json")
     calib.write_hardware_yaml(run_dir / "conf")
-    write_text(run_dir / "profile_samples.json",
-               json.dumps({k: list(map(float, v)) for k, v in dataclasses.asdict(samples).items()}))
     log.info("calibrated: layer %.0f us + %.2f us/token, expert %.0f us + %.2f us/token, "
              "decode pass %.0f us, prefill pass %.0f us + %.1f us/token, copy %.0f us + %.1f MB/s",
              calib.layer_s * 1e6, calib.dense_token_s * 1e6, calib.expert_s * 1e6,

@@ -58,7 +58,7 @@ def expert_spec(experts: nn.Module, names: tuple[str, ...], num_experts: int) ->
                 f"{type(experts).__name__}.{n} is {None if p is None else tuple(p.shape)}")
         shapes[n] = tuple(p.shape[1:])
         dtypes.add(p.dtype)
-        nbytes += p[0].numel() * p.element_size()
+        nbytes += p.numel() // num_experts * p.element_size()
     if len(dtypes) != 1:
         raise ConfigError(f"expert tensors of mixed dtypes {sorted(map(str, dtypes))} are not supported")
     return ExpertSpec(names, shapes, dtypes.pop(), int(nbytes))

@@ -194,8 +194,11 @@ class MoEAdapter:
 
     def expert_bytes(self) -> int:
         """Bytes of one routed expert (all of its tensors, in the model's dtype)."""
-        t = self.expert_tensors(0, 0)
-        return int(sum(v.numel() * v.element_size() for v in t.values()))
+        # from shapes, not by indexing: once the engine has moved a fused parameter's data
+        # to the host, indexing it fails for a model built under torch.inference_mode
+        experts = self.moe_layers()[0].experts
+        return int(sum(p.numel() // p.shape[0] * p.element_size()
+                       for p in (getattr(experts, n) for n in self.expert_tensor_names)))
 
     def total_expert_bytes(self) -> int:
         """Bytes of all routed experts of all MoE layers (what offloading manages)."""

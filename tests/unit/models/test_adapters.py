@@ -322,3 +322,25 @@ def test_unsupported_and_dense_models_rejected():
     with pytest.raises(ModelLoadError, match="no MoE layers"):
         adapter_for(dense)
     assert set(SUPPORTED_MODEL_TYPES) <= set(ADAPTERS.names())
+
+
+def test_expert_bytes_of_a_model_built_under_inference_mode():
+    """The engine on CUDA swaps a fused parameter's data for a pinned host tensor; for a
+    model built under ``torch.inference_mode`` indexing such a parameter then fails
+    ("Inference tensors do not track version counter", seen on an H200), so expert sizes
+    come from shapes."""
+    with torch.inference_mode():
+        model = tiny_model("mixtral")
+    adapter = adapter_for(model)
+    before = adapter.expert_bytes()
+    with torch.inference_mode(False), torch.no_grad():
+        for m in adapter.moe_layers():
+            for n in adapter.expert_tensor_names:
+                p = getattr(m.experts, n)
+                p.data = p.data.clone()  # what HostStore does when it moves the data
+    with torch.inference_mode():
+        assert adapter.expert_bytes() == before
+    from moeexp.engine.store import expert_spec
+
+    experts = adapter.moe_layers()[0].experts
+    assert expert_spec(experts, tuple(adapter.expert_tensor_names), adapter.num_experts).nbytes == before
