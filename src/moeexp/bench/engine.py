@@ -122,7 +122,7 @@ def _systems(model: Any, prompts: list[list[int]], new: int, store: Any,
         kw: dict[str, Any] = {"bandwidth_bps": bandwidth} if bandwidth else {}
         cap = 1.0 if system == "no_offload" else 0.5  # no_offload keeps every expert
         with offload(model, system=system, capacity=cap, store=store, **kw) as om:
-            _time_engine(om, prompts[:1], 4)  # warm-up (and a first request for the engine)
+            _time_engine(om, prompts[:1], min(new, 16))  # warm-up (a first request too)
             om.reset_metrics()  # measure the timed requests only
             _time_engine(om, prompts, new)
             m = om.metrics()
@@ -174,7 +174,10 @@ def _cuda_big_experts(new: int = 32, num_prompts: int = 3, device: str = "cuda")
     loaded = types.SimpleNamespace(model=model, adapter=adapter_for(model), name="mixtral-big-random")
     prompts = _prompts(1024, num_prompts, 43, seed=0)
     store = _store(loaded, 1024)
-    out = _systems(model, prompts, new, store, None, systems=("no_offload", "deepspeed", "finemoe"),
+    _time_plain(model, prompts[:1], new)  # warm-up: kernels, allocator, clocks
+    plain = _time_plain(model, prompts, new)
+    out = {"cuda_big_plain_ms_per_token": round(plain / (num_prompts * new) * 1e3, 3)}
+    out |= _systems(model, prompts, new, store, None, systems=("no_offload", "deepspeed", "finemoe"),
                    prefix="cuda_big_")
     out["cuda_big_expert_mib"] = round(loaded.adapter.expert_bytes() / 2**20, 2)
     return out

@@ -136,7 +136,7 @@ class Engine:
     # ---- residency (call with the lock held) ------------------------------------------
     def _evict(self, key: Key) -> None:
         job = self.jobs.pop(key, None)
-        if job is not None and not job.finished.is_set():
+        if job is not None and not self.copier.is_ready(job):
             raise RuntimeError(f"{self.cache.name} evicted {key} while its copy is in flight")
         if key in self.unused_prefetch:
             self.unused_prefetch.discard(key)
@@ -146,7 +146,7 @@ class Engine:
 
     def _protect(self, keys: set[Key]) -> set[Key]:
         """``keys`` plus every key whose copy has not landed (their slots are being written)."""
-        return keys | {k for k, j in self.jobs.items() if not j.finished.is_set()}
+        return keys | {k for k, j in self.jobs.items() if not self.copier.is_ready(j)}
 
     def _account_slot(self) -> None:
         used = self.pool.occupied * self.spec.nbytes
@@ -300,7 +300,7 @@ class Engine:
                 victim = self.cache.victim(key, self._protect(unreleased), now)
                 break
             except ConfigError:
-                if flush():
+                if flush() or self._await_copies(unreleased):
                     continue
                 raise RuntimeError(
                     f"{self.cache.name}: cannot make room for {key}: capacity "
@@ -313,6 +313,26 @@ class Engine:
         self.cache.on_insert(key, now, False)
         self.counters.demand_loads += 1
         self._account_slot()
+
+    def _await_copies(self, unreleased: set[Key]) -> bool:
+        """A demand load found no victim because slots are held by copies still in flight
+        (prefetches, or on CUDA copies whose event the copy thread has not collected yet):
+        pause prefetching, wait for those copies with the lock released (the copy thread may
+        need it to collect them) and let the caller ask the policy again. Returns False
+        when no copy is in flight (then nothing can free a slot). Prefetching resumes after
+        the layer (``serve_layer`` clears ``paused``)."""
+        pending = [j for k, j in self.jobs.items()
+                   if k not in unreleased and not self.copier.is_ready(j)]
+        if not pending:
+            return False
+        self.paused = True
+        self.lock.release()
+        try:
+            for j in pending:
+                self.copier.wait_landed(j)
+        finally:
+            self.lock.acquire()
+        return True
 
     def account_prediction(self, layer: int, experts: list[int]) -> None:
         P = self.psets.for_layer(layer)

@@ -148,6 +148,18 @@ class CopyEngine:
         if self.cuda and job.event is not None:
             torch.cuda.current_stream(self.pool.device).wait_event(job.event)
 
+    def wait_landed(self, job: CopyJob) -> None:
+        """Block the calling thread until ``job``'s bytes are in its slot (CUDA: its event
+        has completed). Off the hot path: a demand load waiting for a slot to free up."""
+        while not job.issued.wait(timeout=0.5):
+            self._raise_if_failed()
+        self._raise_if_failed()
+        if self.cuda and job.event is not None:
+            job.event.synchronize()
+        else:
+            while not job.finished.wait(timeout=0.5):
+                self._raise_if_failed()
+
     def mark_used(self, slots: list[int]) -> None:
         """CUDA: record that the compute stream read ``slots`` (guards their reuse)."""
         if self.cuda and slots:
