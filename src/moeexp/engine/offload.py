@@ -59,6 +59,11 @@ class OffloadedModel:
         self._closed = False
         self._impl = f"moeexp_offload_{next(_IDS)}"
         self._orig_impl = model.config._experts_implementation
+        # Follow the plain model's experts kernel: transformers' generate switches
+        # grouped_mm to batched_mm for its decode steps on an accelerator.
+        impls = set(self._orig_impl.values()) if isinstance(self._orig_impl, dict) else {self._orig_impl}
+        self._always_batched = impls == {"batched_mm"}
+        self._decode_batched = engine.device.type != "cpu" and "grouped_mm" in impls
         self._handles: list[Any] = []
         self._next_request = 0
         self._active: list[int] | None = None
@@ -145,6 +150,8 @@ class OffloadedModel:
         elif len(self._active) != shape[0]:
             raise ConfigError(f"batch of {shape[0]} rows in a request group of {len(self._active)}")
         self._started = False
+        self.engine.batched_rows = self._always_batched or (
+            self._decode_batched and not self._auto and self._step > 0)
         self.engine.begin_iteration()
         self._tokens = int(np.prod(shape))
         self._seq = shape[1]

@@ -120,6 +120,7 @@ class Engine:
         self.counters = Counters()
         self.logits: dict[int, torch.Tensor] = {}  # router logits of the running pass
         self.record_accesses = False
+        self.batched_rows = False  # this pass computes like batched_mm (set per pass by the wrapper)
         self.future: list[tuple[np.ndarray, ...]] | None = None
         self.iteration = -1  # forward passes begun so far - 1
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
@@ -365,7 +366,8 @@ class Engine:
             self.wait_keys(keys)
         self.sync_lut(layer, keys)
         slots = self.pool.lut[layer][experts]
-        out = slot_rows(module, self.pool.buffers, hidden, token, slots, weights)
+        out = slot_rows(module, self.pool.buffers, hidden, token, slots, weights,
+                        batched=self.batched_rows)
         if self.copier.cuda:
             self.copier.mark_used([self.pool.slot_of[k] for k in keys])
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
 from moeexp.engine.kernel import _loop_grouped_linear, restrict_routing, slot_rows
 from moeexp.models.adapters import adapter_for
@@ -40,6 +40,34 @@ def test_slot_rows_match_grouped_mm(model_type: str) -> None:
     rows = slot_rows(experts, buffers, hidden, token, slots, w.reshape(-1))
     out = rows.view(T, K, -1).sum(1)
     assert (out - ref).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_batched_slot_rows_are_bitwise_batched_mm(model_type: str) -> None:
+    """batched=True (generate's decode path on an accelerator) reproduces transformers'
+    batched_mm kernel bit for bit from shuffled slots (a decode step and a 5-token pass),
+    and a chunk of rows given by token index to rounding."""
+    model = tiny_model(model_type)
+    ad = adapter_for(model)
+    experts = ad.moe_layers()[0].experts
+    J, K, H = ad.num_experts, ad.top_k, ad.hidden_size
+    g = torch.Generator().manual_seed(3)
+    for T in (1, 5):
+        hidden = torch.randn(T, H, generator=g)
+        idx = torch.stack([torch.randperm(J, generator=g)[:K] for _ in range(T)])
+        w = torch.rand(T, K, generator=g)
+        ref = batched_mm_experts_forward(experts, hidden, idx, w)
+        order = torch.randperm(J, generator=g).tolist()
+        buffers = _slots_for(experts, tuple(ad.expert_tensor_names), order)
+        slot_of = {e: s for s, e in enumerate(order)}
+        slots = torch.tensor([slot_of[int(e)] for e in idx.reshape(-1)])
+        rows = slot_rows(experts, buffers, hidden, K, slots, w.reshape(-1), batched=True)
+        assert torch.equal(rows.view(T, K, -1).sum(1).to(hidden.dtype), ref)
+        token = torch.arange(T * K) // K
+        sub = torch.arange(0, T * K, 2)  # every other row, by token index
+        part = slot_rows(experts, buffers, hidden, token[sub], slots[sub], w.reshape(-1)[sub],
+                         batched=True)
+        torch.testing.assert_close(part, rows[sub], rtol=0, atol=1e-6)  # bmm of fewer rows
 
 
 def test_cpu_loop_is_bitwise_grouped_mm() -> None:

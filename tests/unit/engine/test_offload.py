@@ -183,3 +183,23 @@ def test_predictor_errors_surface_with_their_type(mixtral) -> None:
         om.generate(prompt_ids(6), max_new_tokens=2, do_sample=False)
     om.close()
     assert mixtral.config._experts_implementation == "grouped_mm"
+
+
+def test_batched_mm_model_is_served_with_the_batched_kernel() -> None:
+    """A model set to transformers' batched_mm kernel is served by the engine's batched
+    path on every pass (the path generate uses for decode steps on an accelerator):
+    greedy tokens and logits equal the plain batched_mm model's exactly."""
+    model = tiny_model("mixtral")
+    model.set_experts_implementation("batched_mm")
+    ids = prompt_ids(9, seed=5)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=6, do_sample=False)
+        ref_logits = model(ids).logits
+    with offload(model, system="deepspeed", capacity=0.25) as om:
+        out = om.generate(ids, max_new_tokens=6, do_sample=False)
+        assert om.engine.batched_rows
+        with torch.no_grad():
+            logits = om(ids).logits
+    assert torch.equal(out, ref)
+    assert torch.equal(logits, ref_logits)
+    assert model.config._experts_implementation == "batched_mm"
