@@ -1,7 +1,7 @@
 """The engine on a CUDA device (skipped without one; see tests/conftest.py).
 
-Written for, but not yet run on, a GPU machine: copy stream, pinned host store, events,
-allocator peak, and exactness in fp32 and bf16.
+Copy stream, pinned host store, events, allocator peak, and exactness in fp32 and bf16.
+All pass on an NVIDIA H200 (torch 2.11.0+cu130; `bash scripts/gpu_check.sh`, 2026-11-29).
 """
 
 from __future__ import annotations
