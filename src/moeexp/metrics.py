@@ -9,6 +9,7 @@ it); ``prediction_recall`` is FineMoE's "overlapped expert ratio" (what its figu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,3 +67,34 @@ def prediction_overlap(predicted: set[int] | None,
         return (0.0 if activated else None), None
     inter = sum(1 for e in activated if e in predicted)
     return (inter / len(activated) if activated else None), inter / len(predicted)
+
+
+@dataclass
+class PredictionTally:
+    """Running means of :func:`prediction_overlap` over (pass, layer) pairs; the simulator
+    and the engine each keep one."""
+
+    recall_sum: float = 0.0
+    recall_n: int = 0
+    precision_sum: float = 0.0
+    precision_n: int = 0
+
+    def add(self, predicted: set[int] | None, activated: Sequence[int]) -> None:
+        """Account one (pass, layer): ``predicted`` P (None = nothing), ``activated`` A."""
+        self.recall_n += 1
+        recall, precision = prediction_overlap(predicted, activated)
+        if recall is not None:
+            self.recall_sum += recall
+        if precision is not None:
+            self.precision_sum += precision
+            self.precision_n += 1
+
+    @property
+    def recall(self) -> float:
+        """Mean recall (NaN before any pair)."""
+        return self.recall_sum / self.recall_n if self.recall_n else float("nan")
+
+    @property
+    def precision(self) -> float:
+        """Mean precision over pairs with a prediction (NaN when there was none)."""
+        return self.precision_sum / self.precision_n if self.precision_n else float("nan")

@@ -100,4 +100,30 @@ class CachePolicy:
         """Per-layer expert probabilities from the predictor (FineMoE, MoE-Infinity)."""
 
 
+class RecencyPolicy(CachePolicy):
+    """A policy that ranks by recency, alone or to break ties (``lfu``, ``lru_per_layer``,
+    ``static``, ``emoe``): it keeps each resident key's last use, the logical clock ``now``
+    of its last insert or access. (``lru`` keeps an ordered list instead: O(1) victims.)"""
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
+        super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
+                         num_experts=num_experts)
+        self._last: dict[Key, int] = {}
+
+    def last_use(self, key: Key) -> int:
+        """``now`` of ``key``'s last insert or access (-1 when never seen)."""
+        return self._last.get(key, -1)
+
+    def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
+        super().on_insert(key, now, prefetched)
+        self._last[key] = now
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        self._last[key] = now
+
+    def on_evict(self, key: Key) -> None:
+        super().on_evict(key)
+        self._last.pop(key, None)
+
+
 CACHES: Registry[CachePolicy] = Registry("cache")

@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from moeexp.cache.base import CACHES, CachePolicy, Key
+from moeexp.cache.base import CACHES, Key, RecencyPolicy
 
 
 @CACHES.register("emoe")
-class EMoECache(CachePolicy):
+class EMoECache(RecencyPolicy):
     """Evict outside the predicted set first (LRU), then the lowest predicted score.
 
     Args:
@@ -37,7 +37,6 @@ class EMoECache(CachePolicy):
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         self._scores: dict[int, np.ndarray] = {}
-        self._last: dict[Key, int] = {}
 
     def score(self, key: Key) -> float:
         """The predictor's latest score of ``key`` (0 when its layer has none)."""
@@ -47,21 +46,10 @@ class EMoECache(CachePolicy):
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         def rank(k: Key) -> tuple[bool, float, int, Key]:
             s = self.score(k)
-            return (s > 0, s, self._last.get(k, -1), k)
+            return (s > 0, s, self.last_use(k), k)
 
         return min(candidates, key=rank)
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         for layer, s in scores.items():
             self._scores[int(layer)] = np.asarray(s, dtype=np.float64).copy()
-
-    def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
-        super().on_insert(key, now, prefetched)
-        self._last[key] = now
-
-    def on_access(self, key: Key, now: int, hit: bool) -> None:
-        self._last[key] = now
-
-    def on_evict(self, key: Key) -> None:
-        super().on_evict(key)
-        self._last.pop(key, None)

@@ -10,11 +10,11 @@ code uses (algorithms.md §4 ``variant: oss``, §9).
 
 from __future__ import annotations
 
-from moeexp.cache.base import CACHES, CachePolicy, Key
+from moeexp.cache.base import CACHES, Key, RecencyPolicy
 
 
 @CACHES.register("lfu")
-class LFU(CachePolicy):
+class LFU(RecencyPolicy):
     """Least in-cache frequency first; ties -> least recently used.
 
     Args:
@@ -27,25 +27,22 @@ class LFU(CachePolicy):
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         self._freq: dict[Key, int] = {}
-        self._last: dict[Key, int] = {}
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        return min(candidates, key=lambda k: (self._freq.get(k, 0), self._last.get(k, -1), k))
+        return min(candidates, key=lambda k: (self._freq.get(k, 0), self.last_use(k), k))
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         if key not in self.resident:
             self._freq[key] = 0
         super().on_insert(key, now, prefetched)
-        self._last[key] = now
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         self._freq[key] = self._freq.get(key, 0) + 1
-        self._last[key] = now
+        super().on_access(key, now, hit)
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
         self._freq.pop(key, None)
-        self._last.pop(key, None)
 
     def frequency(self, key: Key) -> int:
         """In-cache use count of ``key`` (0 if not resident)."""

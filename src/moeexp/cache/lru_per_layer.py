@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 
-from moeexp.cache.base import CACHES, CachePolicy, Key
+from moeexp.cache.base import CACHES, Key, RecencyPolicy
 from moeexp.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 
 @CACHES.register("lru_per_layer")
-class LRUPerLayer(CachePolicy):
+class LRUPerLayer(RecencyPolicy):
     """LRU within each layer's fixed slots.
 
     Args:
@@ -59,7 +59,6 @@ class LRUPerLayer(CachePolicy):
             slots_per_layer = num_experts
         self.slots_per_layer = slots_per_layer
         self._per_layer = [0] * num_layers
-        self._last: dict[Key, int] = {}
 
     def has_room(self, incoming: Key) -> bool:
         return self._per_layer[incoming[0]] < self.slots_per_layer
@@ -69,19 +68,14 @@ class LRUPerLayer(CachePolicy):
         return sorted(k for k in self.resident if k[0] == layer)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        return min(candidates, key=lambda k: (self._last.get(k, -1), k))
+        return min(candidates, key=lambda k: (self.last_use(k), k))
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         if key not in self.resident:
             self._per_layer[key[0]] += 1
         super().on_insert(key, now, prefetched)
-        self._last[key] = now
-
-    def on_access(self, key: Key, now: int, hit: bool) -> None:
-        self._last[key] = now
 
     def on_evict(self, key: Key) -> None:
         if key in self.resident:
             self._per_layer[key[0]] -= 1
         super().on_evict(key)
-        self._last.pop(key, None)

@@ -20,7 +20,7 @@ from typing import Literal
 
 import numpy as np
 
-from moeexp.cache.base import CACHES, CachePolicy, Key
+from moeexp.cache.base import CACHES, Key, RecencyPolicy
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
@@ -44,7 +44,7 @@ def usage_counts(store: Trace, rank_by: RankBy = "accesses") -> np.ndarray:
 
 
 @CACHES.register("static")
-class Static(CachePolicy):
+class Static(RecencyPolicy):
     """Pins the store split's most used experts; LRU scratch slots serve the rest.
 
     Args:
@@ -79,7 +79,6 @@ class Static(CachePolicy):
         self.rank_by: RankBy = rank_by
         self.pinned: frozenset[Key] = frozenset()
         self._pinned_order: list[Key] = []
-        self._last: dict[Key, int] = {}
 
     def fit(self, store: Trace) -> None:
         """Pin the ``capacity_slots - scratch_slots`` most used keys of ``store``.
@@ -115,17 +114,9 @@ class Static(CachePolicy):
         return sorted(k for k in self.resident if k not in self.pinned)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        return min(candidates, key=lambda k: (self._last.get(k, -1), k))
-
-    def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
-        super().on_insert(key, now, prefetched)
-        self._last[key] = now
-
-    def on_access(self, key: Key, now: int, hit: bool) -> None:
-        self._last[key] = now
+        return min(candidates, key=lambda k: (self.last_use(k), k))
 
     def on_evict(self, key: Key) -> None:
         if key in self.pinned:
             log.warning("static: the mechanism evicted pinned expert %s", key)
         super().on_evict(key)
-        self._last.pop(key, None)

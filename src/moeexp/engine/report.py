@@ -37,8 +37,7 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
     if c.cuda_stalls:
         torch.cuda.synchronize(engine.device)
         stall_ms += sum(a.elapsed_time(b) for a, b in c.cuda_stalls)
-    recall = c.recall_sum / c.recall_n if c.recall_n else NAN
-    precision = c.precision_sum / c.precision_n if c.precision_n else NAN
+    recall, precision = c.pred.recall, c.pred.precision
     runner = engine.runner
     out: dict[str, float] = {
         "hit_rate": c.hits / c.accesses if c.accesses else NAN,

@@ -40,7 +40,7 @@ from moeexp.engine.prefetch import PredictionSets, PrefetchQueue
 from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine, CopyJob
 from moeexp.errors import ConfigError
-from moeexp.metrics import prediction_overlap
+from moeexp.metrics import PredictionTally
 from moeexp.models.adapter import MoEAdapter
 from moeexp.traces.schema import Trace
 
@@ -85,10 +85,7 @@ class Counters:
     substituted: int = 0
     dropped: int = 0
     streamed_layers: int = 0
-    recall_sum: float = 0.0
-    recall_n: int = 0
-    precision_sum: float = 0.0
-    precision_n: int = 0
+    pred: PredictionTally = field(default_factory=PredictionTally)
     cuda_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
     access_log: list[tuple[int, int, bool]] = field(default_factory=list)
 
@@ -336,16 +333,7 @@ class Engine:
         return True
 
     def account_prediction(self, layer: int, experts: list[int]) -> None:
-        P = self.psets.for_layer(layer)
-        c = self.counters
-        c.recall_n += 1
-        recall, precision = prediction_overlap(P, experts)
-        if recall is not None:
-            c.recall_sum += recall
-        if precision is not None:
-            c.precision_sum += precision
-            c.precision_n += 1
-
+        self.counters.pred.add(self.psets.for_layer(layer), experts)
     # ---- teardown ---------------------------------------------------------------------
     def close(self) -> None:
         """Stop the copy thread and give the fused parameters back to the model."""

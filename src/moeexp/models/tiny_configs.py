@@ -212,3 +212,13 @@ def tiny_model(model_type: str, seed: int = 0) -> PreTrainedModel:
                 t.copy_(torch.randn(t.shape, generator=gen, dtype=t.dtype) * 0.1)
     model.eval()
     return model
+
+
+def tiny_dense_model() -> PreTrainedModel:
+    """A one-layer dense Llama (no MoE layer, no adapter): what the adapters, the loader
+    and the engine must refuse with a clear error."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    return AutoModelForCausalLM.from_config(cfg)

@@ -216,7 +216,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
                 P = pred_sets.get(layer)
                 if P is None and (pf_hooks or pf_sets):
                     P = prefetched_for(layer)
-                tally.prediction(P, needed)
+                tally.pred.add(P, needed)
                 if restricted_routing:
                     t, h, m, subs, drops = dev.serve_restricted(
                         layer, needed, tr.topk_idx[rows, layer], probs_all[rows, layer], pos, t,

@@ -29,7 +29,7 @@ import numpy as np
 
 from moeexp.cache.base import CachePolicy
 from moeexp.costmodel.roofline import CostModel
-from moeexp.metrics import CORE_KEYS, f1, prediction_overlap, summarize
+from moeexp.metrics import CORE_KEYS, PredictionTally, f1, summarize
 
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
@@ -51,23 +51,10 @@ class Tally:
     it_misses: list[int] = field(default_factory=list)
     it_stall: list[float] = field(default_factory=list)
     it_time: list[float] = field(default_factory=list)
-    recall_sum: float = 0.0
-    recall_n: int = 0
-    precision_sum: float = 0.0
-    precision_n: int = 0
+    pred: PredictionTally = field(default_factory=PredictionTally)
     substitutions: int = 0
     dropped_assignments: int = 0
     assignments: int = 0
-
-    def prediction(self, predicted: set[int] | None, activated: list[int]) -> None:
-        """Account one (pass, layer): ``predicted`` P (None = nothing), ``activated`` A."""
-        self.recall_n += 1
-        recall, precision = prediction_overlap(predicted, activated)
-        if recall is not None:
-            self.recall_sum += recall
-        if precision is not None:
-            self.precision_sum += precision
-            self.precision_n += 1
 
     def iteration(self, hits: int, misses: int, stall_s: float, dur_s: float) -> None:
         self.it_hits.append(hits)
@@ -106,8 +93,7 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
     ttft0, tpot0, _ = _latencies(units, arrival0 or s0, f0, fin0, n_dec)
     hits, misses = sum(tally.it_hits), sum(tally.it_misses)
     accesses = hits + misses
-    recall = tally.recall_sum / tally.recall_n if tally.recall_n else NAN
-    precision = tally.precision_sum / tally.precision_n if tally.precision_n else NAN
+    recall, precision = tally.pred.recall, tally.pred.precision
     waste = dev.waste_bytes + len(dev.unused_prefetched) * cost.expert_bytes
     m: dict[str, float] = {
         "hit_rate": hits / accesses if accesses else NAN,

@@ -122,12 +122,10 @@ def test_bad_input_fails_before_weights_move(mixtral) -> None:
 
 
 def test_model_without_moe_layers() -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from moeexp.models.tiny_configs import tiny_dense_model
 
-    cfg = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2, vocab_size=64)
     with pytest.raises((ConfigError, ModelLoadError), match="llama"):
-        offload(LlamaForCausalLM(cfg))
+        offload(tiny_dense_model())
 
 
 def test_exception_inside_forward_leaves_model_restorable(mixtral) -> None:

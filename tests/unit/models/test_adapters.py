@@ -302,18 +302,11 @@ def test_tiny_models_are_deterministic():
 def test_unsupported_and_dense_models_rejected():
     """A Llama (no adapter) lists the supported types; a Qwen2-MoE with only dense layers
     has no MoE layer."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    llama = AutoModelForCausalLM.from_config(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    from moeexp.models.tiny_configs import tiny_dense_model
+
+    llama = tiny_dense_model()
     with pytest.raises(ModelLoadError, match="unsupported model_type 'llama'.*mixtral"):
         adapter_for(llama)
     cfg = tiny_config("qwen2_moe")

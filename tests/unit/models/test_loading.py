@@ -144,18 +144,11 @@ def test_embedded_tiny_model_matches_issue_shape():
 
 
 def test_unsupported_type_and_dense_model(tmp_path):
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    llama = AutoModelForCausalLM.from_config(
-        LlamaConfig(
-            vocab_size=64,
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-        )
-    )
+    from moeexp.models.tiny_configs import tiny_dense_model
+
+    llama = tiny_dense_model()
     with pytest.raises(ModelLoadError, match="'llama'.*supported model types: .*gpt_oss"):
         load_model(_cfg(path=str(save(llama, tmp_path / "llama"))))
     cfg = tiny_config("qwen2_moe")

@@ -17,10 +17,10 @@ ROUTE = [[[[[3], [0], [0]]]]]  # one pass; layer 0 -> 3, layers 1 and 2 -> 0
 def test_tally_prediction_definitions() -> None:
     """P={0,1}, A={0}: recall 1, precision 1/2. P empty: recall 0, no precision term."""
     t = Tally(num_layers=2)
-    t.prediction({0, 1}, [0])
-    t.prediction(None, [2, 3])
-    assert t.recall_sum / t.recall_n == 0.5
-    assert t.precision_sum / t.precision_n == 0.5
+    t.pred.add({0, 1}, [0])
+    t.pred.add(None, [2, 3])
+    assert t.pred.recall == 0.5
+    assert t.pred.precision == 0.5
 
 
 def test_recall_from_prefetches_made_before_the_router() -> None:
