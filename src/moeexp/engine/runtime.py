@@ -55,6 +55,11 @@ class EngineSettings:
         restricted_routing: eMoE lossy mode: never load on demand; a token whose expert is
             not resident and ready uses the next-ranked one that is.
         renormalize: lossy mode: rescale a token's weights to their original sum.
+        restricted_wait: lossy mode: an expert whose copy is still in flight counts as
+            usable and the layer waits for it. Default (False, eMoE): only landed copies
+            count, so substitutions depend on copy timing and two identical runs can
+            differ; True makes them timing-independent (with ``predictor_async=False`` a
+            lossy run is then deterministic), at the price of the waits.
         bandwidth_bps: CPU only: emulated host-to-device bandwidth (bytes/s); None = memcpy.
         predictor_async: run the predictor on a background thread (default) or inline.
         max_inflight: CUDA: copies in flight on the copy stream.
@@ -63,6 +68,7 @@ class EngineSettings:
 
     restricted_routing: bool = False
     renormalize: bool = False
+    restricted_wait: bool = False
     bandwidth_bps: float | None = None
     predictor_async: bool = True
     max_inflight: int = 2

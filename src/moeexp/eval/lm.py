@@ -25,8 +25,10 @@ Model arguments (``--model_args k=v,...``; lm-eval types the values):
 - ``predictor.KEY`` / ``cache.KEY``: override one key of the system's predictor or cache
   (``predictor.period=20``); ``dataset.KEY`` / ``trace.KEY``: change the ``auto`` store's
   sample or recording (``dataset.num_prompts=16``); any :class:`~moeexp.engine.runtime.EngineSettings` field
-  (``restricted_routing``, ``renormalize``, ``predictor_async`` (default false here, so a
-  lossy run is deterministic), ...);
+  (``restricted_routing``, ``renormalize``, ``predictor_async`` (default false here:
+  the predictor runs inline), ``restricted_wait`` (true makes a lossy run's substitutions
+  independent of copy timing; with the inline predictor the run is then deterministic),
+  ...);
 - ``batch_size``, ``max_length``: passed to HFLM.
 """
 

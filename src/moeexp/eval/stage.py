@@ -8,7 +8,8 @@ run's own model, system and budget::
 What is evaluated: the plain model for ``no_offload``; otherwise the model offloaded by the
 real engine (:func:`moeexp.engine.build_offloaded`) with the run's predictor and cache
 (built from the config, fitted on the store split of the run's trace) and the backend
-group's mechanism keys (``restricted_routing``, ``renormalize``: eMoE's lossy mode). An
+group's mechanism keys (``restricted_routing``, ``renormalize``: eMoE's lossy mode;
+``restricted_wait`` with ``backend=engine``: timing-independent substitutions). An
 exact system gives the plain model's numbers; a lossy one shows what it costs. Each phase
 below gets a fresh engine (a deep copy of the fitted policies), so one phase's requests do
 not change another's. Systems whose policies need the future (oracle, belady) are exact
