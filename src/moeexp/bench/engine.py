@@ -225,7 +225,7 @@ def _cuda_bandwidth(repeats: int = 3) -> dict[str, Any]:
             "h2d_within_target": bool(e_bw / p_bw >= TARGET_BANDWIDTH), "h2d_bytes": nbytes}
 
 
-def run(num_prompts: int = 3, input_len: int = 43, output_len: int = 32, repeats: int = 3,
+def run(num_prompts: int = 3, input_len: int = 43, output_len: int = 32, repeats: int = 5,
         threads: int = 1, emulated_gbps: float = 0.5) -> dict[str, Any]:
     """All three measurements; returns a flat dict of numbers (see the module docstring)."""
     import torch
