@@ -4,7 +4,9 @@
 
     validate(cfg)                       every group checked, nothing loaded yet
       load_model(cfg.model)             LoadedModel(model, tokenizer, adapter, name)
-      build predictor + cache           with the model's dims (capacity errors surface here)
+      build predictor + cache           with the model's dims: from its config on the meta
+                                        device before the load, then from the loaded model
+                                        (capacity errors surface before any weight is read)
       sample_prompts(cfg.dataset)       seeded, 70/30 store/test
       get_or_record(...)                the routing trace (cached by content hash)
       predictor.fit(store); cache.fit(store)
@@ -80,15 +82,19 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     logger: Logger = LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     times: dict[str, float] = {}
 
-    from moeexp.models.loading import load_model
+    from moeexp.models.loading import load_model, probe_adapter
+    from moeexp.traces.recorder import trace_dims
 
+    # Build once with the model's dims so that a bad capacity fails before any work: from
+    # the config alone (meta device) before the weights load, and again after the load.
+    probe = probe_adapter(cfg.model)
+    if probe is not None:
+        build_predictor(cfg.predictor, trace_dims(probe, spec.trace.spec_depth))
+        build_cache(cfg.cache, trace_dims(probe, spec.trace.spec_depth))
     t = time.perf_counter()
     loaded = load_model(cfg.model)
     times["load_time_s"] = time.perf_counter() - t
-    from moeexp.traces.recorder import trace_dims
-
     dims = trace_dims(loaded.adapter, spec.trace.spec_depth)
-    # Build once with the model's dims so that a bad capacity fails before recording.
     build_predictor(cfg.predictor, dims)
     build_cache(cfg.cache, dims)
     cost = _cost_model(spec.hardware, dims, _dtype_bytes(loaded))

@@ -72,6 +72,18 @@ def test_config_error_before_any_work(tmp_path, model_overrides, run_app):
     assert "loading model" not in (run / "moeexp.log").read_text()
 
 
+def test_capacity_error_before_the_weights_load(tmp_path, model_overrides, run_app):
+    """A capacity below K experts depends on the model's dims: the pre-load probe (config
+    on the meta device) catches it before any weight is read or trace recorded."""
+    run, traces = tmp_path / "run", tmp_path / "traces"
+    out = run_app(*model_overrides, "cache.capacity=0.01", f"trace.cache_dir={traces}",
+                  f"hydra.run.dir={run}", "logger=none")
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "ConfigError" in out.stdout + out.stderr and "capacity" in out.stdout + out.stderr
+    assert not traces.exists() and not (run / "metrics.json").exists()
+    assert "loading model" not in (run / "moeexp.log").read_text()
+
+
 def test_collect_command(tmp_path, small, run_app):
     """`moeexp collect DIR` (via python -m moeexp.collect) gathers the runs of a sweep."""
     import subprocess

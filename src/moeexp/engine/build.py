@@ -31,12 +31,11 @@ log = logging.getLogger(__name__)
 
 
 def model_dims(adapter: MoEAdapter, spec_depth: int) -> TraceDims:
-    """The TraceDims predictors and policies are built with for ``adapter``'s model."""
-    return TraceDims(
-        num_layers=adapter.num_layers, num_experts=adapter.num_experts, top_k=adapter.top_k,
-        hidden_size=adapter.hidden_size, spec_depth=spec_depth,
-        expert_bytes=adapter.expert_bytes(), num_shared_experts=adapter.num_shared_experts,
-        dense_bytes=adapter.dense_bytes(), intermediate_size=adapter.expert_intermediate_size)
+    """The TraceDims predictors and policies are built with for ``adapter``'s model (the
+    recorder's :func:`~moeexp.traces.recorder.trace_dims`: one definition)."""
+    from moeexp.traces.recorder import trace_dims
+
+    return trace_dims(adapter, spec_depth)
 
 
 def _load_store(store: Trace | str | Path | None, dims: TraceDims) -> Trace | None:

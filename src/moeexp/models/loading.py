@@ -15,6 +15,7 @@ before any weight is loaded. The model is returned in eval mode.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 from collections.abc import Mapping
@@ -111,6 +112,35 @@ def _resolve_source(cfg: Mapping[str, Any]) -> tuple[str, bool]:
             f"model.hf_id=<org/name>"
         )
     return str(hf_id), False
+
+
+def probe_adapter(cfg: Mapping[str, Any]) -> MoEAdapter | None:
+    """The adapter of the model ``cfg`` describes, built from its config alone on the meta
+    device (no weights read), so that a run can check dims-dependent settings (a cache
+    capacity below K experts, ...) before a long load. None when the config cannot be
+    read or built that way (the load itself then reports what is wrong)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        source, _ = _resolve_source(cfg)
+        trust = bool(cfg.get("trust_remote_code") or False)
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
+        if getattr(config, "model_type", None) not in supported_model_types():
+            return None
+        dtype = _torch_dtype(str(cfg.get("dtype") or "float32"))
+        if dtype == "auto":
+            dtype = getattr(config, "dtype", None) or torch.float32
+        config = copy.deepcopy(config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the load dequantizes (MXFP4): plain tensors
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                     trust_remote_code=trust)
+        return adapter_for(model)
+    except Exception as err:  # noqa: BLE001 - a probe: the real load reports errors
+        log.debug("model %s: no pre-load probe (%s: %s)", cfg.get("name"), type(err).__name__, err)
+        return None
 
 
 def load_model(cfg: Mapping[str, Any]) -> LoadedModel:

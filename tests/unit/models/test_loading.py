@@ -202,3 +202,17 @@ def test_preset_yaml(name):
         assert isinstance(cfg["hf_id"], str) and "/" in cfg["hf_id"]
     if name in PAPER_DISTANCE:
         assert cfg["prefetch_distance"] == PAPER_DISTANCE[name]
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
+def test_probe_adapter_gives_the_loaded_models_dims(model_type, tmp_path):
+    """The pre-load probe (config only, meta device, no weights read) gives the same dims
+    as the loaded model, for every architecture; an unreadable path gives None."""
+    from moeexp.models.loading import probe_adapter
+    from moeexp.traces.recorder import trace_dims
+
+    path = save(tiny_model(model_type), tmp_path / model_type)
+    probe = probe_adapter(_cfg(path=str(path)))
+    assert probe is not None
+    assert trace_dims(probe, 3) == trace_dims(load_model(_cfg(path=str(path))).adapter, 3)
+    assert probe_adapter(_cfg(path=str(tmp_path / "missing"))) is None
