@@ -46,7 +46,7 @@ test: $(STAMP) ## the default test suite (CPU, offline)
 bench: $(STAMP) ## benchmarks: writes results/bench/*.json and prints a table
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp.bench
 
-bench-gpu: $(STAMP) ## CUDA checks in one pass: GPU tests, sim_vs_engine on CUDA, engine benchmarks (outputs in OUT=dir or results/gpu_check/<time>)
+bench-gpu: $(STAMP) ## CUDA checks in one pass: GPU tests, sim_vs_engine on CUDA, engine benchmarks (outputs in GPU_CHECK_DIR=dir or results/gpu_check/<time>)
 	PY=$(PY) bash scripts/gpu_check.sh
 
 lint: $(STAMP) ## ruff + mypy on src/
