@@ -21,6 +21,12 @@
    ``Prompt.text`` is the decoded text of exactly the tokens fed (without bos; a UTF-8
    character cut in half by the truncation is dropped), so it is a prefix of the
    conversation's first user turn for lossless (byte-level) tokenizers.
+   - ``template`` (default null: the raw user text): a format with one ``{prompt}``, or
+     ``chat`` = ``"User: {prompt}\nAssistant:"`` (the embedded tiny model's training
+     format). ``[bos] + encode(before + user text)`` is truncated so that
+     ``encode(after)`` still fits, then ``encode(after)`` is appended: the template's end
+     (where the reply starts) is never cut, and ``input_len`` / ``max_input_len`` count
+     every token fed. ``Prompt.text`` is then the user text only (embeddings, task types).
 4. Duplicates (same token ids or same text) are skipped, so no text appears twice.
 5. Split: a second seeded shuffle; the first ``round(store_fraction * n)`` prompts are
    ``store`` and the rest ``test`` (disjoint by construction). ``request_id`` is the position
@@ -35,7 +41,7 @@ import logging
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
 from typing import Any, Literal
@@ -126,6 +132,15 @@ class DatasetConfig:
     max_output_len: int = 512
     pool: str = "heldout"  # sharegpt only
     language: str | None = None  # lmsys only
+    template: str | None = None  # null | chat | a format with one {prompt}
+
+    @property
+    def template_parts(self) -> tuple[str, str] | None:
+        """(text before ``{prompt}``, text after it), or None without a template."""
+        if self.template is None:
+            return None
+        before, after = TEMPLATES.get(self.template, self.template).split("{prompt}")
+        return before, after
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> DatasetConfig:
@@ -147,11 +162,19 @@ class DatasetConfig:
             (c.input_len >= 1 and c.output_len >= 1, "input_len and output_len must be >= 1"),
             (c.max_input_len >= 1 and c.max_output_len >= 1, "max_input/output_len must be >= 1"),
             (0.0 <= c.store_fraction <= 1.0, f"store_fraction={c.store_fraction} not in [0, 1]"),
+            (c.template is None or c.template in TEMPLATES
+             or str(c.template).count("{prompt}") == 1,
+             f"template={c.template!r} must be null, one of {', '.join(TEMPLATES)}, or a "
+             "format with exactly one {prompt}"),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:
             raise ConfigError(f"dataset={name}: " + "; ".join(bad))
         return c
+
+
+#: Named prompt templates (``dataset.template``); ``chat`` is the tiny model's training format.
+TEMPLATES: dict[str, str] = {"chat": "User: {prompt}\nAssistant:"}
 
 
 # ---------------------------------------------------------------------------- sources
@@ -209,19 +232,42 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
 def _shape(c: DatasetConfig, tokenizer: Any, text: str, reply: str,
            reasons: Counter[str]) -> tuple[list[int], int] | None:
     """(fed ids, output_len) for one candidate, or None (reason counted) if it does not qualify."""
-    ids = encode_prompt(tokenizer, text)
+    parts = c.template_parts
+    before, after = parts if parts is not None else ("", "")
+    ids = encode_prompt(tokenizer, before + text)
+    tail = [int(i) for i in tokenizer.encode(after, add_special_tokens=False)] if after else []
     n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
+    n_head = n_bos + (len(tokenizer.encode(before, add_special_tokens=False)) if before else 0)
+    limit = c.input_len if c.lengths == "fixed" else c.max_input_len
+    if n_head + len(tail) >= limit:
+        raise ConfigError(
+            f"dataset.template={c.template!r} takes {n_head + len(tail)} tokens (bos included), "
+            f"which leaves no room for the prompt in "
+            f"{'input_len' if c.lengths == 'fixed' else 'max_input_len'}={limit}")
     if c.lengths == "fixed":
-        if len(ids) < c.input_len:
+        if len(ids) + len(tail) < c.input_len:
             reasons[f"fewer than input_len={c.input_len} tokens"] += 1
             return None
-        return ids[: c.input_len], c.output_len
-    ids = ids[: c.max_input_len]
-    if len(ids) <= n_bos:
+        return ids[: c.input_len - len(tail)] + tail, c.output_len
+    ids = ids[: c.max_input_len - len(tail)]
+    if len(ids) <= n_head:
         reasons["empty after tokenisation"] += 1
         return None
+    ids = ids + tail
     n_out = len(tokenizer.encode(reply, add_special_tokens=False)) if reply else 0
     return ids, int(min(max(n_out, 1), c.max_output_len))
+
+
+def _user_text(c: DatasetConfig, tokenizer: Any, ids: Sequence[int]) -> str:
+    """The user text of fed ids (bos removed): the template's text taken off both ends."""
+    parts = c.template_parts
+    if parts is not None and parts[1]:
+        n_tail = len(tokenizer.encode(parts[1], add_special_tokens=False))
+        ids = ids[: len(ids) - n_tail]
+    text = tokenizer.decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
+    if parts is not None and text.startswith(parts[0]):
+        text = text[len(parts[0]):]
+    return text
 
 
 def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
@@ -258,7 +304,7 @@ def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
         ids, n_out = shaped
         key = tuple(ids)
         # a byte-level cut can split a UTF-8 character: drop the partial one from the text
-        text = tokenizer.decode(list(ids[n_bos:]), skip_special_tokens=True).rstrip("\ufffd")
+        text = _user_text(c, tokenizer, ids[n_bos:])
         norm = " ".join(text.split())
         if key in seen_ids or norm in seen_text:
             reasons["duplicate prompt"] += 1

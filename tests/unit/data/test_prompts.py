@@ -97,6 +97,35 @@ def test_bad_path_is_a_clear_error(tokenizer, tmp_path):
         sample_prompts(sharegpt_cfg(path=str(tmp_path / "nope.json")), tokenizer)
 
 
+@pytest.mark.parametrize("lengths", ["fixed", "natural"])
+def test_chat_template_keeps_its_end_and_the_length(tokenizer, lengths):
+    """template=chat: the fed ids are [bos] + "User: <text>" cut to fit + "\nAssistant:"
+    (the end never cut); fixed prompts still have exactly input_len ids; text is the user
+    text alone; without a template the prompts are the raw ones."""
+    raw = sample_prompts(sharegpt_cfg(lengths=lengths), tokenizer)
+    ps = sample_prompts(sharegpt_cfg(lengths=lengths, template="chat"), tokenizer)
+    tail = tokenizer.encode("\nAssistant:", add_special_tokens=False)
+    head = tokenizer.encode("User:", add_special_tokens=False)
+    for p in ps:
+        assert p.input_ids[0] == tokenizer.bos_token_id
+        assert list(p.input_ids[-len(tail):]) == tail
+        assert list(p.input_ids[1:1 + len(head)]) == head
+        assert not p.text.startswith("User:") and "Assistant:" not in p.text[-12:]
+        if lengths == "fixed":
+            assert p.prompt_len == len(p.input_ids) == 43
+        fed = tokenizer.decode(list(p.input_ids[1:]))
+        assert fed.startswith("User: ") and fed.endswith("\nAssistant:")
+    assert [p.input_ids for p in raw] != [p.input_ids for p in ps]
+
+
+def test_template_errors(tokenizer):
+    with pytest.raises(ConfigError, match="exactly one {prompt}"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "template": "no placeholder"})
+    with pytest.raises(ConfigError, match="leaves no room.*input_len=4"):
+        sample_prompts(sharegpt_cfg(input_len=4, template="A long preamble {prompt} and a tail"),
+                       tokenizer)
+
+
 def test_bad_config_keys_and_values():
     with pytest.raises(ConfigError, match="unknown key.*num_prompt"):
         DatasetConfig.from_mapping({"name": "sharegpt", "num_prompt": 3})
