@@ -42,6 +42,7 @@ def test_exact_on_cuda(model_type: str, dtype: torch.dtype, system: str) -> None
         with torch.no_grad():
             logits = om(ids).logits.float()
         out = om.generate(ids, max_new_tokens=8, do_sample=False)
+        assert om.engine.batched_rows  # decode steps ran the batched_mm path, as plain does
         m = om.metrics()
     assert torch.equal(out, ref)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
