@@ -81,6 +81,12 @@ class SimVsEngineSettings:
             1-1024x on CUDA, where a small expert's copy is all latency and the slope
             (bandwidth) shows only once copies reach megabytes.
         copy_repeats: timed copies per size.
+        predictor_feed: charge each system's predictor-feeding cost (measured on the engine
+            with its fitted predictor on the store prompts, every expert resident; see
+            :func:`moeexp.engine.profile.profile_feed`) per MoE layer in the simulator.
+            False (default): the idealisation of algorithms.md (prediction is free on the
+            critical path), which the simulator uses everywhere else. Predictors that need
+            the future (oracle) are not measured (0).
         outlier_mads: None fits mean times (the default: the engine's runs have the same
             slow tail); a number drops samples beyond that many MADs first.
         progress: progress bars.
@@ -102,6 +108,7 @@ class SimVsEngineSettings:
     copy_factors: tuple[float, ...] | None = None
     copy_repeats: int = 6
     outlier_mads: float | None = None
+    predictor_feed: bool = False
     progress: bool = True
 
     @classmethod
@@ -227,8 +234,19 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         pred.fit(ctx.store)
         pol.fit(ctx.store)
         objs.append((pred, pol))
+    feed_s = 0.0
+    if s.predictor_feed and pcfg["name"] != "none" and "future" not in objs[0][0].needs:
+        from moeexp.engine.profile import profile_feed
+        from moeexp.engine.runtime import EngineSettings
+
+        known = {f.name for f in dataclasses.fields(EngineSettings)}
+        est = EngineSettings(**{k: v for k, v in s.engine.items() if k in known})
+        new = s.decode_tokens or max(int(p.output_len) for p in ctx.prompts)
+        feed_reqs = _store_requests(ctx.store, s.profile_requests, (1.0,), new)
+        feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=est,
+                              warmup=int(s.engine.get("warmup", 1)))
     sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
-                   renormalize=renorm, seed=ctx.seed, progress=False)
+                   renormalize=renorm, seed=ctx.seed, progress=False, predictor_feed_s=feed_s)
     settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,
                 "replay_tokens": True, "reference": False, "seed": ctx.seed, "progress": False}
     eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace)
@@ -251,16 +269,17 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         "sim_prediction_recall": sm["prediction_recall"],
         "engine_accesses_total": em["accesses_total"], "sim_accesses_total": sm["accesses_total"],
         "predictor": pcfg["name"], "cache": ccfg["name"],
+        "sim_predictor_feed_us": feed_s * 1e6,
     }
     reqs = [{"system": entry.name, "request_id": rid, "engine_ttft_ms": et, "sim_ttft_ms": st,
              "engine_tpot_ms": ep, "sim_tpot_ms": sp}
             for rid, et, st, ep, sp in zip(eng.series["request_id"], eng.series["ttft_ms"],
                                            sim_ttft, eng.series["tpot_ms"], sim_tpot, strict=True)]
     log.info("%-20s TTFT engine %.2f sim %.2f ms (MAPE %.1f%%)  TPOT engine %.2f sim %.2f ms "
-             "(MAPE %.1f%%)  hit engine %.3f sim %.3f", entry.name, row["engine_ttft_ms_mean"],
-             row["sim_ttft_ms_mean"], row["ttft_mape_pct"], row["engine_tpot_ms_mean"],
-             row["sim_tpot_ms_mean"], row["tpot_mape_pct"], row["engine_hit_rate"],
-             row["sim_hit_rate"])
+             "(MAPE %.1f%%)  hit engine %.3f sim %.3f  feed %.0f us/layer", entry.name,
+             row["engine_ttft_ms_mean"], row["sim_ttft_ms_mean"], row["ttft_mape_pct"],
+             row["engine_tpot_ms_mean"], row["sim_tpot_ms_mean"], row["tpot_mape_pct"],
+             row["engine_hit_rate"], row["sim_hit_rate"], feed_s * 1e6)
     return row, reqs
 
 

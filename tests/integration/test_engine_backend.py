@@ -90,24 +90,29 @@ def test_system_sets_backend_keys_for_both_backends():
 
 
 def test_sim_vs_engine_experiment(tmp_path, model_overrides, trace_dir, run_app):
-    """+experiment=sim_vs_engine shrunk to two systems: summary.csv has the columns the
-    figure reads, one row per system, deepspeed's hit rates equal; the fitted profile is
-    written (calibration.json, and its roofline approximation as a hardware profile)."""
+    """+experiment=sim_vs_engine shrunk to three systems, with the predictor-feeding term:
+    summary.csv has the columns the figure reads, one row per system, deepspeed's hit rates
+    equal, a feed cost only where a predictor is measured; the fitted profile is written
+    (calibration.json, and its roofline approximation as a hardware profile)."""
     run = tmp_path / "cal"
     _ok(run_app(*model_overrides, "+experiment=sim_vs_engine", *LEN,
                 f"trace.cache_dir={trace_dir}", f"hydra.run.dir={run}",
-                "backend.systems=[deepspeed,oracle]", "backend.profile_requests=4",
+                "backend.systems=[deepspeed,oracle,mixtral_offloading]",
+                "backend.profile_requests=4", "backend.predictor_feed=true",
                 "backend.copy_repeats=2", "backend.copy_factors=[0.5,1.0,2.0]"))
     df = pd.read_csv(run / "summary.csv")
     assert list(df.columns[:7]) == ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean",
                                     "engine_tpot_ms_mean", "sim_tpot_ms_mean",
                                     "engine_hit_rate", "sim_hit_rate"]
-    assert list(df["system"]) == ["deepspeed", "oracle"]
+    assert list(df["system"]) == ["deepspeed", "oracle", "mixtral_offloading"]
+    feed = df.set_index("system")["sim_predictor_feed_us"]
+    assert feed["deepspeed"] == 0 and feed["oracle"] == 0  # no predictor; needs the future
+    assert feed["mixtral_offloading"] >= 0
     ds = df.set_index("system").loc["deepspeed"]
     assert ds["engine_hit_rate"] == ds["sim_hit_rate"] and ds["hit_rate_diff"] == 0
     assert (df[["sim_ttft_ms_mean", "sim_tpot_ms_mean", "ttft_mape_pct"]] > 0).all().all()
     m = json.loads((run / "metrics.json").read_text())
-    assert m["systems"] == "deepspeed,oracle" and m["ttft_mape_pct_mean"] >= 0
+    assert m["systems"] == "deepspeed,oracle,mixtral_offloading" and m["ttft_mape_pct_mean"] >= 0
     assert (run / "calibration.json").is_file() and (run / "conf/hardware/calibrated.yaml").is_file()
 
 

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from tqdm.auto import tqdm
@@ -167,6 +168,50 @@ def profile_compute(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], 
         finally:
             timer.remove()
     return samples
+
+
+def profile_feed(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], predictor: Any, *,
+                 settings: EngineSettings | None = None, warmup: int = 1, repeats: int = 2
+                 ) -> float:
+    """Host seconds per MoE layer that feeding ``predictor`` costs the engine.
+
+    Serves ``requests`` with every expert resident (no copy, no stall) once with a copy of
+    ``predictor`` (fitted) and once with none, alternating ``repeats`` times, and returns
+    (mean TPOT with - mean TPOT without) / L, clipped at 0: router outputs copied to the
+    host for ``observe_layer``, speculative gates evaluated per layer, the hand-off to the
+    predictor's worker and, on a shared CPU, the worker's competition with compute. Not
+    measured: what a prefetch does to the critical path (everything is resident).
+    """
+    import copy
+
+    from moeexp.cache import CACHES
+    from moeexp.predictors import PREDICTORS
+
+    st = replace(settings or EngineSettings(), restricted_routing=False)
+    dims = model_dims(loaded.adapter, st.spec_depth)
+    n = dims.num_layers * dims.num_experts
+    budget = Budget(slots=n, expert_bytes=dims.expert_bytes, total_expert_bytes=n * dims.expert_bytes)
+    device = next(loaded.model.parameters()).device
+
+    def tpot_ms(pred: Any) -> float:
+        pol = CACHES.build("resident", capacity_slots=n, num_layers=dims.num_layers,
+                           num_experts=dims.num_experts)
+        with build_offloaded(loaded.model, loaded.adapter, pred, pol, budget, st,
+                             system="profile") as om:
+            for ids, new in list(requests)[:warmup]:  # untimed
+                om.generate(torch.tensor([list(ids)], device=device),
+                            max_new_tokens=min(4, new), min_new_tokens=min(4, new), do_sample=False)
+            om.reset_metrics()
+            for ids, new in requests:
+                om.generate(torch.tensor([list(ids)], dtype=torch.long, device=device),
+                            max_new_tokens=int(new), min_new_tokens=int(new), do_sample=False)
+            return float(om.metrics()["tpot_ms_mean"])
+
+    with_p, without = [], []
+    for _ in range(repeats):
+        without.append(tpot_ms(PREDICTORS.build("none", dims=dims)))
+        with_p.append(tpot_ms(copy.deepcopy(predictor)))
+    return max(0.0, (float(np.mean(with_p)) - float(np.mean(without))) / 1e3 / dims.num_layers)
 
 
 class _Holder(nn.Module):

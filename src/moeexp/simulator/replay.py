@@ -93,7 +93,8 @@ def _check(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostMod
 def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel, *,
              batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, renormalize: bool = False, seed: int = 0,
-             progress: bool = True, num_requests: int | None = None) -> SimResult:
+             progress: bool = True, num_requests: int | None = None,
+             predictor_feed_s: float = 0.0) -> SimResult:
     """Replay ``trace_test``; the caller fitted ``predictor`` and ``cache`` on the store split.
 
     Args:
@@ -112,9 +113,16 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
         progress: show a progress bar over requests.
         num_requests: requests to serve (None: every trace request once; more cycles
             through them, as an online experiment with 256 requests needs).
+        predictor_feed_s: host seconds charged on the critical path of every MoE layer of
+            every pass for feeding the predictor (router outputs to the host, speculative
+            gates, hand-off to its worker). 0 (default) is algorithms.md's idealisation:
+            prediction costs nothing on the critical path. ``backend=sim_vs_engine``
+            measures it per system on the engine (store prompts) and passes it here.
     """
     wall0 = perf_counter()
     _check(trace_test, predictor, cache, cost, batch_size, arrival_rate, num_requests)
+    if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
+        raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     tr, L = trace_test, trace_test.dims.num_layers
     plan = Plan(tr, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                 num_requests=num_requests, seed=seed)
@@ -197,7 +205,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
             take(pred, t, -1)
             it_hits = it_miss = 0
             it_stall = 0.0
-            dense = gd.dense_s
+            dense = gd.dense_s + predictor_feed_s
             for layer in range(L):
                 needed = gd.experts[layer]
                 t += dense

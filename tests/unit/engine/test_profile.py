@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeexp.costmodel.calibrate import fit_linear
-from moeexp.engine.profile import profile_compute, profile_copy
+from moeexp.engine.profile import profile_compute, profile_copy, profile_feed
 from moeexp.models.adapters import adapter_for
 
 from .conftest import prompt_ids
@@ -45,3 +45,20 @@ def test_profile_copy_follows_the_emulated_link() -> None:
     assert (t >= b / bw * 0.999).all()
     fit = fit_linear(np.c_[np.ones(len(b)), b], t)
     assert 1 / fit.coef[1] == pytest.approx(bw, rel=0.25)
+
+
+def test_profile_feed_is_a_per_layer_cost_and_leaves_the_predictor_untouched(mixtral, store_of) -> None:
+    """A fitted predictor's feeding cost per MoE layer: finite, >= 0, from copies of the
+    predictor (the one passed in is not used, so the caller can still replay with it)."""
+    from moeexp.engine.build import model_dims
+    from moeexp.predictors import PREDICTORS
+
+    loaded = types.SimpleNamespace(model=mixtral, adapter=adapter_for(mixtral), name="t")
+    dims = model_dims(loaded.adapter, 2)
+    pred = PREDICTORS.build("speculative_gate", dims=dims)
+    pred.fit(store_of("mixtral"))
+    before = repr(vars(pred))
+    reqs = [(prompt_ids(6, seed=s)[0].tolist(), 3) for s in range(2)]
+    feed = profile_feed(loaded, reqs, pred, repeats=1)
+    assert np.isfinite(feed) and feed >= 0
+    assert repr(vars(pred)) == before

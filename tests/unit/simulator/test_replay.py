@@ -213,3 +213,23 @@ def test_start_request_prefetches_survive_for_every_request() -> None:
     res = simulate(tr, pred, cache, unit_cost(dims), progress=False)
     pairs = tr.num_iterations * dims.num_layers
     assert res.metrics["prediction_recall"] == pytest.approx(len(tr.requests) / pairs)
+
+
+def test_predictor_feed_shifts_every_layer() -> None:
+    """predictor_feed_s adds its cost on the critical path of every MoE layer of every pass:
+    with on-demand loading only (nothing overlaps) TPOT grows by exactly L * feed and TTFT
+    by L * feed; hits do not change. A negative cost is a ConfigError."""
+    tr = random_trace(num_requests=3, num_layers=4, num_experts=8, top_k=2, output_len=5, seed=2)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), tr.dims)
+
+    def run(feed: float) -> dict[str, float]:
+        pred = PREDICTORS.build("none", dims=tr.dims)
+        cache = LRUCache(capacity_slots=capacity_slots(0.5, tr.dims), num_layers=4, num_experts=8)
+        return simulate(tr, pred, cache, cost, progress=False, predictor_feed_s=feed).metrics
+
+    base, fed = run(0.0), run(250e-6)
+    assert fed["tpot_ms_mean"] - base["tpot_ms_mean"] == pytest.approx(4 * 0.25, abs=1e-9)
+    assert fed["ttft_ms_mean"] - base["ttft_ms_mean"] == pytest.approx(4 * 0.25, abs=1e-9)
+    assert fed["hit_rate"] == base["hit_rate"]
+    with pytest.raises(ConfigError, match="predictor_feed_s"):
+        run(-1.0)
