@@ -71,7 +71,10 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
         return None
 
     all_ready = False
+    settle = eng.settings.restricted_routing and eng.settings.restricted_wait
     with eng.lock:
+        if settle:  # the copy thread finishes what it started before new work arrives
+            eng.settle_prefetches()
         if eng.runner.any_active:
             eng.apply_predictions()
         eng.account_prediction(layer, needed)
@@ -80,6 +83,8 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
         pos0 = eng.next_access
         eng.next_access = pos0 + len(keys)
         if eng.settings.restricted_routing:
+            if settle:
+                eng.settle_prefetches()
             chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
             streamed = False
         else:

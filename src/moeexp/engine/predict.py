@@ -4,9 +4,10 @@ The engine hands each predictor hook (``start_request``, ``start_iteration``,
 ``observe_layer``, ``end_iteration``, ``end_request``) to :class:`PredictorRunner` and never
 waits for it on the hot path: hooks run in submission order on one worker thread (so a
 predictor sees exactly the sequence the simulator feeds it), and their
-:class:`~moeexp.predictors.base.Prediction` results are collected by the engine whenever it
-next looks (``drain``), i.e. they apply when ready, as FineMoE's publisher/subscriber design
-requires. ``asynchronous=False`` runs every hook inline instead (deterministic: used by
+:class:`~moeexp.predictors.base.Prediction` results apply when ready, as FineMoE's
+publisher/subscriber design requires: the worker calls ``on_result`` (the engine takes the
+new predictions at once and queues their prefetches) as soon as a hook returns one, and the
+engine also collects whatever is pending when it next looks (``drain``). ``asynchronous=False`` runs every hook inline instead (deterministic: used by
 tests that compare the engine with the simulator decision for decision).
 
 An exception raised by the predictor is re-raised on the engine's thread at the next
@@ -54,6 +55,8 @@ class PredictorRunner:
         self._error: BaseException | None = None
         self._q: queue.Queue[tuple[str, Any, Any] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        #: called by the worker (no lock held) after a hook returned a Prediction
+        self.on_result: Callable[[], None] | None = None
         if asynchronous and any(self.active.values()):
             self._thread = threading.Thread(target=self._run, name="moeexp-predictor", daemon=True)
             self._thread.start()
@@ -111,7 +114,10 @@ class PredictorRunner:
                 if item is None:
                     return
                 if self._error is None:
+                    n = self.queries
                     self._call(*item)
+                    if self.on_result is not None and self.queries != n:
+                        self.on_result()
             except BaseException as exc:  # re-raised on the engine thread
                 log.exception("predictor %s failed in its worker thread", self.predictor.name)
                 self._error = exc

@@ -55,11 +55,13 @@ class EngineSettings:
         restricted_routing: eMoE lossy mode: never load on demand; a token whose expert is
             not resident and ready uses the next-ranked one that is.
         renormalize: lossy mode: rescale a token's weights to their original sum.
-        restricted_wait: lossy mode: an expert whose copy is still in flight counts as
-            usable and the layer waits for it. Default (False, eMoE): only landed copies
-            count, so substitutions depend on copy timing and two identical runs can
-            differ; True makes them timing-independent (with ``predictor_async=False`` a
-            lossy run is then deterministic), at the price of the waits.
+        restricted_wait: lossy mode: before each layer the engine lets every queued
+            prefetch start and waits for all copies to land, so what is resident depends
+            only on the policies' decisions. Default (False, eMoE): a copy that has not
+            landed counts as absent and a prefetch whose layer passed is dropped, so
+            substitutions depend on thread timing and two identical runs can differ; True
+            makes them timing-independent (with ``predictor_async=False`` a lossy run is
+            then deterministic), at the price of the waits.
         bandwidth_bps: CPU only: emulated host-to-device bandwidth (bytes/s); None = memcpy.
         predictor_async: run the predictor on a background thread (default) or inline.
         max_inflight: CUDA: copies in flight on the copy stream.
@@ -133,6 +135,7 @@ class Engine:
             self.copier = CopyEngine(self.store, self.pool, prefetch_source=self._start_prefetch,
                                      bandwidth_bps=settings.bandwidth_bps,
                                      max_inflight=settings.max_inflight)
+            runner.on_result = self._on_prediction  # publisher -> subscriber, at once
         except BaseException:
             self.store.restore()
             raise
@@ -215,6 +218,12 @@ class Engine:
                 self.cache.observe_scores(pred.scores)
         if woke:
             self.copier.wake()
+
+    def _on_prediction(self) -> None:
+        """Predictor worker: a hook returned a Prediction; apply it now (not at the next
+        layer boundary), so its prefetches start as early as the simulator starts them."""
+        with self.lock:
+            self.apply_predictions()
 
     def set_future(self, trace: Trace) -> None:
         """Oracle/Belady: the accesses of every forward pass to be served, in order."""
@@ -317,6 +326,25 @@ class Engine:
         self.cache.on_insert(key, now, False)
         self.counters.demand_loads += 1
         self._account_slot()
+
+    def settle_prefetches(self) -> None:
+        """``restricted_wait``: before a lossy layer computes, let the copy thread start
+        every queued prefetch and wait until every copy has landed (lock held on entry,
+        released while waiting). The residency the layer sees then depends only on the
+        order of decisions, never on thread timing."""
+        while True:
+            pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
+            if (not self.queue or self.paused) and not pending:
+                return
+            self.copier.wake()
+            self.lock.release()
+            try:
+                for j in pending:
+                    self.copier.wait_landed(j)
+                if not pending:
+                    time.sleep(1e-4)  # the copy thread pops the queue
+            finally:
+                self.lock.acquire()
 
     def _await_copies(self, unreleased: set[Key]) -> bool:
         """A demand load found no victim because slots are held by copies still in flight
