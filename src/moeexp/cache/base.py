@@ -48,6 +48,7 @@ class CachePolicy:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.resident: set[Key] = set()
+        self.resident_mask = np.zeros((num_layers, num_experts), dtype=bool)  # = resident
 
     # ---- learning -------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -89,12 +90,36 @@ class CachePolicy:
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         self.resident.add(key)
+        self.resident_mask[key] = True
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         """A layer used ``key`` (resident by now)."""
 
     def on_evict(self, key: Key) -> None:
         self.resident.discard(key)
+        self.resident_mask[key] = False
+
+    def lowest_priority(self, incoming: Key, protected: set[Key], prio: np.ndarray,
+                        avoid: set[Key] | None = None) -> Key:
+        """The unprotected resident key of lowest ``prio`` (float[L, J]); ties go to the
+        lowest (layer, expert), as ``choose`` over the sorted candidates does. Keys in
+        ``avoid`` are taken only when nothing else is left. For policies that rank by a
+        matrix (finemoe, moe_infinity): the simulator's hottest decision, done at once."""
+        allowed = self.resident_mask.copy()
+        for k in protected:
+            allowed[k] = False
+        if not allowed.any():
+            raise ConfigError(
+                f"{self.name}: no evictable expert for {incoming} (capacity "
+                f"{self.capacity_slots} slots, {len(protected)} protected)")
+        if avoid:
+            preferred = allowed.copy()
+            for k in avoid:
+                preferred[k] = False
+            if preferred.any():
+                allowed = preferred
+        flat = int(np.argmin(np.where(allowed, prio, np.inf)))
+        return (flat // self.num_experts, flat % self.num_experts)
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         """Per-layer expert probabilities from the predictor (FineMoE, MoE-Infinity)."""

@@ -48,7 +48,6 @@ class FineMoECache(CachePolicy):
         self._accesses = 0  # accesses seen so far (an event counter, not a clock)
         self._layer_ran = np.zeros(num_layers, dtype=np.int64)  # access number of latest use
         self._pending: dict[Key, int] = {}  # prefetched, not used yet -> accesses at insert
-        self._mask = np.zeros((num_layers, num_experts), dtype=bool)  # resident, as a matrix
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         """Set ``p`` of the given layers (float[J] each; values outside [0, 1] are an error)."""
@@ -64,7 +63,6 @@ class FineMoECache(CachePolicy):
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
-        self._mask[key] = True
         if prefetched and self.protect_prefetched:
             self._pending[key] = self._accesses
 
@@ -76,7 +74,6 @@ class FineMoECache(CachePolicy):
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
-        self._mask[key] = False
         self._pending.pop(key, None)
         if self.frequency == "in_cache":
             self.freq[key] = 0
@@ -95,27 +92,11 @@ class FineMoECache(CachePolicy):
         return set(self._pending)
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
-        """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once
-        (same result as the base class's sorted candidate list; this is the simulator's
-        hottest decision)."""
+        """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
         if self.has_room(incoming):
             return None
-        allowed = self._mask.copy()
-        for k in protected:
-            allowed[k] = False
-        if not allowed.any():
-            raise ConfigError(
-                f"{self.name}: no evictable expert for {incoming} (capacity "
-                f"{self.capacity_slots} slots, {len(protected)} protected)")
-        if self._pending:
-            preferred = allowed.copy()
-            for k in self._waiting():
-                preferred[k] = False
-            if preferred.any():
-                allowed = preferred
-        prio = np.where(allowed, self.p * self.freq, np.inf)
-        layer, expert = divmod(int(np.argmin(prio)), self.num_experts)  # first = lowest key
-        return (layer, expert)
+        waiting = self._waiting() if self._pending else None
+        return self.lowest_priority(incoming, protected, self.p * self.freq, waiting)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         pool = candidates

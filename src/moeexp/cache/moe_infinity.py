@@ -66,6 +66,17 @@ class MoEInfinityCache(CachePolicy):
         row = self.peam[layer]
         return float((row[e] + self.epsilon) / row.sum() * self._decay[layer])
 
+    def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
+        """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
+        if self.has_room(incoming):
+            return None
+        if self.variant == "oss":
+            prio = self.visits.astype(np.float64)
+        else:
+            prio = ((self.peam + self.epsilon) / self.peam.sum(axis=1, keepdims=True)
+                    * self._decay[:, None])
+        return self.lowest_priority(incoming, protected, prio)
+
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         idx = np.asarray(candidates, dtype=np.int64)
         layers, experts = idx[:, 0], idx[:, 1]

@@ -7,7 +7,6 @@ import pytest
 
 from moeexp.cache import CACHES
 from moeexp.cache.finemoe import FineMoECache
-from moeexp.errors import ConfigError
 
 
 def make(slots: int, **kw: object) -> FineMoECache:
@@ -91,30 +90,3 @@ def test_pause_on_miss_and_protection() -> None:
     assert cache.victim((1, 0), {(0, 0)}, 0) == (0, 1)
     assert cache.victim((1, 0), set(), 0) == (0, 0)
 
-
-def test_matrix_victim_equals_the_candidate_list_rule() -> None:
-    """The vectorised victim() picks what the base class's sorted-candidates + choose()
-    picks, over 2000 random events (inserts, prefetches, accesses, scores, protection)."""
-    from moeexp.cache.base import CachePolicy
-
-    rng = np.random.default_rng(0)
-    L, J = 3, 6
-    c = FineMoECache(capacity_slots=7, num_layers=L, num_experts=J)
-    for step in range(2000):
-        key = (int(rng.integers(L)), int(rng.integers(J)))
-        if rng.random() < 0.2:
-            c.observe_scores({int(rng.integers(L)): rng.dirichlet(np.ones(J))})
-        protected = {(int(rng.integers(L)), int(rng.integers(J))) for _ in range(rng.integers(0, 4))}
-        if key in c.resident:
-            c.on_access(key, step, True)
-            continue
-        try:
-            want = CachePolicy.victim(c, key, protected, step)
-        except ConfigError:
-            with pytest.raises(ConfigError):
-                c.victim(key, protected, step)
-            continue
-        assert c.victim(key, protected, step) == want
-        if want is not None:
-            c.on_evict(want)
-        c.on_insert(key, step, prefetched=bool(rng.random() < 0.5))
