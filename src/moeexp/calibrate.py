@@ -150,6 +150,17 @@ class SimVsEngineSettings:
                                               "predictor_async", "max_inflight", "spec_depth",
                                               "warmup")}
 
+    def engine_settings(self) -> Any:
+        """:attr:`engine` as the :class:`~moeexp.engine.runtime.EngineSettings` it holds."""
+        from moeexp.engine.runtime import EngineSettings
+
+        known = {f.name for f in dataclasses.fields(EngineSettings)}
+        return EngineSettings(**{k: v for k, v in self.engine.items() if k in known})
+
+    def decode_tokens_for(self, prompts: Any) -> int:
+        """Tokens generated per profiled request (``decode_tokens``, else the test length)."""
+        return int(self.decode_tokens or max(int(p.output_len) for p in prompts))
+
 
 def _store_requests(store: Any, n: int, fractions: tuple[float, ...], new: int
                     ) -> list[tuple[list[int], int]]:
@@ -170,14 +181,11 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
 
     from moeexp.costmodel.calibrate import fit_profile
     from moeexp.engine.profile import profile_compute, profile_copy
-    from moeexp.engine.runtime import EngineSettings
 
-    eng = dict(s.engine)
-    known = {f.name for f in dataclasses.fields(EngineSettings)}
-    est = EngineSettings(**{k: v for k, v in eng.items() if k in known})
-    new = s.decode_tokens or max(int(p.output_len) for p in ctx.prompts)
+    est = s.engine_settings()
+    new = s.decode_tokens_for(ctx.prompts)
     reqs = _store_requests(ctx.store, s.profile_requests, s.length_fractions, new)
-    samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=int(eng.get("warmup", 1)),
+    samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=s.warmup,
                               progress=s.progress)
     dims = ctx.trace.dims
     device = next(ctx.loaded.model.parameters()).device
@@ -237,14 +245,11 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
     feed_s = 0.0
     if s.predictor_feed and pcfg["name"] != "none" and "future" not in objs[0][0].needs:
         from moeexp.engine.profile import profile_feed
-        from moeexp.engine.runtime import EngineSettings
 
-        known = {f.name for f in dataclasses.fields(EngineSettings)}
-        est = EngineSettings(**{k: v for k, v in s.engine.items() if k in known})
-        new = s.decode_tokens or max(int(p.output_len) for p in ctx.prompts)
-        feed_reqs = _store_requests(ctx.store, s.profile_requests, (1.0,), new)
-        feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=est,
-                              warmup=int(s.engine.get("warmup", 1)))
+        feed_reqs = _store_requests(ctx.store, s.profile_requests, (1.0,),
+                                    s.decode_tokens_for(ctx.prompts))
+        feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=s.engine_settings(),
+                              warmup=s.warmup)
     sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
                    renormalize=renorm, seed=ctx.seed, progress=False, predictor_feed_s=feed_s)
     settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,

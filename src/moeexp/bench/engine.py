@@ -53,43 +53,29 @@ def _store(loaded: Any, vocab: int) -> Any:
                         progress=False)
 
 
-def _device_of(model: Any) -> Any:
-    return next(model.parameters()).device
-
-
-def _sync(device: Any) -> None:
+def _time_generate(generate: Any, device: Any, prompts: list[list[int]], new: int) -> float:
+    """Seconds for greedy ``new`` tokens after each prompt through ``generate`` (a model's
+    or an offloaded model's), the device synchronised at both ends."""
     import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for ids in prompts:
+        x = torch.tensor([ids], device=device)
+        generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
+                 min_new_tokens=new)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _time_plain(model: Any, prompts: list[list[int]], new: int) -> float:
-    import torch
-
-    dev = _device_of(model)
-    _sync(dev)
-    t0 = time.perf_counter()
-    for ids in prompts:
-        x = torch.tensor([ids], device=dev)
-        model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
-                       max_new_tokens=new, min_new_tokens=new)
-    _sync(dev)
-    return time.perf_counter() - t0
+    return _time_generate(model.generate, next(model.parameters()).device, prompts, new)
 
 
 def _time_engine(om: Any, prompts: list[list[int]], new: int) -> float:
-    import torch
-
-    dev = om.engine.device
-    _sync(dev)
-    t0 = time.perf_counter()
-    for ids in prompts:
-        x = torch.tensor([ids], device=dev)
-        om.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
-                    min_new_tokens=new)
-    _sync(dev)
-    return time.perf_counter() - t0
+    return _time_generate(om.generate, om.engine.device, prompts, new)
 
 
 def _overhead(model: Any, prompts: list[list[int]], new: int, repeats: int) -> dict[str, Any]:

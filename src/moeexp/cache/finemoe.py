@@ -78,9 +78,13 @@ class FineMoECache(CachePolicy):
         if self.frequency == "in_cache":
             self.freq[key] = 0
 
+    def priorities(self) -> np.ndarray:
+        """float[L, J]: ``p · freq`` of every (layer, expert), the eviction order."""
+        return self.p * self.freq
+
     def priority(self, key: Key) -> float:
         """``p · freq`` of a key (float)."""
-        return float(self.p[key] * self.freq[key])
+        return float(self.priorities()[key])
 
     def _waiting(self) -> set[Key]:
         """Prefetched, unused keys whose layer has not run since they arrived (expired
@@ -96,14 +100,11 @@ class FineMoECache(CachePolicy):
         if self.has_room(incoming):
             return None
         waiting = self._waiting() if self._pending else None
-        return self.lowest_priority(incoming, protected, self.p * self.freq, waiting)
+        return self.lowest_priority(incoming, protected, self.priorities(), waiting)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        pool = candidates
-        if self._pending:
-            waiting = self._waiting()
-            if waiting:
-                pool = [k for k in candidates if k not in waiting] or candidates
-        idx = np.asarray(pool, dtype=np.int64)
-        prio = self.p[idx[:, 0], idx[:, 1]] * self.freq[idx[:, 0], idx[:, 1]]
-        return pool[int(np.argmin(prio))]  # argmin: first minimum = lowest (layer, expert)
+        """The same rule on an explicit candidate list (the base class's path)."""
+        waiting = self._waiting() if self._pending else set()
+        pool = [k for k in candidates if k not in waiting] or candidates
+        prio = self.priorities()
+        return min(pool, key=lambda k: (prio[k], k))

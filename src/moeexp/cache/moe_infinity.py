@@ -58,31 +58,25 @@ class MoEInfinityCache(CachePolicy):
         super().on_evict(key)
         self.visits[key] = 0
 
-    def priority(self, key: Key) -> float:
-        """Algorithm 1's priority (paper) or the visit count (oss) of a key."""
-        layer, e = key
+    def priorities(self) -> np.ndarray:
+        """float[L, J]: Algorithm 1's priority (paper: (PEAM + ε) / row sum × layer decay)
+        or the visit count (oss) of every (layer, expert); the lowest is evicted."""
         if self.variant == "oss":
-            return float(self.visits[key])
-        row = self.peam[layer]
-        return float((row[e] + self.epsilon) / row.sum() * self._decay[layer])
+            return self.visits.astype(np.float64)
+        return ((self.peam + self.epsilon) / self.peam.sum(axis=1, keepdims=True)
+                * self._decay[:, None])
+
+    def priority(self, key: Key) -> float:
+        """:meth:`priorities` of one key."""
+        return float(self.priorities()[key])
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
         if self.has_room(incoming):
             return None
-        if self.variant == "oss":
-            prio = self.visits.astype(np.float64)
-        else:
-            prio = ((self.peam + self.epsilon) / self.peam.sum(axis=1, keepdims=True)
-                    * self._decay[:, None])
-        return self.lowest_priority(incoming, protected, prio)
+        return self.lowest_priority(incoming, protected, self.priorities())
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        idx = np.asarray(candidates, dtype=np.int64)
-        layers, experts = idx[:, 0], idx[:, 1]
-        if self.variant == "oss":
-            prio = self.visits[layers, experts].astype(np.float64)
-        else:
-            prio = ((self.peam[layers, experts] + self.epsilon) / self.peam[layers].sum(axis=1)
-                    * self._decay[layers])
-        return candidates[int(np.argmin(prio))]
+        """The same rule on an explicit candidate list (the base class's path)."""
+        prio = self.priorities()
+        return min(candidates, key=lambda k: (prio[k], k))

@@ -229,14 +229,23 @@ def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     return ([int(bos)] if bos is not None else []) + [int(i) for i in ids]
 
 
-def _shape(c: DatasetConfig, tokenizer: Any, text: str, reply: str,
-           reasons: Counter[str]) -> tuple[list[int], int] | None:
-    """(fed ids, output_len) for one candidate, or None (reason counted) if it does not qualify."""
-    parts = c.template_parts
-    before, after = parts if parts is not None else ("", "")
-    ids = encode_prompt(tokenizer, before + text)
-    tail = [int(i) for i in tokenizer.encode(after, add_special_tokens=False)] if after else []
+@dataclass(frozen=True)
+class _Template:
+    """A template's text before the prompt and the ids of what follows it."""
+
+    before: str = ""
+    tail: tuple[int, ...] = ()  # encode(after): appended, never cut
+    n_head: int = 0  # bos + encode(before): what precedes the user text
+
+
+def _template(c: DatasetConfig, tokenizer: Any) -> _Template:
+    """``c.template`` tokenised once (ConfigError if it leaves no room for a prompt)."""
     n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
+    parts = c.template_parts
+    if parts is None:
+        return _Template(n_head=n_bos)
+    before, after = parts
+    tail = tuple(int(i) for i in tokenizer.encode(after, add_special_tokens=False)) if after else ()
     n_head = n_bos + (len(tokenizer.encode(before, add_special_tokens=False)) if before else 0)
     limit = c.input_len if c.lengths == "fixed" else c.max_input_len
     if n_head + len(tail) >= limit:
@@ -244,13 +253,21 @@ def _shape(c: DatasetConfig, tokenizer: Any, text: str, reply: str,
             f"dataset.template={c.template!r} takes {n_head + len(tail)} tokens (bos included), "
             f"which leaves no room for the prompt in "
             f"{'input_len' if c.lengths == 'fixed' else 'max_input_len'}={limit}")
+    return _Template(before, tail, n_head)
+
+
+def _shape(c: DatasetConfig, t: _Template, tokenizer: Any, text: str, reply: str,
+           reasons: Counter[str]) -> tuple[list[int], int] | None:
+    """(fed ids, output_len) for one candidate, or None (reason counted) if it does not qualify."""
+    ids = encode_prompt(tokenizer, t.before + text)
+    tail = list(t.tail)
     if c.lengths == "fixed":
         if len(ids) + len(tail) < c.input_len:
             reasons[f"fewer than input_len={c.input_len} tokens"] += 1
             return None
         return ids[: c.input_len - len(tail)] + tail, c.output_len
     ids = ids[: c.max_input_len - len(tail)]
-    if len(ids) <= n_head:
+    if len(ids) <= t.n_head:
         reasons["empty after tokenisation"] += 1
         return None
     ids = ids + tail
@@ -258,16 +275,11 @@ def _shape(c: DatasetConfig, tokenizer: Any, text: str, reply: str,
     return ids, int(min(max(n_out, 1), c.max_output_len))
 
 
-def _user_text(c: DatasetConfig, tokenizer: Any, ids: Sequence[int]) -> str:
+def _user_text(t: _Template, tokenizer: Any, ids: Sequence[int]) -> str:
     """The user text of fed ids (bos removed): the template's text taken off both ends."""
-    parts = c.template_parts
-    if parts is not None and parts[1]:
-        n_tail = len(tokenizer.encode(parts[1], add_special_tokens=False))
-        ids = ids[: len(ids) - n_tail]
+    ids = ids[: len(ids) - len(t.tail)]
     text = tokenizer.decode(list(ids), skip_special_tokens=True).rstrip("\ufffd")
-    if parts is not None and text.startswith(parts[0]):
-        text = text[len(parts[0]):]
-    return text
+    return text[len(t.before):] if t.before and text.startswith(t.before) else text
 
 
 def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
@@ -286,6 +298,7 @@ def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
     """
     c = DatasetConfig.from_mapping(cfg)
     candidates, get_pair = DATASETS[c.name](c)
+    tpl = _template(c, tokenizer)
     rng = np.random.default_rng(c.seed)
     order = rng.permutation(len(candidates))
     n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
@@ -298,13 +311,13 @@ def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
         if pair is None:
             reasons["does not open with a user->assistant pair"] += 1
             continue
-        shaped = _shape(c, tokenizer, pair[0], pair[1], reasons)
+        shaped = _shape(c, tpl, tokenizer, pair[0], pair[1], reasons)
         if shaped is None:
             continue
         ids, n_out = shaped
         key = tuple(ids)
         # a byte-level cut can split a UTF-8 character: drop the partial one from the text
-        text = _user_text(c, tokenizer, ids[n_bos:])
+        text = _user_text(tpl, tokenizer, ids[n_bos:])
         norm = " ".join(text.split())
         if key in seen_ids or norm in seen_text:
             reasons["duplicate prompt"] += 1

@@ -163,11 +163,10 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
 def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tensor,
                 needed: list[int], pos0: int
                 ) -> tuple[list[Key], torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Lossy mode (lock held): substitute non-ready experts; nothing is loaded. With
-    ``restricted_wait`` a copy in flight counts as ready (compute waits for it)."""
-    wait = eng.settings.restricted_wait
+    """Lossy mode (lock held): substitute non-ready experts; nothing is loaded (with
+    ``restricted_wait`` every copy has landed by now: ``settle_prefetches``)."""
     usable = [e for e in range(eng.J) if (layer, e) in eng.pool.slot_of
-              and (wait or (layer, e) not in eng.jobs or eng.copier.is_ready(eng.jobs[(layer, e)]))]
+              and ((layer, e) not in eng.jobs or eng.copier.is_ready(eng.jobs[(layer, e)]))]
     mask = torch.zeros(eng.J, dtype=torch.bool, device=idx.device)
     if usable:
         mask[usable] = True

@@ -95,17 +95,21 @@ class PredictorRunner:
             self._thread = None
 
     # ---- internals ------------------------------------------------------------------
-    def _call(self, hook: str, arg: Any, tag: Any) -> None:
+    def _call(self, hook: str, arg: Any, tag: Any) -> bool:
+        """Run one hook; True when it returned a Prediction worth applying."""
         fn: Callable[..., Any] = getattr(self.predictor, hook)
         t0 = time.perf_counter()
         result = fn() if arg is None else fn(arg)
         dt = time.perf_counter() - t0
-        if isinstance(result, Prediction):
-            with self._lock:
-                self.query_seconds += dt
-                self.queries += 1
-                if result.prefetch or result.scores or result.predicted:
-                    self._out.append((hook, tag, result))
+        if not isinstance(result, Prediction):
+            return False
+        useful = bool(result.prefetch or result.scores or result.predicted)
+        with self._lock:
+            self.query_seconds += dt
+            self.queries += 1
+            if useful:
+                self._out.append((hook, tag, result))
+        return useful
 
     def _run(self) -> None:
         while True:
@@ -113,11 +117,8 @@ class PredictorRunner:
             try:
                 if item is None:
                     return
-                if self._error is None:
-                    n = self.queries
-                    self._call(*item)
-                    if self.on_result is not None and self.queries != n:
-                        self.on_result()
+                if self._error is None and self._call(*item) and self.on_result is not None:
+                    self.on_result()
             except BaseException as exc:  # re-raised on the engine thread
                 log.exception("predictor %s failed in its worker thread", self.predictor.name)
                 self._error = exc

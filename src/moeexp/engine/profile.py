@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Any
 
@@ -132,6 +133,33 @@ class _Timer:
             h.remove()
 
 
+@contextmanager
+def _resident_engine(loaded: Any, predictor: Any, settings: EngineSettings,
+                     requests: Sequence[tuple[Sequence[int], int]], warmup: int) -> Iterator[Any]:
+    """The model offloaded with every expert resident (no copy, no stall) and ``predictor``
+    (None: ``none``), after ``warmup`` untimed short requests."""
+    from moeexp.cache import CACHES
+    from moeexp.predictors import PREDICTORS
+
+    dims = model_dims(loaded.adapter, settings.spec_depth)
+    n = dims.num_layers * dims.num_experts
+    budget = Budget(slots=n, expert_bytes=dims.expert_bytes, total_expert_bytes=n * dims.expert_bytes)
+    pred = predictor if predictor is not None else PREDICTORS.build("none", dims=dims)
+    pol = CACHES.build("resident", capacity_slots=n, num_layers=dims.num_layers,
+                       num_experts=dims.num_experts)
+    with build_offloaded(loaded.model, loaded.adapter, pred, pol, budget, settings,
+                         system="profile") as om:
+        for ids, new in list(requests)[:warmup]:
+            _generate(om, ids, min(4, new))
+        yield om
+
+
+def _generate(om: Any, ids: Sequence[int], new: int) -> None:
+    """Greedy ``new`` tokens (EOS suppressed) after prompt ``ids``, on the model's device."""
+    x = torch.tensor([list(ids)], dtype=torch.long, device=om.engine.device)
+    om.generate(x, max_new_tokens=int(new), min_new_tokens=int(new), do_sample=False)
+
+
 def profile_compute(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *,
                     settings: EngineSettings | None = None, warmup: int = 1,
                     progress: bool = False, samples: ProfileSamples | None = None
@@ -142,29 +170,15 @@ def profile_compute(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], 
     Returns ``samples`` (a new :class:`ProfileSamples` if None) with the layer and pass
     parts filled.
     """
-    from moeexp.cache import CACHES
-    from moeexp.predictors import PREDICTORS
-
     samples = samples if samples is not None else ProfileSamples()
     st = replace(settings or EngineSettings(), restricted_routing=False, predictor_async=False)
-    dims = model_dims(loaded.adapter, st.spec_depth)
-    n = dims.num_layers * dims.num_experts
-    budget = Budget(slots=n, expert_bytes=dims.expert_bytes, total_expert_bytes=n * dims.expert_bytes)
-    pred = PREDICTORS.build("none", dims=dims)
-    pol = CACHES.build("resident", capacity_slots=n, num_layers=dims.num_layers,
-                       num_experts=dims.num_experts)
     device = next(loaded.model.parameters()).device
-    with build_offloaded(loaded.model, loaded.adapter, pred, pol, budget, st,
-                         system="profile") as om:
-        for ids, new in list(requests)[:warmup]:  # untimed
-            om.generate(torch.tensor([list(ids)], device=device), max_new_tokens=min(4, new),
-                        min_new_tokens=min(4, new), do_sample=False)
+    with _resident_engine(loaded, None, st, requests, warmup) as om:
         timer = _Timer(loaded, samples, device)
         try:
             for ids, new in tqdm(requests, desc="profile compute", unit="req", disable=not progress):
-                x = torch.tensor([list(ids)], dtype=torch.long, device=device)
                 timer.begin_request(len(ids))
-                om.generate(x, max_new_tokens=int(new), min_new_tokens=int(new), do_sample=False)
+                _generate(om, ids, new)
         finally:
             timer.remove()
     return samples
@@ -184,34 +198,21 @@ def profile_feed(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], pre
     """
     import copy
 
-    from moeexp.cache import CACHES
-    from moeexp.predictors import PREDICTORS
-
     st = replace(settings or EngineSettings(), restricted_routing=False)
-    dims = model_dims(loaded.adapter, st.spec_depth)
-    n = dims.num_layers * dims.num_experts
-    budget = Budget(slots=n, expert_bytes=dims.expert_bytes, total_expert_bytes=n * dims.expert_bytes)
-    device = next(loaded.model.parameters()).device
 
     def tpot_ms(pred: Any) -> float:
-        pol = CACHES.build("resident", capacity_slots=n, num_layers=dims.num_layers,
-                           num_experts=dims.num_experts)
-        with build_offloaded(loaded.model, loaded.adapter, pred, pol, budget, st,
-                             system="profile") as om:
-            for ids, new in list(requests)[:warmup]:  # untimed
-                om.generate(torch.tensor([list(ids)], device=device),
-                            max_new_tokens=min(4, new), min_new_tokens=min(4, new), do_sample=False)
+        with _resident_engine(loaded, pred, st, requests, warmup) as om:
             om.reset_metrics()
             for ids, new in requests:
-                om.generate(torch.tensor([list(ids)], dtype=torch.long, device=device),
-                            max_new_tokens=int(new), min_new_tokens=int(new), do_sample=False)
+                _generate(om, ids, new)
             return float(om.metrics()["tpot_ms_mean"])
 
     with_p, without = [], []
     for _ in range(repeats):
-        without.append(tpot_ms(PREDICTORS.build("none", dims=dims)))
+        without.append(tpot_ms(None))
         with_p.append(tpot_ms(copy.deepcopy(predictor)))
-    return max(0.0, (float(np.mean(with_p)) - float(np.mean(without))) / 1e3 / dims.num_layers)
+    layers = len(loaded.adapter.moe_layers())
+    return max(0.0, (float(np.mean(with_p)) - float(np.mean(without))) / 1e3 / layers)
 
 
 class _Holder(nn.Module):

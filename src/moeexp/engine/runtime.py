@@ -337,14 +337,7 @@ class Engine:
             if (not self.queue or self.paused) and not pending:
                 return
             self.copier.wake()
-            self.lock.release()
-            try:
-                for j in pending:
-                    self.copier.wait_landed(j)
-                if not pending:
-                    time.sleep(1e-4)  # the copy thread pops the queue
-            finally:
-                self.lock.acquire()
+            self._wait_unlocked(pending)
 
     def _await_copies(self, unreleased: set[Key]) -> bool:
         """A demand load found no victim because slots are held by copies still in flight
@@ -358,13 +351,21 @@ class Engine:
         if not pending:
             return False
         self.paused = True
+        self._wait_unlocked(pending)
+        return True
+
+    def _wait_unlocked(self, jobs: list[CopyJob]) -> None:
+        """Wait for ``jobs`` to land with the lock released (held once on entry and on
+        return): the copy thread may need the lock to start or collect copies. With no
+        job, just give the copy thread a moment to pop its queue."""
         self.lock.release()
         try:
-            for j in pending:
+            for j in jobs:
                 self.copier.wait_landed(j)
+            if not jobs:
+                time.sleep(1e-4)
         finally:
             self.lock.acquire()
-        return True
 
     def account_prediction(self, layer: int, experts: list[int]) -> None:
         self.counters.pred.add(self.psets.for_layer(layer), experts)
