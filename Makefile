@@ -54,7 +54,7 @@ lint: $(STAMP) ## ruff + mypy on src/
 	$(VENV)/bin/mypy src/moeexp
 
 tiny-model: $(STAMP) ## retrain the embedded tiny model + tokenizer deterministically (~17 min on one idle core; 25 min measured on a loaded 2-core machine)
-	$(PY) -m moeexp.models.tiny_train
+	$(PY) -m moeexp.models.tiny.train
 
 figures: $(STAMP) ## paper figures from results/ into results/figures/
 	$(PY) -m moeexp.figures

@@ -54,7 +54,7 @@ def app(cfg: DictConfig) -> dict[str, Any]:
 def main() -> None:
     """Console script: ``moeexp collect DIR ...`` gathers runs; anything else is the app."""
     if len(sys.argv) > 1 and sys.argv[1] == "collect":
-        from moeexp.collect import main as collect_main
+        from moeexp.tracking.collect import main as collect_main
 
         sys.exit(collect_main(sys.argv[2:]))
     app()

@@ -95,7 +95,7 @@ class ModelSpec:
 class TraceSpec:
     """The ``trace`` block: how routing traces are recorded and where they are cached.
 
-    Same keys and defaults as :data:`moeexp.traces.cache.TRACE_DEFAULTS` (a test checks it).
+    Same keys and defaults as :data:`moeexp.traces.store.TRACE_DEFAULTS` (a test checks it).
 
     Attributes:
         sampling: ``top_k`` (seeded sampling; default: a tiny model loops under greedy) or

@@ -126,7 +126,7 @@ def _execute(cfg: DictConfig, spec: RunSpec, loaded: Any, prompts: list[Any], co
              ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trace, fit, serve the test split; returns (metrics, series)."""
     from moeexp.backends import BACKENDS, BackendContext
-    from moeexp.traces.cache import get_or_record
+    from moeexp.traces.store import get_or_record
 
     t = time.perf_counter()
     trace = get_or_record(loaded, prompts, cfg.trace)

@@ -13,7 +13,7 @@ import torch
 
 from moeexp.engine import offload
 from moeexp.models.adapters import adapter_for
-from moeexp.models.tiny_configs import tiny_model
+from moeexp.models.toy_configs import toy_model
 
 pytestmark = pytest.mark.gpu
 
@@ -30,7 +30,7 @@ def _ids(n: int = 10, seed: int = 0) -> torch.Tensor:
 def test_exact_on_cuda(model_type: str, dtype: torch.dtype, system: str) -> None:
     """Greedy tokens identical to the plain CUDA model at K experts of capacity; fused
     expert tensors live in pinned host memory while offloaded and come back on close."""
-    model = tiny_model(model_type).to(device="cuda", dtype=dtype)
+    model = toy_model(model_type).to(device="cuda", dtype=dtype)
     ad = adapter_for(model)
     ids = _ids()
     with torch.no_grad():
@@ -55,7 +55,7 @@ def test_exact_on_cuda(model_type: str, dtype: torch.dtype, system: str) -> None
 def test_device_memory_drops_by_the_offloaded_experts() -> None:
     """At 25 % capacity the allocator holds ~75 % of the expert bytes less than the plain
     model (fused tensors moved to the host, a quarter of them in slots)."""
-    model = tiny_model("mixtral").cuda()
+    model = toy_model("mixtral").cuda()
     ad = adapter_for(model)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -71,10 +71,10 @@ def test_device_memory_drops_by_the_offloaded_experts() -> None:
 def test_prefetch_over_the_copy_stream_stays_exact() -> None:
     """FineMoE-style prefetching (background predictor, copy stream, events) on CUDA,
     fitted on a store trace of the same model: exact tokens, stall time measured."""
-    from tests.unit.engine.conftest import _store
+    from tests.unit.conftest import _store
 
     store = _store("mixtral")
-    model = tiny_model("mixtral").cuda()
+    model = toy_model("mixtral").cuda()
     ids = _ids(12, seed=4)
     with torch.no_grad():
         ref = model.generate(ids, max_new_tokens=8, do_sample=False)
@@ -97,7 +97,7 @@ def test_model_built_under_inference_mode() -> None:
     """A model created under ``torch.inference_mode`` (its parameters are inference
     tensors) offloads, serves exact tokens and comes back (failed on the first H200 run)."""
     with torch.inference_mode():
-        model = tiny_model("mixtral").cuda()
+        model = toy_model("mixtral").cuda()
         ids = _ids()
         ref = model.generate(ids, max_new_tokens=6, do_sample=False)
         with offload(model, capacity=0.25) as om:
@@ -109,7 +109,7 @@ def test_model_built_under_inference_mode() -> None:
 def test_calibration_copy_fit_on_cuda() -> None:
     """The copy profile on CUDA spans sizes up to megabytes so the fitted bandwidth is
     defined and positive (1-4x of a 96 KiB expert was all latency on the first H200 run)."""
-    from moeexp.calibrate import COPY_FACTORS
+    from moeexp.backends.sim_vs_engine import COPY_FACTORS
     from moeexp.engine.profile import profile_copy
 
     s = profile_copy(torch.device("cuda"), 98304, factors=COPY_FACTORS[True], repeats=3)

@@ -32,7 +32,7 @@ def save_random_tiny_mixtral(out: Path) -> Path:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from moeexp.models.tiny_configs import tiny_model
+    from moeexp.models.toy_configs import toy_model
 
     chars = [chr(c) for c in range(33, 127)]
     vocab = {t: i for i, t in enumerate(["<pad>", "<s>", "</s>", "<unk>", *chars])}
@@ -40,7 +40,7 @@ def save_random_tiny_mixtral(out: Path) -> Path:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>", unk_token="<unk>")
-    model = tiny_model("mixtral", seed=0)
+    model = toy_model("mixtral", seed=0)
     assert model.config.bos_token_id == 1 and model.config.eos_token_id == 2
     assert model.config.vocab_size >= len(vocab)
     model.save_pretrained(out)

@@ -85,7 +85,7 @@ def test_capacity_error_before_the_weights_load(tmp_path, model_overrides, run_a
 
 
 def test_collect_command(tmp_path, small, run_app):
-    """`moeexp collect DIR` (via python -m moeexp.collect) gathers the runs of a sweep."""
+    """`moeexp collect DIR` (via python -m moeexp.tracking.collect) gathers the runs of a sweep."""
     import subprocess
     import sys
 
@@ -95,7 +95,7 @@ def test_collect_command(tmp_path, small, run_app):
     _ok(run_app("--multirun", "hardware=rtx3090_pcie4,a100_80g_pcie4", *small,
                 f"hydra.sweep.dir={sweep}",
                 "logger=none"))
-    out = subprocess.run([sys.executable, "-m", "moeexp.collect", str(sweep)], cwd=REPO_DIR,
+    out = subprocess.run([sys.executable, "-m", "moeexp.tracking.collect", str(sweep)], cwd=REPO_DIR,
                          capture_output=True, text=True, timeout=120)
     _ok(out)
     df = pd.read_csv(Path(sweep) / "collected.csv")

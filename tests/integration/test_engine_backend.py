@@ -124,7 +124,7 @@ def test_sim_backend_uses_a_cost_profile(tmp_path):
     from moeexp.backends import BackendContext, SimBackend
     from moeexp.cache import CACHES
     from moeexp.costmodel import CostModel, load_profile
-    from moeexp.costmodel.calibrate import CalibratedProfile
+    from moeexp.costmodel.fitted import CalibratedProfile
     from moeexp.errors import ConfigError
     from moeexp.predictors import PREDICTORS
     from moeexp.traces.synthetic import random_trace

@@ -89,7 +89,7 @@ def test_experiment_sweeps_systems_at_fixed_budget():
 
 def test_trace_spec_matches_recorder_defaults():
     """TraceSpec's keys and defaults are the trace cache's (one set of trace keys)."""
-    from moeexp.traces.cache import TRACE_DEFAULTS
+    from moeexp.traces.store import TRACE_DEFAULTS
 
     spec = TraceSpec()
     assert {f.name: getattr(spec, f.name) for f in fields(TraceSpec)} == TRACE_DEFAULTS
@@ -186,7 +186,7 @@ def test_app_misspelled_option_fails_listing_options(override, listed, tmp_path)
 
 def test_console_script_from_another_directory(tmp_path):
     """The `moeexp` console script finds conf/ from any working directory, and
-    `moeexp collect` dispatches to moeexp.collect (exit 1: no runs under an empty dir)."""
+    `moeexp collect` dispatches to moeexp.tracking.collect (exit 1: no runs under an empty dir)."""
     script = Path(sys.executable).parent / "moeexp"
     if not script.exists():
         pytest.skip("moeexp console script not installed in this environment")

@@ -12,7 +12,7 @@ during the measurement: on a shared CPU, multi-threaded kernels of a tiny model 
 measure contention (10x swings), and both sides get the same setting.
 
 Model: the embedded ``model=tiny`` when its asset exists, else a random-weight Mixtral of
-the same shape (8 layers, 16 experts, top-2, hidden 64; ``tiny_train.build_config``).
+the same shape (8 layers, 16 experts, top-2, hidden 64; ``moeexp.models.tiny.train.build_config``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def _load() -> tuple[Any, str]:
     from transformers import AutoModelForCausalLM
 
     from moeexp.models.adapters import adapter_for
-    from moeexp.models.tiny_train import TrainConfig, build_config
+    from moeexp.models.tiny.train import TrainConfig, build_config
 
     state = torch.random.get_rng_state()
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ seeded top-k sampling, speculative gates to depth 4, hidden states for ``learned
 from a **random-weight** ``MixtralConfig`` model with Mixtral-8x7B's routing shape (32 MoE
 layers, 8 experts, top-2) but a small hidden size (32), so the recording costs minutes, not
 hours; prompts are random token ids (the model has no tokenizer). The recording is cached
-by content hash in ``results/traces`` (:func:`moeexp.traces.cache.get_or_record`), so only
+by content hash in ``results/traces`` (:func:`moeexp.traces.store.get_or_record`), so only
 the first run pays for it (``record_s``, ``trace_reused``). The cost model uses
 Mixtral-8x7B's real sizes (:func:`moeexp.bench.simulator.mixtral_dims`), since the
 recorded model's own experts are tiny.
@@ -126,7 +126,7 @@ def run(num_prompts: int = 64, prompt_len: int = 43, output_len: int = 122,
     from moeexp.bench.simulator import mixtral_dims
     from moeexp.costmodel import CostModel, load_profile
     from moeexp.paths import results_dir
-    from moeexp.traces.cache import content_hash, get_or_record
+    from moeexp.traces.store import content_hash, get_or_record
 
     loaded = random_mixtral()
     prompts = protocol_prompts(num_prompts, prompt_len, output_len)

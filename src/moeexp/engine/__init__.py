@@ -8,15 +8,15 @@ Public API::
         om.metrics()
 
 See :mod:`moeexp.engine.offload` (wrapping), :mod:`moeexp.engine.runtime` (the access loop),
-:mod:`moeexp.engine.transfer` (copies), :mod:`moeexp.engine.quality` (lossy-mode quality)
-and :mod:`moeexp.engine.backend` (``backend=engine`` of the app).
+:mod:`moeexp.engine.transfer` (copies), :mod:`moeexp.eval.quality` (lossy-mode quality)
+and :mod:`moeexp.engine.serve` (``backend=engine`` of the app).
 """
 
-from moeexp.engine.backend import run_engine_backend
 from moeexp.engine.build import build_offloaded, model_dims, offload
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.runtime import EngineSettings
-from moeexp.engine.systems import resolve_system, system_names
+from moeexp.engine.serve import run_engine_backend
+from moeexp.systems import resolve_system, system_names
 
 __all__ = ["EngineSettings", "build_offloaded", "OffloadedModel", "model_dims", "offload", "resolve_system", "run_engine_backend",
            "system_names"]

@@ -21,10 +21,10 @@ from moeexp.engine.budget import Budget, make_budget
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.runtime import Engine, EngineSettings
-from moeexp.engine.systems import load_registries, resolve_system
 from moeexp.errors import ConfigError
-from moeexp.models.adapter import MoEAdapter
+from moeexp.models.base import MoEAdapter
 from moeexp.predictors.base import PREDICTORS
+from moeexp.systems import load_registries, resolve_system
 from moeexp.traces.schema import Trace, TraceDims
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from moeexp.engine.recording import TraceRecorder
+from moeexp.engine.executed_trace import TraceRecorder
 from moeexp.engine.report import RequestTiming, build_metrics
 from moeexp.engine.runtime import Engine
 from moeexp.errors import ConfigError
-from moeexp.models.adapter import MoEAdapter
+from moeexp.models.base import MoEAdapter
 from moeexp.predictors.base import IterationStart, RequestStart
 from moeexp.traces.schema import RequestMeta, Trace, TraceDims
 

@@ -1,4 +1,4 @@
-"""Profiling the engine for the simulator's calibration (:mod:`moeexp.costmodel.calibrate`).
+"""Profiling the engine for the simulator's calibration (:mod:`moeexp.costmodel.fitted`).
 
 Two measurements, both through the engine's own code paths:
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from moeexp.costmodel.calibrate import ProfileSamples
+from moeexp.costmodel.fitted import ProfileSamples
 from moeexp.engine.budget import Budget
 from moeexp.engine.build import build_offloaded, model_dims
 from moeexp.engine.runtime import EngineSettings

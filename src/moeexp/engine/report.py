@@ -7,11 +7,15 @@ device at the end of each forward pass so these are device times, and
 ``gpu_mem_peak_bytes`` is ``torch.cuda.max_memory_allocated``; on a CPU run it is NaN.
 ``stall_ms_total`` is the time compute waited for expert copies (CPU: the compute thread
 blocked; CUDA: the compute stream waited, measured with events around each wait).
+:class:`IterationProbe` records the same quantities per forward pass: the simulator's
+``iter_*`` series.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -77,3 +81,52 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         "copy_seconds_total": float(engine.copier.copy_seconds),
     })
     return out
+
+
+class IterationProbe:
+    """Per-forward-pass hits, misses, stall (ms) and duration (ms) of an offloaded model.
+
+    Its pre-hook runs before the engine's, its post-hook after (so a CUDA pass has been
+    synchronised). ``remove()`` detaches it.
+    """
+
+    def __init__(self, om: Any) -> None:
+        self.om = om
+        self.rows: list[tuple[int, int, float, int, int, float]] = []
+        self._start: tuple[int, int, float, int, float] | None = None
+        m = om.model
+        self._handles = [m.register_forward_pre_hook(self._pre, prepend=True),
+                         m.register_forward_hook(self._post)]
+
+    def _snap(self) -> tuple[int, int, float, int]:
+        c = self.om.engine.counters
+        return c.hits, c.accesses, c.stall_s, len(c.cuda_stalls)
+
+    def _pre(self, module: Any, args: Any) -> None:
+        self._start = (*self._snap(), time.perf_counter())
+
+    def _post(self, module: Any, args: Any, output: Any) -> None:
+        if self._start is None:
+            return
+        h0, a0, s0, c0, t0 = self._start
+        h1, a1, s1, c1 = self._snap()
+        self.rows.append((h1 - h0, (a1 - a0) - (h1 - h0), (s1 - s0) * 1e3, c0, c1,
+                          (time.perf_counter() - t0) * 1e3))
+        self._start = None
+
+    def series(self) -> dict[str, list[float]]:
+        """``iter_hits``, ``iter_misses``, ``iter_stall_ms``, ``iter_ms`` (one per pass)."""
+        stalls = self.om.engine.counters.cuda_stalls
+        if stalls:
+            torch.cuda.synchronize(self.om.engine.device)
+        cuda_ms = [sum(a.elapsed_time(b) for a, b in stalls[c0:c1]) if c1 > c0 else 0.0
+                   for _, _, _, c0, c1, _ in self.rows]
+        return {"iter_hits": [float(r[0]) for r in self.rows],
+                "iter_misses": [float(r[1]) for r in self.rows],
+                "iter_stall_ms": [r[2] + c for r, c in zip(self.rows, cuda_ms, strict=True)],
+                "iter_ms": [r[5] for r in self.rows]}
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

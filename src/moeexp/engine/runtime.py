@@ -41,7 +41,7 @@ from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine, CopyJob
 from moeexp.errors import ConfigError
 from moeexp.metrics import PredictionTally
-from moeexp.models.adapter import MoEAdapter
+from moeexp.models.base import MoEAdapter
 from moeexp.traces.schema import Trace
 
 log = logging.getLogger(__name__)

@@ -91,11 +91,11 @@ def auto_store(loaded: Any, dataset: str = "sharegpt",
     Sampled exactly as the app does (``conf/dataset/<dataset>.yaml`` + ``dataset_overrides``)
     and recorded with the root config's trace recipe (+ ``trace_overrides``), so a default
     ``python -m moeexp`` run and this share one cached trace
-    (:func:`moeexp.traces.cache.get_or_record`).
+    (:func:`moeexp.traces.store.get_or_record`).
     """
     from moeexp.data.prompts import sample_prompts
     from moeexp.paths import load_group_yaml
-    from moeexp.traces.cache import get_or_record
+    from moeexp.traces.store import get_or_record
 
     dcfg = {**load_group_yaml("dataset", dataset), **dict(dataset_overrides or {})}
     prompts = sample_prompts(dcfg, loaded.tokenizer)

@@ -112,7 +112,7 @@ def randomized_routing(adapter: Any, layer: int, seed: int = 0) -> Iterator[None
 
 def _token_similarity(model: Any, seqs: Sequence[torch.Tensor],
                       ref: Sequence[torch.Tensor]) -> float:
-    from moeexp.engine.quality import next_token_logits
+    from moeexp.eval.quality import next_token_logits
 
     test = next_token_logits(model, seqs)
     agree = sum(float((r.argmax(-1) == t.argmax(-1)).sum()) for r, t in zip(ref, test, strict=True))
@@ -194,7 +194,7 @@ def profile_sensitivity(loaded: Any, prompts: Sequence[Any], *,
             seqs = [torch.tensor((list(p.input_ids) + list(tok.encode(
                 " " + replies[p.text], add_special_tokens=False)) if p.text in replies
                 else list(p.input_ids))[:max_tokens], dtype=torch.long) for p in ps]
-            from moeexp.engine.quality import next_token_logits
+            from moeexp.eval.quality import next_token_logits
 
             ref = next_token_logits(model, seqs)
         else:

@@ -21,7 +21,7 @@ Metrics (added to ``metrics.json``; W&B mirrors them):
   the test split of the run's dataset sample, or of the default ShareGPT sample when the
   run uses another dataset; see :mod:`moeexp.eval.tasks`);
 - with ``eval.quality: true``, against the unrestricted (plain) model on the test prompts
-  (:mod:`moeexp.engine.quality`): ``perplexity`` / ``perplexity_ref`` / ``perplexity_ratio``
+  (:mod:`moeexp.eval.quality`): ``perplexity`` / ``perplexity_ref`` / ``perplexity_ratio``
   (token level, teacher-forced on prompt + real first reply, at most ``quality_max_tokens``),
   ``token_agreement`` and ``kl_mean`` (nats) on the same positions, ``greedy_agreement``
   (``quality_new_tokens`` free-running greedy tokens per prompt), and the engine's
@@ -205,7 +205,7 @@ def _quality(make: Callable[..., Any] | None, loaded: Any, prompts: Sequence[Any
              seqs: Sequence[Any], new_tokens: int) -> dict[str, Any]:
     import torch
 
-    from moeexp.engine.quality import greedy_agreement, next_token_logits, quality_report
+    from moeexp.eval.quality import greedy_agreement, next_token_logits, quality_report
 
     model = loaded.model
     pad = loaded.tokenizer.pad_token_id
@@ -300,7 +300,7 @@ def run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> d
 
 def _run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
-    from moeexp.traces.cache import get_or_record
+    from moeexp.traces.store import get_or_record
 
     store = get_or_record(loaded, prompts, to_dict(cfg.trace)).split("store")  # cache hit
     make, out = _engine_factory(cfg, loaded, store, spec)

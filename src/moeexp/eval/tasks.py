@@ -195,7 +195,7 @@ def prepare_tasks(out_dir: str | Path, dataset_cfg: Mapping[str, Any], tokenizer
 
 def tasks_hash(dataset_cfg: Mapping[str, Any], tokenizer: Any, **kwargs: Any) -> str:
     """Short sha256 of what the local tasks depend on (dataset config, tokenizer, options)."""
-    from moeexp.traces.cache import tokenizer_hash
+    from moeexp.traces.store import tokenizer_hash
 
     blob = json.dumps({"dataset": dict(dataset_cfg), "tokenizer": tokenizer_hash(tokenizer),
                        "options": kwargs, "version": 2}, sort_keys=True, default=str)

@@ -43,7 +43,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, ClassVar
 
 from moeexp.errors import ModelLoadError
-from moeexp.models.adapter import ADAPTERS, ExpertLayout, MoEAdapter, MoELayer, RouterOutput
+from moeexp.models.base import ADAPTERS, ExpertLayout, MoEAdapter, MoELayer, RouterOutput
 from moeexp.models.capture import LayerCapture, RoutingCapture, capture_routing
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     import torch
     from torch.utils.hooks import RemovableHandle
 
-    from moeexp.models.adapter import MoEAdapter
+    from moeexp.models.base import MoEAdapter
 
 
 @dataclass(frozen=True)

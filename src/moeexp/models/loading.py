@@ -28,7 +28,7 @@ from moeexp.models.adapters import adapter_for, supported_model_types
 from moeexp.paths import ASSETS_DIR
 
 if TYPE_CHECKING:
-    from moeexp.models.adapter import MoEAdapter
+    from moeexp.models.base import MoEAdapter
 
 log = logging.getLogger(__name__)
 

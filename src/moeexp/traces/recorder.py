@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     import torch
 
     from moeexp.data.prompts import Prompt
-    from moeexp.models.adapter import MoEAdapter
+    from moeexp.models.base import MoEAdapter
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Gather the runs under a directory into one table; compare systems against a baseline.
 
 Used by the end-of-multirun summary (:mod:`moeexp.tracking.summary`) and by
-``python -m moeexp.collect DIR``. A run is a directory holding ``metrics.json``; its
+``python -m moeexp.tracking.collect DIR``. A run is a directory holding ``metrics.json``; its
 Hydra overrides (``.hydra/overrides.yaml``) give the swept keys. One row per run::
 
     run | <override keys, e.g. system, cache.capacity> | <metrics.json keys>

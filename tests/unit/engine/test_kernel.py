@@ -8,7 +8,7 @@ from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm
 
 from moeexp.engine.kernel import _loop_grouped_linear, restrict_routing, slot_rows
 from moeexp.models.adapters import adapter_for
-from moeexp.models.tiny_configs import tiny_model
+from moeexp.models.toy_configs import toy_model
 
 from .conftest import ARCHS
 
@@ -21,7 +21,7 @@ def _slots_for(experts: torch.nn.Module, names: tuple[str, ...], order: list[int
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_slot_rows_match_grouped_mm(model_type: str) -> None:
     """Experts placed in shuffled slots give the default kernel's output (max |diff| < 1e-6)."""
-    model = tiny_model(model_type)
+    model = toy_model(model_type)
     ad = adapter_for(model)
     experts = ad.moe_layers()[0].experts
     J, K, H = ad.num_experts, ad.top_k, ad.hidden_size
@@ -47,7 +47,7 @@ def test_batched_slot_rows_are_bitwise_batched_mm(model_type: str) -> None:
     """batched=True (generate's decode path on an accelerator) reproduces transformers'
     batched_mm kernel bit for bit from shuffled slots (a decode step and a 5-token pass),
     and a chunk of rows given by token index to rounding."""
-    model = tiny_model(model_type)
+    model = toy_model(model_type)
     ad = adapter_for(model)
     experts = ad.moe_layers()[0].experts
     J, K, H = ad.num_experts, ad.top_k, ad.hidden_size

@@ -6,15 +6,16 @@ import threading
 
 import pytest
 import torch
+from tests.unit.conftest import prompt_ids
 from transformers.integrations.moe import ExpertsInterface
 
 from moeexp.engine import offload, resolve_system, system_names
 from moeexp.errors import ConfigError, ModelLoadError
 from moeexp.metrics import CORE_KEYS
 from moeexp.models.adapters import adapter_for
-from moeexp.models.tiny_configs import tiny_model
+from moeexp.models.toy_configs import toy_model
 
-from .conftest import ARCHS, prompt_ids
+from .conftest import ARCHS
 
 NEW = 6
 
@@ -44,7 +45,7 @@ def _check_exact(model: torch.nn.Module, ids: torch.Tensor, ref: tuple[torch.Ten
 def test_exact_deepspeed_down_to_top_k(model_type: str) -> None:
     """deepspeed at half the experts and at exactly K experts (prefill streams through
     the K slots): token-identical greedy output, logits within 1e-5, plain model after."""
-    model = tiny_model(model_type)
+    model = toy_model(model_type)
     ad = adapter_for(model)
     ids = prompt_ids(10)
     ref = _reference(model, ids)
@@ -77,7 +78,7 @@ def test_exact_every_system(model_type: str, store_of) -> None:
     Mixtral, also at 25% capacity): token-identical to the plain model."""
     systems = _exact_systems()
     assert "deepspeed" in systems
-    model = tiny_model(model_type)
+    model = toy_model(model_type)
     ad = adapter_for(model)
     store = store_of(model_type)
     ids = prompt_ids(9, seed=3)
@@ -122,10 +123,10 @@ def test_bad_input_fails_before_weights_move(mixtral) -> None:
 
 
 def test_model_without_moe_layers() -> None:
-    from moeexp.models.tiny_configs import tiny_dense_model
+    from moeexp.models.toy_configs import toy_dense_model
 
     with pytest.raises((ConfigError, ModelLoadError), match="llama"):
-        offload(tiny_dense_model())
+        offload(toy_dense_model())
 
 
 def test_exception_inside_forward_leaves_model_restorable(mixtral) -> None:
@@ -187,7 +188,7 @@ def test_batched_mm_model_is_served_with_the_batched_kernel() -> None:
     """A model set to transformers' batched_mm kernel is served by the engine's batched
     path on every pass (the path generate uses for decode steps on an accelerator):
     greedy tokens and logits equal the plain batched_mm model's exactly."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     model.set_experts_implementation("batched_mm")
     ids = prompt_ids(9, seed=5)
     with torch.no_grad():

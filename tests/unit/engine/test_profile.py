@@ -7,12 +7,11 @@ import types
 import numpy as np
 import pytest
 import torch
+from tests.unit.conftest import prompt_ids
 
-from moeexp.costmodel.calibrate import fit_linear
+from moeexp.costmodel.fitted import fit_linear
 from moeexp.engine.profile import profile_compute, profile_copy, profile_feed
 from moeexp.models.adapters import adapter_for
-
-from .conftest import prompt_ids
 
 
 def test_profile_compute_times_every_layer_and_pass(mixtral) -> None:

@@ -6,6 +6,7 @@ import types
 
 import pytest
 import torch
+from tests.unit.conftest import prompt_ids
 
 from moeexp.cache import CACHES
 from moeexp.costmodel import CostModel, load_profile
@@ -14,11 +15,9 @@ from moeexp.engine.budget import Budget
 from moeexp.engine.build import model_dims
 from moeexp.engine.runtime import EngineSettings
 from moeexp.models.adapters import adapter_for
-from moeexp.models.tiny_configs import tiny_model
+from moeexp.models.toy_configs import toy_model
 from moeexp.predictors import PREDICTORS
 from moeexp.simulator import simulate
-
-from .conftest import prompt_ids
 
 PROMPTS = [(10, 0), (7, 1), (12, 2)]
 
@@ -44,7 +43,7 @@ def test_deepspeed_equals_simulator_on_served_accesses(model_type: str, capacity
     """deepspeed takes no timing-dependent decision: replaying the engine's own recorded
     accesses in the simulator (predictor none + lru, same slots) gives the same hit_rate,
     h2d_bytes_total and accesses_total."""
-    model = tiny_model(model_type)
+    model = toy_model(model_type)
     ad = adapter_for(model)
     cap = ad.top_k * ad.expert_bytes() if capacity == "top_k" else capacity
     with offload(model, system="deepspeed", capacity=cap, record=True) as om:
@@ -60,7 +59,7 @@ def test_deepspeed_equals_simulator_on_served_accesses(model_type: str, capacity
 def test_static_equals_simulator(store_of) -> None:
     """static pins the store's most used experts (preloaded, no traffic) and serves the
     rest through LRU scratch slots: equal to the simulator access for access."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     store = store_of("mixtral")
     with offload(model, system="deepspeed", cache="static", capacity=0.5, store=store,
                  record=True) as om:
@@ -80,7 +79,7 @@ def test_prediction_accounting_equals_simulator(store_of) -> None:
     from moeexp.data.prompts import Prompt
     from moeexp.traces.recorder import record_trace
 
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     new = 5
     prompts = [Prompt(request_id=i, text="", input_ids=tuple(prompt_ids(n, seed=s)[0].tolist()),
                       prompt_len=n, output_len=new, split="test", dataset="synthetic")
@@ -110,7 +109,7 @@ def test_oracle_with_future_trace() -> None:
     """oracle + belady from the recorded future of the same passes: exact tokens, recall 1
     (inline predictor: an asynchronous one may answer after layer 0 ran), and at least
     deepspeed's hit rate; a run that diverges from the future is refused."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     with offload(model, system="deepspeed", capacity=0.25, record=True) as om:
         ref = _serve(om)
         base, future = om.metrics(), om.trace()
@@ -128,7 +127,7 @@ def test_oracle_with_future_trace() -> None:
 def test_emulated_link_stalls_are_measured() -> None:
     """Each demand copy of one expert over a 2 ms emulated link stalls compute: the stall
     is at least ~2 ms per demand load, and every miss moved one expert's bytes."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     eb = adapter_for(model).expert_bytes()
     with offload(model, system="deepspeed", capacity=0.25, bandwidth_bps=eb / 0.002) as om:
         om.generate(prompt_ids(6), max_new_tokens=3, do_sample=False)
@@ -143,7 +142,7 @@ def test_restricted_routing_is_lossy_but_counted(store_of) -> None:
     """Lossy mode with half the experts pinned (static) and nothing loaded on demand: no
     traffic after the preload, a substitution rate in (0, 1), every expert access a hit or
     a substituted miss; with every expert resident it is exact (substitution rate 0)."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     ids = prompt_ids(10)
     ref = model.generate(ids, max_new_tokens=5, do_sample=False)
     with offload(model, system="deepspeed", cache={"name": "static", "scratch_slots": 1},
@@ -180,7 +179,7 @@ def test_demand_load_waits_for_prefetches_in_flight(system: str, store_of) -> No
     held by prefetches still copying: the demand load waits for them to land and evicts
     them instead of failing ("cannot make room"; seen on CUDA with oracle + belady, where
     the copy thread collects finished copies lazily). Tokens stay exact."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     ad = adapter_for(model)
     eb = ad.expert_bytes()
     ids = [prompt_ids(10, seed=s) for s in range(3)]
@@ -198,7 +197,7 @@ def test_restricted_wait_makes_lossy_runs_deterministic(store_of) -> None:
     """eMoE over a slow emulated link: with restricted_wait (copies in flight count as
     usable, the layer waits) and the inline predictor, two runs substitute the same
     choices and produce the same tokens and logits."""
-    model = tiny_model("mixtral")
+    model = toy_model("mixtral")
     eb = adapter_for(model).expert_bytes()
     ids = [prompt_ids(10, seed=s) for s in range(2)]
 

@@ -45,7 +45,7 @@ def test_lossy_emoe_changes_perplexity(loaded, tasks_dir, hf_reference, prompts)
     """eMoE keeping 2 of 16 experts per layer with restricted routing (store: the sample's
     store split): tokens are substituted (rate > 0) and the perplexity differs from the
     exact one; the model is plain again after close()."""
-    from moeexp.traces.cache import get_or_record
+    from moeexp.traces.store import get_or_record
 
     store = get_or_record(loaded, prompts, {"prompt_embedder": None, "spec_depth": 0,
                                             "progress": False,

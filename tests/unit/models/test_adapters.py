@@ -14,7 +14,7 @@ import torch
 
 from moeexp.errors import ModelLoadError
 from moeexp.models.adapters import ADAPTERS, RoutingCapture, adapter_for, capture_routing
-from moeexp.models.tiny_configs import SUPPORTED_MODEL_TYPES, tiny_config, tiny_model
+from moeexp.models.toy_configs import SUPPORTED_MODEL_TYPES, toy_config, toy_model
 
 FP32 = 4
 
@@ -35,7 +35,7 @@ CLASSES = {
 def setup(request):
     """(model_type, model, adapter, capture, experts_seen) after one forward of 2x7 tokens."""
     mt = request.param
-    model = tiny_model(mt, seed=0)
+    model = toy_model(mt, seed=0)
     adapter = adapter_for(model)
     seen: dict[int, list[torch.Tensor]] = {}
     block_in: dict[int, torch.Tensor] = {}
@@ -272,7 +272,7 @@ def test_embedding_and_describe(setup):
 
 def test_capture_accumulates_calls_clear_subset_and_cpu():
     """Two forwards of 3 and 1 tokens give T = 4 rows; clear() empties; layers= subsets."""
-    model = tiny_model("mixtral", seed=1)
+    model = toy_model("mixtral", seed=1)
     adapter = adapter_for(model)
     with torch.no_grad(), RoutingCapture(adapter, layers=[1], to_cpu=True) as cap:
         model(torch.tensor([[5, 6, 7]]))
@@ -291,10 +291,10 @@ def test_capture_accumulates_calls_clear_subset_and_cpu():
 
 
 def test_tiny_models_are_deterministic():
-    a, b = tiny_model("deepseek_v3", seed=7), tiny_model("deepseek_v3", seed=7)
+    a, b = toy_model("deepseek_v3", seed=7), toy_model("deepseek_v3", seed=7)
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
-    c = tiny_model("deepseek_v3", seed=8).state_dict()
+    c = toy_model("deepseek_v3", seed=8).state_dict()
     assert any(not torch.equal(sa[k], c[k]) for k in sa)
     assert not a.training and a.config._attn_implementation == "eager"
 
@@ -304,12 +304,12 @@ def test_unsupported_and_dense_models_rejected():
     has no MoE layer."""
     from transformers import AutoModelForCausalLM
 
-    from moeexp.models.tiny_configs import tiny_dense_model
+    from moeexp.models.toy_configs import toy_dense_model
 
-    llama = tiny_dense_model()
+    llama = toy_dense_model()
     with pytest.raises(ModelLoadError, match="unsupported model_type 'llama'.*mixtral"):
         adapter_for(llama)
-    cfg = tiny_config("qwen2_moe")
+    cfg = toy_config("qwen2_moe")
     cfg.mlp_only_layers = list(range(cfg.num_hidden_layers))
     dense = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ModelLoadError, match="no MoE layers"):
@@ -323,7 +323,7 @@ def test_expert_bytes_of_a_model_built_under_inference_mode():
     ("Inference tensors do not track version counter", seen on an H200), so expert sizes
     come from shapes."""
     with torch.inference_mode():
-        model = tiny_model("mixtral")
+        model = toy_model("mixtral")
     adapter = adapter_for(model)
     before = adapter.expert_bytes()
     with torch.inference_mode(False), torch.no_grad():

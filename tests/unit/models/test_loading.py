@@ -18,7 +18,7 @@ from moeexp.errors import ConfigError, ModelLoadError
 from moeexp.models import loading
 from moeexp.models.adapters import ADAPTERS
 from moeexp.models.loading import LoadedModel, load_model
-from moeexp.models.tiny_configs import SUPPORTED_MODEL_TYPES, tiny_config, tiny_model
+from moeexp.models.toy_configs import SUPPORTED_MODEL_TYPES, toy_config, toy_model
 from moeexp.paths import CONF_DIR
 
 WORDS = ["hello", "world", "the", "expert", "is", "offloaded", "fast", "."]
@@ -49,7 +49,7 @@ def save(model, path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory) -> tuple[Path, torch.nn.Module]:
-    model = tiny_model("mixtral", seed=2)
+    model = toy_model("mixtral", seed=2)
     return save(model, tmp_path_factory.mktemp("mixtral")), model
 
 
@@ -69,7 +69,7 @@ def _cfg(**kw):
 @pytest.mark.parametrize("model_type", SUPPORTED_MODEL_TYPES)
 def test_every_architecture_round_trips_via_path(tmp_path, model_type):
     """A saved tiny model of each family loads via model.path with identical logits."""
-    ref = tiny_model(model_type, seed=1)
+    ref = toy_model(model_type, seed=1)
     d = save(ref, tmp_path / model_type)
     loaded = load_model(_cfg(path=str(d)))
     assert isinstance(loaded, LoadedModel) and loaded.source == str(d)
@@ -123,7 +123,7 @@ def test_tiny_uses_package_asset_dir(tmp_path, monkeypatch):
     monkeypatch.setattr(loading, "ASSETS_DIR", tmp_path)
     with pytest.raises(ModelLoadError, match="make tiny-model"):
         load_model(_cfg(name="tiny"))
-    ref = tiny_model("mixtral", seed=4)
+    ref = toy_model("mixtral", seed=4)
     save(ref, tmp_path / "tiny")
     loaded = load_model(_cfg(name="tiny", prefetch_distance=2))
     assert loaded.source == str(tmp_path / "tiny") and loaded.prefetch_distance == 2
@@ -146,12 +146,12 @@ def test_embedded_tiny_model_matches_issue_shape():
 def test_unsupported_type_and_dense_model(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from moeexp.models.tiny_configs import tiny_dense_model
+    from moeexp.models.toy_configs import toy_dense_model
 
-    llama = tiny_dense_model()
+    llama = toy_dense_model()
     with pytest.raises(ModelLoadError, match="'llama'.*supported model types: .*gpt_oss"):
         load_model(_cfg(path=str(save(llama, tmp_path / "llama"))))
-    cfg = tiny_config("qwen2_moe")
+    cfg = toy_config("qwen2_moe")
     cfg.mlp_only_layers = list(range(cfg.num_hidden_layers))
     dense = AutoModelForCausalLM.from_config(cfg)
     with pytest.raises(ModelLoadError, match="no MoE layers"):
@@ -211,7 +211,7 @@ def test_probe_adapter_gives_the_loaded_models_dims(model_type, tmp_path):
     from moeexp.models.loading import probe_adapter
     from moeexp.traces.recorder import trace_dims
 
-    path = save(tiny_model(model_type), tmp_path / model_type)
+    path = save(toy_model(model_type), tmp_path / model_type)
     probe = probe_adapter(_cfg(path=str(path)))
     assert probe is not None
     assert trace_dims(probe, 3) == trace_dims(load_model(_cfg(path=str(path))).adapter, 3)

@@ -13,14 +13,14 @@ import numpy as np
 import pytest
 import torch
 
-from moeexp.models.tiny_card import (
+from moeexp.models.tiny.card import (
     expert_shares,
     heldout_prompts,
     load_assets,
     mutual_information,
     record_routing,
 )
-from moeexp.models.tiny_train import (
+from moeexp.models.tiny.train import (
     ASSETS_DIR,
     BOS_ID,
     EOS_ID,

@@ -11,7 +11,7 @@ import torch
 from moeexp.data.prompts import Prompt
 from moeexp.errors import ConfigError
 from moeexp.models.adapters import adapter_for
-from moeexp.models.tiny_configs import tiny_config
+from moeexp.models.toy_configs import toy_config
 from moeexp.traces import io
 from moeexp.traces.recorder import record_trace
 
@@ -22,7 +22,7 @@ L = 4  # MoE layers of the test model (tiny mixtral config with 4 decoder layers
 def loaded():
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config("mixtral")
+    cfg = toy_config("mixtral")
     cfg.num_hidden_layers = L
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")

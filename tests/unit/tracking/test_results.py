@@ -1,4 +1,4 @@
-"""Gathering runs, baseline deltas, the summary callback and ``moeexp.collect``."""
+"""Gathering runs, baseline deltas, the summary callback and ``moeexp.tracking.collect``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from moeexp import collect
+from moeexp.tracking import collect
 from moeexp.tracking.results import gather
 from moeexp.tracking.run_dir import write_metrics
 from moeexp.tracking.summary import SummaryCallback

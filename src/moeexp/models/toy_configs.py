@@ -8,8 +8,8 @@ dense ``mlp_only_layers`` entry) so the adapters' layer bookkeeping is actually 
 
 Example::
 
-    from moeexp.models.tiny_configs import tiny_model
-    model = tiny_model("mixtral", seed=0)       # MixtralForCausalLM, eval mode, CPU, fp32
+    from moeexp.models.toy_configs import toy_model
+    model = toy_model("mixtral", seed=0)       # MixtralForCausalLM, eval mode, CPU, fp32
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _check(model_type: str) -> None:
         )
 
 
-def tiny_config(model_type: str) -> PretrainedConfig:
+def toy_config(model_type: str) -> PretrainedConfig:
     """A fresh tiny ``PretrainedConfig`` of ``model_type`` (eager attention, vocab 256)."""
     from transformers import AutoConfig
 
@@ -175,7 +175,7 @@ def tiny_config(model_type: str) -> PretrainedConfig:
     return cfg
 
 
-def tiny_model(model_type: str, seed: int = 0) -> PreTrainedModel:
+def toy_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     """A tiny random-weight causal LM of ``model_type``: CPU, fp32, eval mode, deterministic.
 
     The same ``(model_type, seed)`` gives bit-identical weights (the global torch RNG is
@@ -184,7 +184,7 @@ def tiny_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     import torch
     from transformers import AutoModelForCausalLM
 
-    cfg = tiny_config(model_type)
+    cfg = toy_config(model_type)
     state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
@@ -214,7 +214,7 @@ def tiny_model(model_type: str, seed: int = 0) -> PreTrainedModel:
     return model
 
 
-def tiny_dense_model() -> PreTrainedModel:
+def toy_dense_model() -> PreTrainedModel:
     """A one-layer dense Llama (no MoE layer, no adapter): what the adapters, the loader
     and the engine must refuse with a clear error."""
     from transformers import AutoModelForCausalLM, LlamaConfig

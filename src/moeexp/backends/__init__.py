@@ -82,7 +82,7 @@ class SimBackend:
         renormalize: renormalise routing weights after a substitution (model output only).
         progress: show a progress bar.
         cost_profile: path of a calibrated profile (``calibration.json`` of a
-            ``sim_vs_engine`` run, :mod:`moeexp.costmodel.calibrate`): its fitted cost model
+            ``sim_vs_engine`` run, :mod:`moeexp.costmodel.fitted`): its fitted cost model
             replaces the ``hardware`` profile's roofline; None = the hardware profile.
     """
 
@@ -112,7 +112,7 @@ class SimBackend:
         online = self.arrival_rate is not None
         cost = ctx.cost
         if self.cost_profile is not None:
-            from moeexp.costmodel.calibrate import load_cost_model
+            from moeexp.costmodel.fitted import load_cost_model
 
             cost = load_cost_model(self.cost_profile, ctx.trace.dims, dtype_bytes=cost.dtype_bytes)
         res = simulate(ctx.trace, ctx.predictor, ctx.cache, cost,
@@ -128,7 +128,7 @@ class SimBackend:
 
 @BACKENDS.register("engine")
 class EngineBackend:
-    """The real engine (:func:`moeexp.engine.backend.serve_engine`), torch-backed.
+    """The real engine (:func:`moeexp.engine.serve.serve_engine`), torch-backed.
 
     Accepts the keys of :class:`moeexp.engine.runtime.EngineSettings` plus ``sampling``,
     ``top_k``, ``temperature``, ``seed``, ``warmup``, ``progress``, ``device``,
@@ -139,8 +139,8 @@ class EngineBackend:
     """
 
     def __init__(self, **settings: Any) -> None:
-        from moeexp.engine.backend import _DECODE_KEYS
         from moeexp.engine.runtime import EngineSettings
+        from moeexp.engine.serve import _DECODE_KEYS
 
         valid = {f.name for f in fields(EngineSettings)} | set(_DECODE_KEYS)
         unknown = sorted(set(settings) - valid)
@@ -148,13 +148,13 @@ class EngineBackend:
             raise ConfigError(f"backend=engine: unknown key(s) {unknown}. Accepted keys: "
                               f"{', '.join(sorted(valid))}")
         if settings.get("device") is not None:
-            from moeexp.engine.backend import resolve_device
+            from moeexp.engine.serve import resolve_device
 
             resolve_device(settings["device"])
         self.settings = dict(settings)
 
     def run(self, ctx: BackendContext) -> BackendResult:
-        from moeexp.engine.backend import serve_engine
+        from moeexp.engine.serve import serve_engine
 
         settings = {"seed": ctx.seed, **self.settings}
         res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
@@ -165,16 +165,16 @@ class EngineBackend:
 @BACKENDS.register("sim_vs_engine")
 class SimVsEngineBackend:
     """Calibration (``+experiment=sim_vs_engine``): profile the engine, fit the simulator's
-    cost model, run several systems both ways, write summary.csv (:mod:`moeexp.calibrate`).
-    Keys: those of :class:`moeexp.calibrate.SimVsEngineSettings`."""
+    cost model, run several systems both ways, write summary.csv (:mod:`moeexp.backends.sim_vs_engine`).
+    Keys: those of :class:`moeexp.backends.sim_vs_engine.SimVsEngineSettings`."""
 
     def __init__(self, **settings: Any) -> None:
-        from moeexp.calibrate import SimVsEngineSettings
+        from moeexp.backends.sim_vs_engine import SimVsEngineSettings
 
         self.settings = SimVsEngineSettings.from_mapping(settings)
 
     def run(self, ctx: BackendContext) -> BackendResult:
-        from moeexp.calibrate import run_sim_vs_engine
+        from moeexp.backends.sim_vs_engine import run_sim_vs_engine
 
         metrics, series = run_sim_vs_engine(ctx, self.settings)
         return BackendResult(metrics, series)

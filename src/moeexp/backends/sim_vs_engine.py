@@ -3,7 +3,7 @@
 One job (``backend=sim_vs_engine``, :class:`moeexp.backends.SimVsEngineBackend`) does::
 
     profile the engine on the store prompts      moeexp.engine.profile (compute + copies)
-    fit the cost model                           moeexp.costmodel.calibrate.fit_profile
+    fit the cost model                           moeexp.costmodel.fitted.fit_profile
         -> calibration.json, profile_samples.json, conf/hardware/calibrated.yaml
     for every system (same capacity, policies fitted on the store split):
         simulator: replay the test trace with the calibrated cost model
@@ -115,7 +115,7 @@ class SimVsEngineSettings:
     def from_mapping(cls, data: Mapping[str, Any]) -> SimVsEngineSettings:
         """Validate the group (unknown keys, bad systems and engine keys raise ConfigError)."""
         from moeexp.config import typed
-        from moeexp.engine.systems import system_names
+        from moeexp.systems import system_names
 
         d = dict(data)
         entries = []
@@ -179,7 +179,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
     """Profile + fit; writes calibration.json, profile_samples.json, conf/hardware/."""
     import torch
 
-    from moeexp.costmodel.calibrate import fit_profile
+    from moeexp.costmodel.fitted import fit_profile
     from moeexp.engine.profile import profile_compute, profile_copy
 
     est = s.engine_settings()
@@ -224,9 +224,9 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Both backends on one system; the summary row and the per-request rows."""
     from moeexp.config import build_cache, build_predictor
-    from moeexp.engine.backend import serve_engine
-    from moeexp.engine.systems import resolve_system
+    from moeexp.engine.serve import serve_engine
     from moeexp.simulator import simulate
+    from moeexp.systems import resolve_system
 
     cache_o: dict[str, Any] = {"capacity": s.capacity}
     if entry.cache:
@@ -290,8 +290,8 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
 
 def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any], dict[str, list]]:
     """The whole experiment on a pipeline context; returns (metrics, series)."""
-    from moeexp.costmodel.calibrate import CalibratedCostModel
-    from moeexp.engine.backend import resolve_device, run_on
+    from moeexp.costmodel.fitted import CalibratedCostModel
+    from moeexp.engine.serve import resolve_device, run_on
 
     if ctx.store is None or not ctx.store.requests:
         raise ConfigError("backend=sim_vs_engine needs the store split (profile and fits): "

@@ -46,8 +46,9 @@ from tqdm.auto import tqdm
 
 from moeexp.engine.budget import Budget
 from moeexp.engine.build import build_offloaded, model_dims
+from moeexp.engine.report import IterationProbe
 from moeexp.engine.runtime import EngineSettings
-from moeexp.engine.serving import IterationProbe, forced_tokens, recorded_tokens
+from moeexp.engine.token_replay import forced_tokens, recorded_tokens
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import RequestMeta, Trace
 

@@ -1,6 +1,6 @@
 """Measure the model card of the embedded ``model=tiny`` on held-out ShareGPT data.
 
-``python -m moeexp.models.tiny_card`` loads the shipped assets (bf16 weights, computed in
+``python -m moeexp.models.tiny.card`` loads the shipped assets (bf16 weights, computed in
 fp32), and measures on conversations the model never trained on
 (:func:`moeexp.data.sharegpt.is_model_heldout`):
 
@@ -34,10 +34,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from moeexp.models.tiny_train import ASSETS_DIR, TrainConfig, format_prompt, pack, split_texts
+from moeexp.models.tiny.train import ASSETS_DIR, TrainConfig, format_prompt, pack, split_texts
+from moeexp.paths import REPO_DIR as REPO_ROOT
 
 log = logging.getLogger(__name__)
-REPO_ROOT = Path(__file__).resolve().parents[3]
 CARD_DIR = REPO_ROOT / "experiments" / "tiny_model"
 
 
@@ -152,7 +152,7 @@ def routing_stats(top: np.ndarray, probs: np.ndarray, seed: int = 0) -> dict[str
 def validation_loss(model: Any, tok: Any, n_seqs: int) -> float:
     """Mean next-token CE (nats) on ``n_seqs`` packed held-out sequences (as in training)."""
     from moeexp.data.sharegpt import load_sharegpt
-    from moeexp.models.tiny_train import evaluate
+    from moeexp.models.tiny.train import evaluate
 
     cfg = TrainConfig()
     _, held = split_texts(load_sharegpt(), cfg.seed)
@@ -247,8 +247,8 @@ def render_readme(card: dict[str, Any]) -> str:
             f"(training loop {info['train_s'] / 60:.1f} min) with {c['threads']} CPU thread(s).")
     lines += [
         "",
-        "Retrain: `make tiny-model` (= `python -m moeexp.models.tiny_train`). "
-        "Re-measure this card: `python -m moeexp.models.tiny_card`.",
+        "Retrain: `make tiny-model` (= `python -m moeexp.models.tiny.train`). "
+        "Re-measure this card: `python -m moeexp.models.tiny.card`.",
         "",
         "## Measured on held-out data",
         "",
@@ -302,7 +302,7 @@ def render_readme(card: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """CLI: ``python -m moeexp.models.tiny_card [--assets DIR] [--out DIR] [--prompts N]``."""
+    """CLI: ``python -m moeexp.models.tiny.card [--assets DIR] [--out DIR] [--prompts N]``."""
     from moeexp.atomic import write_json, write_text
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

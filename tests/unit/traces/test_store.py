@@ -15,14 +15,14 @@ import pytest
 from moeexp.data.prompts import Prompt
 from moeexp.errors import ConfigError
 from moeexp.models.adapters import adapter_for
-from moeexp.models.tiny_configs import tiny_model
-from moeexp.traces import cache, recorder
+from moeexp.models.toy_configs import toy_model
+from moeexp.traces import recorder, store
 from moeexp.traces.synthetic import random_trace
 
 
 @pytest.fixture(scope="module")
 def loaded():
-    m = tiny_model("mixtral")
+    m = toy_model("mixtral")
     return SimpleNamespace(model=m, tokenizer=None, adapter=adapter_for(m), name="tiny-mixtral")
 
 
@@ -52,11 +52,11 @@ def calls(monkeypatch):
 
 def test_second_call_reuses(loaded, tmp_path, calls, caplog):
     """First call records and writes <hash>.npz/.json; the second only loads it."""
-    caplog.set_level(logging.INFO, logger="moeexp.traces.cache")
-    a = cache.get_or_record(loaded, PROMPTS, cfg(tmp_path))
-    b = cache.get_or_record(loaded, PROMPTS, cfg(tmp_path, progress=True))
+    caplog.set_level(logging.INFO, logger="moeexp.traces.store")
+    a = store.get_or_record(loaded, PROMPTS, cfg(tmp_path))
+    b = store.get_or_record(loaded, PROMPTS, cfg(tmp_path, progress=True))
     assert calls["n"] == 1
-    h = cache.content_hash(loaded, PROMPTS, cfg(tmp_path))
+    h = store.content_hash(loaded, PROMPTS, cfg(tmp_path))
     assert a.meta["content_hash"] == b.meta["content_hash"] == h
     assert (tmp_path / f"{h}.npz").exists() and (tmp_path / f"{h}.json").exists()
     np.testing.assert_array_equal(a.probs, b.probs)
@@ -66,7 +66,7 @@ def test_second_call_reuses(loaded, tmp_path, calls, caplog):
 @pytest.mark.parametrize("damage", ["npz", "schema", "hash"])
 def test_bad_file_is_re_recorded_with_warning(loaded, tmp_path, calls, caplog, damage):
     """A corrupt npz, an old schema version or a foreign hash -> warning + re-record."""
-    t = cache.get_or_record(loaded, PROMPTS, cfg(tmp_path))
+    t = store.get_or_record(loaded, PROMPTS, cfg(tmp_path))
     h = t.meta["content_hash"]
     if damage == "npz":
         (tmp_path / f"{h}.npz").write_bytes(b"garbage")
@@ -78,30 +78,30 @@ def test_bad_file_is_re_recorded_with_warning(loaded, tmp_path, calls, caplog, d
         else:
             meta["meta"]["content_hash"] = "0" * 64
         side.write_text(json.dumps(meta))
-    caplog.set_level(logging.WARNING, logger="moeexp.traces.cache")
-    again = cache.get_or_record(loaded, PROMPTS, cfg(tmp_path))
+    caplog.set_level(logging.WARNING, logger="moeexp.traces.store")
+    again = store.get_or_record(loaded, PROMPTS, cfg(tmp_path))
     assert calls["n"] == 2 and "re-recording" in caplog.text
     np.testing.assert_array_equal(again.probs, t.probs)
-    cache.get_or_record(loaded, PROMPTS, cfg(tmp_path))  # repaired: reused now
+    store.get_or_record(loaded, PROMPTS, cfg(tmp_path))  # repaired: reused now
     assert calls["n"] == 2
 
 
 def test_hash_covers_what_determines_the_trace(loaded, tmp_path):
     """seed, prompts, spec_depth, weights change the hash; progress/cache_dir and (for greedy)
     top_k/temperature do not."""
-    base = cache.content_hash(loaded, PROMPTS, cfg(tmp_path))
-    assert cache.content_hash(loaded, PROMPTS, cfg(tmp_path, seed=1)) != base
-    assert cache.content_hash(loaded, PROMPTS, cfg(tmp_path, spec_depth=2)) != base
-    assert cache.content_hash(loaded, PROMPTS[:1], cfg(tmp_path)) != base
-    assert cache.content_hash(loaded, PROMPTS, cfg(tmp_path / "x", progress=True)) == base
-    g1 = cache.content_hash(loaded, PROMPTS, cfg(tmp_path, sampling="greedy"))
-    g2 = cache.content_hash(loaded, PROMPTS, cfg(tmp_path, sampling="greedy", top_k=5))
+    base = store.content_hash(loaded, PROMPTS, cfg(tmp_path))
+    assert store.content_hash(loaded, PROMPTS, cfg(tmp_path, seed=1)) != base
+    assert store.content_hash(loaded, PROMPTS, cfg(tmp_path, spec_depth=2)) != base
+    assert store.content_hash(loaded, PROMPTS[:1], cfg(tmp_path)) != base
+    assert store.content_hash(loaded, PROMPTS, cfg(tmp_path / "x", progress=True)) == base
+    g1 = store.content_hash(loaded, PROMPTS, cfg(tmp_path, sampling="greedy"))
+    g2 = store.content_hash(loaded, PROMPTS, cfg(tmp_path, sampling="greedy", top_k=5))
     assert g1 == g2 != base
-    other = tiny_model("mixtral", seed=1)
-    assert cache.weights_hash(other) != cache.weights_hash(loaded.model)
-    assert cache.weights_hash(tiny_model("mixtral")) == cache.weights_hash(loaded.model)
+    other = toy_model("mixtral", seed=1)
+    assert store.weights_hash(other) != store.weights_hash(loaded.model)
+    assert store.weights_hash(toy_model("mixtral")) == store.weights_hash(loaded.model)
     with pytest.raises(ConfigError, match="unknown key.*'sede'"):
-        cache.content_hash(loaded, PROMPTS, {"sede": 1})
+        store.content_hash(loaded, PROMPTS, {"sede": 1})
 
 
 def _slow_fake_recorder(marker_dir):
@@ -119,7 +119,7 @@ def test_concurrent_threads_record_once(loaded, tmp_path, monkeypatch):
     monkeypatch.setattr(recorder, "record_trace", _slow_fake_recorder(marks))
     out = []
     threads = [threading.Thread(target=lambda: out.append(
-        cache.get_or_record(loaded, PROMPTS, cfg(tmp_path / "c")))) for _ in range(2)]
+        store.get_or_record(loaded, PROMPTS, cfg(tmp_path / "c")))) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
@@ -129,7 +129,7 @@ def test_concurrent_threads_record_once(loaded, tmp_path, monkeypatch):
 
 
 def _child(loaded, cfg_, q):
-    t = cache.get_or_record(loaded, PROMPTS, cfg_)
+    t = store.get_or_record(loaded, PROMPTS, cfg_)
     q.put(t.meta["content_hash"])
 
 

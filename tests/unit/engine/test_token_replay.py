@@ -6,14 +6,13 @@ import types
 
 import pytest
 import torch
+from tests.unit.conftest import prompt_ids
 
 from moeexp.data.prompts import Prompt
-from moeexp.engine.serving import forced_tokens, recorded_tokens
+from moeexp.engine.token_replay import forced_tokens, recorded_tokens
 from moeexp.errors import ConfigError
 from moeexp.models.adapters import adapter_for
 from moeexp.traces.recorder import record_trace
-
-from .conftest import prompt_ids
 
 
 def _prompts(n: int = 2, out: int = 5) -> list[Prompt]:

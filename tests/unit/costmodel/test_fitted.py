@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from moeexp.costmodel.calibrate import (
+from moeexp.costmodel.fitted import (
     CalibratedCostModel,
     CalibratedProfile,
     ProfileSamples,

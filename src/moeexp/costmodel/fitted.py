@@ -253,7 +253,7 @@ class CalibratedProfile:
         """``conf_root/hardware/<name>.yaml`` (use ``hydra.searchpath=[file://conf_root]``)."""
         hp = asdict(self.hardware_profile())
         text = ("# Roofline approximation of a calibrated profile "
-                "(moeexp.costmodel.calibrate); written, not edited.\n"
+                "(moeexp.costmodel.fitted); written, not edited.\n"
                 + yaml.safe_dump({k: (float(v) if k != "name" else v) for k, v in hp.items()},
                                  sort_keys=False))
         path = Path(conf_root) / "hardware" / f"{self.name}.yaml"

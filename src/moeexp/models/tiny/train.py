@@ -1,6 +1,6 @@
 """Train the embedded default model ``model=tiny`` and its tokenizer, deterministically.
 
-``python -m moeexp.models.tiny_train`` (what ``make tiny-model`` runs) does, in order:
+``python -m moeexp.models.tiny.train`` (what ``make tiny-model`` runs) does, in order:
 
 1. loads ShareGPT (:func:`moeexp.data.sharegpt.load_sharegpt`), drops every held-out
    conversation (:func:`moeexp.data.sharegpt.is_model_heldout`), shuffles the rest with a
@@ -39,10 +39,12 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from moeexp.paths import ASSETS_DIR as PACKAGE_ASSETS
+
 log = logging.getLogger(__name__)
 
 #: Where the shipped weights and tokenizer live (package data).
-ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets" / "tiny"
+ASSETS_DIR = PACKAGE_ASSETS / "tiny"
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 ROLE_NAMES = {
@@ -392,7 +394,7 @@ def run(cfg: TrainConfig, out_dir: Path) -> dict[str, Any]:
         "train_s": round(train_s, 1),
         "wall_s": round(time.perf_counter() - t0, 1),
         "torch": torch.__version__,
-        "command": "python -m moeexp.models.tiny_train",
+        "command": "python -m moeexp.models.tiny.train",
     }
     save(model, wrap_tokenizer(tok, cfg.max_positions), info, out_dir)
     return info
@@ -413,7 +415,7 @@ def save(model: Any, hf_tok: Any, info: dict[str, Any], out_dir: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """CLI: ``python -m moeexp.models.tiny_train [--steps N] [--out DIR] [--seed S]``."""
+    """CLI: ``python -m moeexp.models.tiny.train [--steps N] [--out DIR] [--seed S]``."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=TrainConfig.steps)
     p.add_argument("--seed", type=int, default=TrainConfig.seed)

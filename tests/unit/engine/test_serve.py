@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.unit.conftest import prompt_ids
 
 from moeexp.cache import CACHES
 from moeexp.data.prompts import Prompt
@@ -14,8 +15,6 @@ from moeexp.metrics import CORE_KEYS
 from moeexp.models.adapters import adapter_for
 from moeexp.models.loading import LoadedModel
 from moeexp.predictors import PREDICTORS
-
-from .conftest import prompt_ids
 
 
 def _loaded(model: torch.nn.Module) -> LoadedModel:

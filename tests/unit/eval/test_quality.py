@@ -6,17 +6,16 @@ import math
 
 import pytest
 import torch
+from tests.unit.conftest import prompt_ids
 
 from moeexp.engine import offload
-from moeexp.engine.quality import (
+from moeexp.eval.quality import (
     greedy_agreement,
     kl_divergence,
     next_token_logits,
     perplexity,
     quality_report,
 )
-
-from .conftest import prompt_ids
 
 
 def test_kl_and_perplexity_worked_examples() -> None:

@@ -1,4 +1,4 @@
-"""``python -m moeexp.collect DIR`` (or ``moeexp collect DIR``): gather runs into one table.
+"""``python -m moeexp.tracking.collect DIR`` (or ``moeexp collect DIR``): gather runs into one table.
 
 Finds every run (a directory with ``metrics.json``) under ``DIR``, writes
 ``DIR/collected.csv`` (one row per run: its Hydra overrides as columns, then its metrics)
@@ -17,7 +17,7 @@ from pathlib import Path
 from moeexp.atomic import write_text
 from moeexp.tracking.results import gather, print_table, table_columns, to_markdown
 
-log = logging.getLogger("moeexp.collect")
+log = logging.getLogger("moeexp.tracking.collect")
 
 
 def collect(root: str | Path, out: str | Path | None = None,

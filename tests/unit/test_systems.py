@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from moeexp.engine.systems import resolve_system, system_names
 from moeexp.errors import ConfigError
+from moeexp.systems import resolve_system, system_names
 
 
 @pytest.fixture()
