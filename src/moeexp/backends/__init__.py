@@ -79,7 +79,6 @@ class SimBackend:
         num_online_requests: requests served in the online mode (FineMoE: 256; the test
             split is cycled through); ignored offline.
         restricted_routing: eMoE's restricted routing (substitute a resident expert).
-        renormalize: renormalise routing weights after a substitution (model output only).
         progress: show a progress bar.
         cost_profile: path of a calibrated profile (``calibration.json`` of a
             ``sim_vs_engine`` run, :mod:`moeexp.costmodel.fitted`): its fitted cost model
@@ -90,7 +89,6 @@ class SimBackend:
     arrival_rate: float | None = None
     num_online_requests: int = 256
     restricted_routing: bool = False
-    renormalize: bool = False
     progress: bool = True
     cost_profile: str | None = None
 
@@ -117,7 +115,7 @@ class SimBackend:
             cost = load_cost_model(self.cost_profile, ctx.trace.dims, dtype_bytes=cost.dtype_bytes)
         res = simulate(ctx.trace, ctx.predictor, ctx.cache, cost,
                        batch_size=self.batch_size, arrival_rate=self.arrival_rate,
-                       restricted_routing=self.restricted_routing, renormalize=self.renormalize,
+                       restricted_routing=self.restricted_routing,
                        seed=ctx.seed, progress=self.progress,
                        num_requests=self.num_online_requests if online else None)
         metrics: dict[str, Any] = dict(res.metrics)

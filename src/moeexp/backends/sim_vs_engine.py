@@ -251,7 +251,7 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=s.engine_settings(),
                               warmup=s.warmup)
     sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
-                   renormalize=renorm, seed=ctx.seed, progress=False, predictor_feed_s=feed_s)
+                   seed=ctx.seed, progress=False, predictor_feed_s=feed_s)
     settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,
                 "replay_tokens": True, "reference": False, "seed": ctx.seed, "progress": False}
     eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace)
