@@ -11,24 +11,32 @@ load, no trace recording) and returns a :class:`RunSpec`; anything misspelled ra
 - ``dataset``: :class:`moeexp.data.prompts.DatasetConfig` (and ``path`` must exist);
 - ``hardware``: :meth:`moeexp.costmodel.hardware.HardwareProfile.from_mapping` of the
   composed group (command-line changes to its numbers count);
+- ``eval``: :class:`moeexp.eval.stage.EvalSpec` (absent = ``none``);
 - a predictor's recorded extras (``needs``) must be enabled in ``trace``.
 
-:func:`build_predictor` and :func:`build_cache` build the decision objects once the
+Only the typed :class:`RunSpec` flows down from here: the pipeline builds the decision
+objects from its :class:`~moeexp.registry.GroupChoice` parts with
+:func:`moeexp.predictors.build_predictor` and :func:`moeexp.cache.build_cache` once the
 model's dims are known (the cache capacity in slots needs the bytes of one expert).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from moeexp.backends import BACKENDS
+from moeexp.cache import check_cache
+from moeexp.costmodel.hardware import HardwareProfile
+from moeexp.data.prompts import DatasetConfig
 from moeexp.errors import ConfigError
-from moeexp.registry import accepted_kwargs
-from moeexp.traces.schema import TraceDims
+from moeexp.eval.stage import EvalSpec, eval_spec
+from moeexp.predictors import PREDICTORS, check_predictor
+from moeexp.registry import GroupChoice, group_choice, to_dict, typed
+from moeexp.tracking.loggers import LOGGERS
 
 #: Top-level keys a composed config may hold (the groups, ``trace``, the experiment name,
 #: the optional ``eval`` group and ``resume`` flag).
@@ -39,35 +47,6 @@ TOP_LEVEL_KEYS: frozenset[str] = frozenset({
 })
 #: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true).
 OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume"})
-
-
-def to_dict(node: Any) -> dict[str, Any]:
-    """A config group (DictConfig or mapping) as a plain dict, interpolations resolved."""
-    if isinstance(node, DictConfig):
-        out = OmegaConf.to_container(node, resolve=True)
-    elif isinstance(node, Mapping):
-        out = dict(node)
-    else:
-        raise ConfigError(f"expected a mapping, got {type(node).__name__}: {node!r}")
-    assert isinstance(out, dict)
-    return {str(k): v for k, v in out.items()}
-
-
-def typed(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """Build frozen dataclass ``cls`` from ``data``; unknown or missing keys raise ConfigError."""
-    names = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        import difflib
-
-        hints = [k + (f" (did you mean {c[0]!r}?)" if (c := difflib.get_close_matches(k, names, 1))
-                      else "") for k in unknown]
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}. Accepted keys: "
-                          f"{', '.join(sorted(names))}")
-    try:
-        return cls(**data)
-    except TypeError as err:
-        raise ConfigError(f"{where}: {err}") from None
 
 
 # ----------------------------------------------------------------------------- typed groups
@@ -145,69 +124,27 @@ class SystemSpec:
 
 
 @dataclass(frozen=True)
-class GroupChoice:
-    """A registry-built group: its ``name`` and the constructor keywords (the rest)."""
-
-    name: str
-    kwargs: dict[str, Any]
-
-
-@dataclass(frozen=True)
 class RunSpec:
     """Everything :func:`validate` checked, typed."""
 
     model: ModelSpec
-    dataset: Any  # moeexp.data.prompts.DatasetConfig
+    dataset: DatasetConfig
     trace: TraceSpec
     system: SystemSpec
     predictor: GroupChoice
     cache: GroupChoice
     backend: GroupChoice
     logger: GroupChoice
-    hardware: Any  # moeexp.costmodel.hardware.HardwareProfile
+    hardware: HardwareProfile
+    eval: EvalSpec
     experiment_name: str | None
+    resume: bool = True
 
 
-# ----------------------------------------------------------------------------- helpers
-def _choice(cfg: Any, group: str) -> GroupChoice:
-    data = to_dict(cfg)
-    name = data.pop("name", None)
-    if not isinstance(name, str) or not name:
-        raise ConfigError(f"{group}: the group has no 'name:' (got {name!r})")
-    return GroupChoice(name, data)
-
-
-def load_registries() -> None:
-    """Import the packages whose modules register predictors and cache policies."""
-    import moeexp.cache  # noqa: F401
-    import moeexp.predictors  # noqa: F401
-
-
-def _check_keys(factory: Any, given: Mapping[str, Any], injected: set[str],
-                config_only: set[str], where: str) -> None:
-    """Unknown config keys raise, in the config's terms: the keys the pipeline injects
-    (``dims``, ``capacity_slots``...) are not offered, the config-only ones (``capacity``) are."""
-    accepted = accepted_kwargs(factory)
-    if accepted is None:
-        return
-    valid = (accepted - injected) | config_only
-    unknown = sorted(set(given) - valid)
-    if unknown:
-        import difflib
-
-        hints = [f"{k!r}" + (f" (did you mean {c[0]!r}?)"
-                             if (c := difflib.get_close_matches(k, valid, 1)) else "")
-                 for k in unknown]
-        raise ConfigError(f"{where}: unknown key(s) {', '.join(hints)}. Accepted keys: "
-                          f"{', '.join(sorted(valid | {'name'}))}")
-
-
-def _check_predictor(choice: GroupChoice, trace: TraceSpec) -> None:
-    from moeexp.predictors import PREDICTORS
-
-    factory = PREDICTORS.get(choice.name)
-    _check_keys(factory, choice.kwargs, {"dims"}, set(), f"predictor={choice.name}")
-    needs: frozenset[str] = getattr(factory, "needs", frozenset())
+# ----------------------------------------------------------------------------- checks
+def _check_needs(choice: GroupChoice, trace: TraceSpec) -> None:
+    """The trace records what the predictor needs (hidden states, gates, embeddings)."""
+    needs: frozenset[str] = getattr(PREDICTORS.get(choice.name), "needs", frozenset())
     missing = []
     if "hidden" in needs and not trace.record_hidden:
         missing.append("hidden states (set trace.record_hidden=true)")
@@ -219,39 +156,7 @@ def _check_predictor(choice: GroupChoice, trace: TraceSpec) -> None:
         raise ConfigError(f"predictor={choice.name} needs {', and '.join(missing)}")
 
 
-def _check_cache(choice: GroupChoice) -> None:
-    from moeexp.cache import CACHES
-
-    factory = CACHES.get(choice.name)
-    _check_keys(factory, choice.kwargs, {"capacity_slots", "num_layers", "num_experts"},
-                {"capacity"}, f"cache={choice.name}")
-    if "capacity" not in choice.kwargs:
-        raise ConfigError(f"cache={choice.name}: no 'capacity' (a fraction of all expert "
-                          "bytes <= 1.0, bytes as an int, or a string like '2GB'/'512MB')")
-
-
-def _check_backend(choice: GroupChoice) -> None:
-    from moeexp.backends import BACKENDS
-
-    BACKENDS.build(choice.name, **choice.kwargs)
-
-
-def _check_logger(choice: GroupChoice) -> None:
-    from moeexp.tracking.loggers import LOGGERS
-
-    LOGGERS.build(choice.name, **choice.kwargs)
-
-
-def _check_hardware(cfg: Any) -> Any:
-    """The profile built from the composed group (so ``hardware.h2d_gbps=16`` counts)."""
-    from moeexp.costmodel.hardware import HardwareProfile
-
-    return HardwareProfile.from_mapping(to_dict(cfg))
-
-
-def _check_dataset(cfg: Any) -> Any:
-    from moeexp.data.prompts import DatasetConfig
-
+def _check_dataset(cfg: Any) -> DatasetConfig:
     ds = DatasetConfig.from_mapping(to_dict(cfg))
     if ds.path is not None and not Path(ds.path).expanduser().exists():
         raise ConfigError(f"dataset={ds.name}: dataset.path={ds.path!r} does not exist "
@@ -273,48 +178,25 @@ def validate(cfg: DictConfig) -> RunSpec:
     missing = sorted(k for k in TOP_LEVEL_KEYS - OPTIONAL_KEYS if k not in cfg)
     if missing:
         raise ConfigError(f"config lacks group(s) {', '.join(missing)}")
-    load_registries()
     trace = typed(TraceSpec, to_dict(cfg.trace), "trace")
     spec = RunSpec(
         model=typed(ModelSpec, to_dict(cfg.model), f"model={cfg.model.get('name')}"),
         dataset=_check_dataset(cfg.dataset),
         trace=trace,
         system=typed(SystemSpec, to_dict(cfg.system), f"system={cfg.system.get('name')}"),
-        predictor=_choice(cfg.predictor, "predictor"),
-        cache=_choice(cfg.cache, "cache"),
-        backend=_choice(cfg.backend, "backend"),
-        logger=_choice(cfg.logger, "logger"),
-        hardware=_check_hardware(cfg.hardware),
+        predictor=group_choice(cfg.predictor, "predictor"),
+        cache=group_choice(cfg.cache, "cache"),
+        backend=group_choice(cfg.backend, "backend"),
+        logger=group_choice(cfg.logger, "logger"),
+        # from the composed group, so that ``hardware.h2d_gbps=16`` counts
+        hardware=HardwareProfile.from_mapping(to_dict(cfg.hardware)),
+        eval=eval_spec(cfg.get("eval")),
         experiment_name=cfg.get("experiment_name"),
+        resume=bool(cfg.get("resume", True)),
     )
-    _check_predictor(spec.predictor, trace)
-    _check_cache(spec.cache)
-    _check_backend(spec.backend)
-    _check_logger(spec.logger)
+    check_predictor(spec.predictor)
+    _check_needs(spec.predictor, trace)
+    check_cache(spec.cache)
+    BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
+    LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     return spec
-
-
-def build_predictor(pcfg: Mapping[str, Any] | DictConfig, dims: TraceDims) -> Any:
-    """``PREDICTORS.build(name, dims=dims, **rest)`` from the ``predictor`` group."""
-    from moeexp.predictors import PREDICTORS
-
-    choice = _choice(pcfg, "predictor")
-    return PREDICTORS.build(choice.name, dims=dims, **choice.kwargs)
-
-
-def build_cache(ccfg: Mapping[str, Any] | DictConfig, dims: TraceDims) -> Any:
-    """``CACHES.build(name, capacity_slots=..., num_layers=L, num_experts=J, **rest)``.
-
-    ``capacity`` (a fraction of all expert bytes, bytes, or "2GB") becomes slots through
-    :func:`moeexp.cache.capacity.capacity_slots`, which raises when it is below top-k.
-    """
-    from moeexp.cache import CACHES
-    from moeexp.cache.capacity import capacity_slots
-
-    choice = _choice(ccfg, "cache")
-    kwargs = dict(choice.kwargs)
-    if "capacity" not in kwargs:
-        _check_cache(choice)  # raises the "no capacity" message
-    slots = capacity_slots(kwargs.pop("capacity"), dims)
-    return CACHES.build(choice.name, capacity_slots=slots, num_layers=dims.num_layers,
-                        num_experts=dims.num_experts, **kwargs)

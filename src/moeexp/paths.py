@@ -11,6 +11,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from moeexp.errors import ConfigError
+from moeexp.registry import unknown_name
+
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parents[1]
 CONF_DIR = REPO_DIR / "conf"
@@ -22,21 +25,34 @@ def results_dir() -> Path:
     return Path(os.environ.get("MOEEXP_RESULTS", "results"))
 
 
-def group_options(group: str) -> list[str]:
+def group_options(group: str, conf_dir: str | Path | None = None) -> list[str]:
     """Names of the YAML options of config group ``group`` (e.g. ``"system"``)."""
-    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+    return sorted(p.stem for p in (Path(conf_dir or CONF_DIR) / group).glob("*.yaml"))
 
 
-def load_group_yaml(group: str, name: str) -> dict[str, Any]:
-    """The raw content of ``conf/<group>/<name>.yaml`` (interpolations unresolved)."""
+def read_option(folder: str | Path, name: str, what: str) -> dict[str, Any]:
+    """The raw mapping of ``folder/<name>.yaml`` (interpolations unresolved): the one reader
+    of config files outside Hydra's composition.
+
+    Raises:
+        ConfigError: an unknown ``name`` (naming the close and the valid ones, as every
+            registry does), a file that is not valid YAML, or one that is not a mapping.
+    """
     from omegaconf import OmegaConf
 
-    from moeexp.errors import ConfigError
-
-    path = CONF_DIR / group / f"{name}.yaml"
-    if not path.exists():
-        raise ConfigError(f"unknown {group} {name!r}. Valid {group} names: "
-                          f"{', '.join(group_options(group))}")
-    data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-    assert isinstance(data, dict)
+    folder = Path(folder)
+    path = folder / f"{name}.yaml"
+    if not isinstance(name, str) or not path.is_file():
+        raise unknown_name(what, name, (p.stem for p in folder.glob("*.yaml")))
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    except Exception as err:  # omegaconf wraps yaml's errors in several types
+        raise ConfigError(f"{what} {path}: not valid YAML ({err})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{what} {path}: expected a mapping of keys")
     return {str(k): v for k, v in data.items()}
+
+
+def load_group_yaml(group: str, name: str, conf_dir: str | Path | None = None) -> dict[str, Any]:
+    """The raw content of ``conf/<group>/<name>.yaml`` (interpolations unresolved)."""
+    return read_option(Path(conf_dir or CONF_DIR) / group, name, group)

@@ -2,16 +2,18 @@
 
 ::
 
-    validate(cfg)                       every group checked, nothing loaded yet
-      load_model(cfg.model)             LoadedModel(model, tokenizer, adapter, name)
-      build predictor + cache           with the model's dims: from its config on the meta
-                                        device before the load, then from the loaded model
-                                        (capacity errors surface before any weight is read)
-      sample_prompts(cfg.dataset)       seeded, 70/30 store/test
+    spec = validate(cfg)                every group checked and typed, nothing loaded yet;
+                                        only the typed RunSpec flows on from here
+      check with dims                   predictor + cache built once with the model's dims
+                                        from its config on the meta device (or right after
+                                        the load): capacity errors before any weight is read
+      load_model(spec.model)            LoadedModel(model, tokenizer, adapter, name)
+      sample_prompts(spec.dataset)      seeded, 70/30 store/test
       get_or_record(...)                the routing trace (cached by content hash)
-      predictor.fit(store); cache.fit(store)
-      backend.run(test, ...)            sim: simulator + cost model
-      run_eval(...)                     eval=lm_eval: quality + lm-eval (moeexp.eval.stage)
+      build predictor + cache; fit(store)   once, with the trace's dims
+      backend.run(BackendContext)       sim: simulator + cost model; engine; sim_vs_engine
+      run_eval(spec.eval, EvalInputs)   eval=lm_eval: quality + lm-eval on copies of the
+                                        fitted policies (moeexp.eval.stage)
     metrics.json, series.parquet, env.json, W&B
 
 With ``resume`` true (the default) a job whose directory already holds ``metrics.json``
@@ -27,6 +29,7 @@ the pipeline's stages (``*_time_s``), and the run's identity as strings (``syste
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
 import time
@@ -36,7 +39,15 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from moeexp.config import RunSpec, build_cache, build_predictor, validate
+from moeexp.backends import BACKENDS, BackendContext
+from moeexp.cache import build_cache
+from moeexp.config import RunSpec, validate
+from moeexp.costmodel.roofline import CostModel
+from moeexp.data.prompts import sample_prompts
+from moeexp.errors import ConfigError
+from moeexp.eval.stage import EvalInputs, run_eval
+from moeexp.predictors import build_predictor
+from moeexp.traces.schema import Trace, TraceDims
 from moeexp.tracking.env import collect_env
 from moeexp.tracking.loggers import LOGGERS, Logger
 from moeexp.tracking.run_dir import (
@@ -48,6 +59,7 @@ from moeexp.tracking.run_dir import (
 )
 
 log = logging.getLogger(__name__)
+
 
 def output_dir() -> Path:
     """The Hydra job's output directory (``hydra.run.dir`` or the sweep job's dir)."""
@@ -70,44 +82,21 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     spec = validate(cfg)
-    from moeexp.eval.stage import eval_spec, run_eval
-
-    evals = eval_spec(cfg.get("eval"))
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
-    if cfg.get("resume", True) and (run_dir / METRICS_FILE).is_file():
+    if spec.resume and (run_dir / METRICS_FILE).is_file():
         log.info("skipping: metrics.json exists in %s (resume=true; resume=false reruns)",
                  run_dir)
         return dict(read_metrics(run_dir))
     run_dir.mkdir(parents=True, exist_ok=True)
     logger: Logger = LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     times: dict[str, float] = {}
-
-    from moeexp.models.loading import load_model, probe_adapter
-    from moeexp.traces.recorder import trace_dims
-
-    # Build once with the model's dims so that a bad capacity fails before any work: from
-    # the config alone (meta device) before the weights load, and again after the load.
-    probe = probe_adapter(cfg.model)
-    if probe is not None:
-        build_predictor(cfg.predictor, trace_dims(probe, spec.trace.spec_depth))
-        build_cache(cfg.cache, trace_dims(probe, spec.trace.spec_depth))
-    t = time.perf_counter()
-    loaded = load_model(cfg.model)
-    times["load_time_s"] = time.perf_counter() - t
-    dims = trace_dims(loaded.adapter, spec.trace.spec_depth)
-    build_predictor(cfg.predictor, dims)
-    build_cache(cfg.cache, dims)
-    cost = _cost_model(spec.hardware, dims, _dtype_bytes(loaded))
-
-    from moeexp.data.prompts import sample_prompts
-
-    prompts = sample_prompts(cfg.dataset, loaded.tokenizer)
+    loaded = _load_checked(spec, times)
+    prompts = sample_prompts(spec.dataset, loaded.tokenizer)
     write_env(run_dir, collect_env(hardware_profile=dataclasses.asdict(spec.hardware)))
     logger.start(run_dir, config=_resolved(cfg), group=spec.experiment_name or "adhoc",
                  name=_run_name(spec, run_dir), tags=_tags(spec))
     try:
-        metrics, series = _execute(cfg, spec, loaded, prompts, cost, times, run_dir)
-        metrics.update(run_eval(evals, cfg, loaded, prompts))  # eval=none: nothing
+        metrics, series = _execute(spec, loaded, prompts, times, run_dir)
         metrics["total_time_s"] = time.perf_counter() - t_start
         write_metrics(run_dir, metrics)
         write_series(run_dir, series)
@@ -121,50 +110,76 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     return metrics
 
 
-def _execute(cfg: DictConfig, spec: RunSpec, loaded: Any, prompts: list[Any], cost: Any,
-             times: dict[str, float], run_dir: Path | None = None
-             ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Trace, fit, serve the test split; returns (metrics, series)."""
-    from moeexp.backends import BACKENDS, BackendContext
-    from moeexp.traces.store import get_or_record
+def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:
+    """Build predictor and cache once with ``dims``: a capacity below K experts, or a
+    setting the model's shape refuses, fails here, before any long work."""
+    build_predictor(spec.predictor, dims)
+    build_cache(spec.cache, dims)
+
+
+def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
+    """The model, with the dims-dependent settings checked first from its config alone
+    (meta device, no weight read), or right after the load when no probe is possible."""
+    from moeexp.models.loading import load_model, probe_adapter  # torch, transformers
+    from moeexp.traces.recorder import trace_dims  # torch
+
+    model_cfg = dataclasses.asdict(spec.model)
+    probe = probe_adapter(model_cfg)
+    if probe is not None:
+        _check_with_dims(spec, trace_dims(probe, spec.trace.spec_depth))
+    t = time.perf_counter()
+    loaded = load_model(model_cfg)
+    times["load_time_s"] = time.perf_counter() - t
+    if probe is None:
+        _check_with_dims(spec, trace_dims(loaded.adapter, spec.trace.spec_depth))
+    return loaded
+
+
+def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, float],
+             run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trace, fit, serve the test split, evaluate; returns (metrics, series)."""
+    from moeexp.traces.store import get_or_record  # torch (the recorder)
 
     t = time.perf_counter()
-    trace = get_or_record(loaded, prompts, cfg.trace)
+    trace = get_or_record(loaded, prompts, dataclasses.asdict(spec.trace))
     times["trace_time_s"] = time.perf_counter() - t
     store, test = trace.split("store"), trace.split("test")
     if test.num_iterations == 0:
-        from moeexp.errors import ConfigError
-
         raise ConfigError(f"the test split is empty ({len(prompts)} prompts, store_fraction "
                           f"{spec.dataset.store_fraction}): raise dataset.num_prompts or lower "
                           "dataset.store_fraction")
-    dims = trace.dims
-    predictor = build_predictor(cfg.predictor, dims)
-    cache = build_cache(cfg.cache, dims)
+    predictor = build_predictor(spec.predictor, trace.dims)
+    cache = build_cache(spec.cache, trace.dims)
     t = time.perf_counter()
     predictor.fit(store)
     cache.fit(store)
     times["fit_time_s"] = time.perf_counter() - t
+    # the eval stage gets the fitted policies as they are before the backend uses them
+    unused = (copy.deepcopy(predictor), copy.deepcopy(cache)) if spec.eval.enabled else None
 
     backend = BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
     test_ids = {r.request_id for r in test.requests}
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
-                         trace=test, predictor=predictor, cache=cache, cost=cost,
-                         seed=spec.trace.seed, store=store, run_dir=run_dir)
+                         trace=test, predictor=predictor, cache=cache,
+                         cost=_cost_model(spec, trace.dims, loaded), seed=spec.trace.seed,
+                         store=store, run_dir=run_dir)
     t = time.perf_counter()
     result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t
     metrics: dict[str, Any] = dict(result.metrics)
     metrics.update(times)
     metrics.update(_identity(spec, trace))
-    series = {k: v for k, v in result.series.items()}
-    return metrics, series
+    if unused is not None:
+        metrics.update(run_eval(spec.eval, EvalInputs(
+            loaded=loaded, prompts=prompts, system=spec.system.name,
+            backend=spec.backend.kwargs, dataset=spec.dataset.to_mapping(),
+            predictor=unused[0], cache=unused[1])))
+    return metrics, dict(result.series)
 
 
-def _cost_model(profile: Any, dims: Any, dtype_bytes: int) -> Any:
-    from moeexp.costmodel.roofline import CostModel
-
-    return CostModel.from_profile(profile, dims, dtype_bytes=dtype_bytes)
+def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
+    """The hardware profile's cost model for ``dims``, at the weights' bytes per element."""
+    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(loaded))
 
 
 def _dtype_bytes(loaded: Any) -> int:
@@ -174,7 +189,7 @@ def _dtype_bytes(loaded: Any) -> int:
     return 2
 
 
-def _identity(spec: RunSpec, trace: Any) -> dict[str, Any]:
+def _identity(spec: RunSpec, trace: Trace) -> dict[str, Any]:
     """The run's identity as strings, plus the split sizes."""
     return {
         "system": spec.system.name,

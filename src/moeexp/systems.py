@@ -23,31 +23,16 @@ from pathlib import Path
 from typing import Any
 
 from moeexp.errors import ConfigError
+from moeexp.paths import CONF_DIR, group_options, read_option
 
 log = logging.getLogger(__name__)
 
 
-def _conf_dir(conf_dir: str | Path | None) -> Path:
-    if conf_dir is not None:
-        return Path(conf_dir)
-    from moeexp.paths import CONF_DIR
-
-    return CONF_DIR
-
-
-def _options(root: Path, group: str) -> list[str]:
-    return sorted(p.stem for p in (root / group).glob("*.yaml"))
-
-
 def _load(root: Path, group: str, name: str) -> Any:
+    """``conf/<group>/<name>.yaml`` as an OmegaConf node (interpolations unresolved)."""
     from omegaconf import OmegaConf
 
-    path = root / group / f"{name}.yaml"
-    if not path.exists():
-        valid = _options(root, group)
-        raise ConfigError(f"unknown {group} {name!r}. Valid {group} names: "
-                          f"{', '.join(valid) or '(none found in ' + str(root / group) + ')'}")
-    return OmegaConf.load(path)
+    return OmegaConf.create(read_option(root / group, name, group))
 
 
 def _choices(system_cfg: Any, system: str) -> dict[str, str]:
@@ -64,12 +49,6 @@ def _choices(system_cfg: Any, system: str) -> dict[str, str]:
             raise ConfigError(f"system {system!r} does not choose a {group} "
                               f"(its defaults need `override /{group}: NAME`)")
     return out
-
-
-def load_registries() -> None:
-    """Import every predictor and cache-policy module so the registries are complete."""
-    import moeexp.cache  # noqa: F401  (the package imports all of its modules)
-    import moeexp.predictors  # noqa: F401
 
 
 def resolve_system(
@@ -100,11 +79,8 @@ def resolve_system(
     """
     from omegaconf import OmegaConf
 
-    root = _conf_dir(conf_dir)
-    if not isinstance(name, str) or not (root / "system" / f"{name}.yaml").exists():
-        raise ConfigError(f"unknown system {name!r}. Valid system names: "
-                          f"{', '.join(_options(root, 'system')) or '(none found in ' + str(root) + ')'}")
-    sys_cfg: Any = OmegaConf.load(root / "system" / f"{name}.yaml")
+    root = Path(conf_dir or CONF_DIR)
+    sys_cfg: Any = _load(root, "system", name)
     choice = _choices(sys_cfg, name)
     user = {"predictor": predictor, "cache": cache}
     resolved: dict[str, Any] = {}
@@ -139,4 +115,4 @@ def resolve_system(
 
 def system_names(conf_dir: str | Path | None = None) -> list[str]:
     """Names of every system bundle in ``conf/system``."""
-    return _options(_conf_dir(conf_dir), "system")
+    return group_options("system", conf_dir)

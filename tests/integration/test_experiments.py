@@ -18,10 +18,12 @@ from hydra import compose, initialize_config_dir
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import DictConfig, OmegaConf
 
-from moeexp.config import build_cache, build_predictor, validate
+from moeexp.cache import build_cache
+from moeexp.config import validate
 from moeexp.costmodel import CostModel, load_profile
 from moeexp.errors import ConfigError
 from moeexp.paths import CONF_DIR, REPO_DIR
+from moeexp.predictors import build_predictor
 from moeexp.simulator import simulate
 from moeexp.traces.synthetic import random_trace
 

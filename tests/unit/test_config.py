@@ -17,9 +17,11 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.errors import MissingConfigException
 
-from moeexp.config import TraceSpec, build_cache, build_predictor, validate
+from moeexp.cache import build_cache
+from moeexp.config import TraceSpec, validate
 from moeexp.errors import ConfigError
 from moeexp.paths import CONF_DIR, REPO_DIR, group_options
+from moeexp.predictors import build_predictor
 from moeexp.traces.schema import TraceDims
 
 GROUPS = ("model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger")
@@ -105,12 +107,12 @@ def test_misspelled_option_lists_valid_names():
 @pytest.mark.parametrize(("override", "pattern"), [
     ("+cache.capacty=0.5", r"cache=lru: unknown key\(s\) 'capacty' \(did you mean 'capacity'\?\)"),
     ("+predictor.foo=1", r"predictor=none: unknown key\(s\) 'foo'"),
-    ("+model.prefetch_distnce=3", r"model=tiny: unknown key\(s\) prefetch_distnce"),
-    ("+dataset.num_promts=3", r"dataset=sharegpt: unknown key\(s\) \['num_promts'\]"),
+    ("+model.prefetch_distnce=3", r"model=tiny: unknown key\(s\) 'prefetch_distnce' \(did you mean 'prefetch_distance'\?\)"),
+    ("+dataset.num_promts=3", r"dataset=sharegpt: unknown key\(s\) 'num_promts' \(did you mean 'num_prompts'\?\)"),
     ("+backend.batchsize=2", r"backend=sim: unknown key\(s\) 'batchsize'"),
-    ("+trace.topk=3", r"trace: unknown key\(s\) topk \(did you mean 'top_k'\?\)"),
+    ("+trace.topk=3", r"trace: unknown key\(s\) 'topk' \(did you mean 'top_k'\?\)"),
     ("+logger.projct=x", r"logger=wandb: unknown key\(s\) 'projct'"),
-    ("+system.nam=x", r"system=deepspeed: unknown key\(s\) nam"),
+    ("+system.nam=x", r"system=deepspeed: unknown key\(s\) 'nam'"),
     ("+hardware.h2d_gbs=1", r"hardware profile 'rtx3090_pcie4': unknown key\(s\) h2d_gbs"),
     ("+foo=1", r"unknown top-level key\(s\) 'foo'"),
 ])
@@ -150,7 +152,7 @@ def test_engine_backend_keys_are_checked():
     from moeexp.backends import BACKENDS
 
     assert BACKENDS.build("engine", bandwidth_bps=1e9, sampling="greedy").settings
-    with pytest.raises(ConfigError, match=r"backend=engine: unknown key\(s\) \['bandwith_bps'\]"):
+    with pytest.raises(ConfigError, match=r"backend=engine: unknown key\(s\) 'bandwith_bps' \(did you mean 'bandwidth_bps'\?\)"):
         BACKENDS.build("engine", bandwith_bps=1e9)
 
 

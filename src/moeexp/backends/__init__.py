@@ -13,12 +13,14 @@ cache, cost model, seed); a new backend registers a class here and gets the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from moeexp.costmodel.fitted import load_cost_model
 from moeexp.errors import ConfigError
 from moeexp.registry import Registry
+from moeexp.simulator import simulate
 from moeexp.traces.schema import Trace
 
 
@@ -105,13 +107,9 @@ class SimBackend:
                               "(a calibration.json written by +experiment=sim_vs_engine, or null)")
 
     def run(self, ctx: BackendContext) -> BackendResult:
-        from moeexp.simulator import simulate
-
         online = self.arrival_rate is not None
         cost = ctx.cost
         if self.cost_profile is not None:
-            from moeexp.costmodel.fitted import load_cost_model
-
             cost = load_cost_model(self.cost_profile, ctx.trace.dims, dtype_bytes=cost.dtype_bytes)
         res = simulate(ctx.trace, ctx.predictor, ctx.cache, cost,
                        batch_size=self.batch_size, arrival_rate=self.arrival_rate,
@@ -137,22 +135,13 @@ class EngineBackend:
     """
 
     def __init__(self, **settings: Any) -> None:
-        from moeexp.engine.runtime import EngineSettings
-        from moeexp.engine.serve import _DECODE_KEYS
+        from moeexp.engine.serve import check_serve_settings  # torch: only when chosen
 
-        valid = {f.name for f in fields(EngineSettings)} | set(_DECODE_KEYS)
-        unknown = sorted(set(settings) - valid)
-        if unknown:
-            raise ConfigError(f"backend=engine: unknown key(s) {unknown}. Accepted keys: "
-                              f"{', '.join(sorted(valid))}")
-        if settings.get("device") is not None:
-            from moeexp.engine.serve import resolve_device
-
-            resolve_device(settings["device"])
+        check_serve_settings(settings)
         self.settings = dict(settings)
 
     def run(self, ctx: BackendContext) -> BackendResult:
-        from moeexp.engine.serve import serve_engine
+        from moeexp.engine.serve import serve_engine  # torch: only when chosen
 
         settings = {"seed": ctx.seed, **self.settings}
         res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
@@ -167,12 +156,12 @@ class SimVsEngineBackend:
     Keys: those of :class:`moeexp.backends.sim_vs_engine.SimVsEngineSettings`."""
 
     def __init__(self, **settings: Any) -> None:
-        from moeexp.backends.sim_vs_engine import SimVsEngineSettings
+        from moeexp.backends.sim_vs_engine import SimVsEngineSettings  # pandas, torch: lazily
 
         self.settings = SimVsEngineSettings.from_mapping(settings)
 
     def run(self, ctx: BackendContext) -> BackendResult:
-        from moeexp.backends.sim_vs_engine import run_sim_vs_engine
+        from moeexp.backends.sim_vs_engine import run_sim_vs_engine  # pandas, torch: lazily
 
         metrics, series = run_sim_vs_engine(ctx, self.settings)
         return BackendResult(metrics, series)

@@ -33,7 +33,13 @@ import numpy as np
 import pandas as pd
 
 from moeexp.atomic import write_text
+from moeexp.cache import build_cache
+from moeexp.costmodel.fitted import CalibratedCostModel, fit_profile
 from moeexp.errors import ConfigError
+from moeexp.predictors import build_predictor
+from moeexp.registry import typed
+from moeexp.simulator import simulate
+from moeexp.systems import resolve_system, system_names
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +120,6 @@ class SimVsEngineSettings:
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> SimVsEngineSettings:
         """Validate the group (unknown keys, bad systems and engine keys raise ConfigError)."""
-        from moeexp.config import typed
-        from moeexp.systems import system_names
-
         d = dict(data)
         entries = []
         for item in d.pop("systems", DEFAULT_SYSTEMS):
@@ -138,9 +141,9 @@ class SimVsEngineSettings:
         out = typed(cls, {"systems": tuple(entries), **d}, "backend=sim_vs_engine")
         if not out.systems:
             raise ConfigError("backend=sim_vs_engine: systems is empty")
-        from moeexp.backends import EngineBackend
+        from moeexp.engine.serve import check_serve_settings  # torch
 
-        EngineBackend(**out.engine)  # device (CUDA present?) checked before any work
+        check_serve_settings(out.engine)  # device (CUDA present?) checked before any work
         return out
 
     @property
@@ -152,10 +155,9 @@ class SimVsEngineSettings:
 
     def engine_settings(self) -> Any:
         """:attr:`engine` as the :class:`~moeexp.engine.runtime.EngineSettings` it holds."""
-        from moeexp.engine.runtime import EngineSettings
+        from moeexp.engine.build import engine_settings  # torch
 
-        known = {f.name for f in dataclasses.fields(EngineSettings)}
-        return EngineSettings(**{k: v for k, v in self.engine.items() if k in known})
+        return engine_settings(self.engine)
 
     def decode_tokens_for(self, prompts: Any) -> int:
         """Tokens generated per profiled request (``decode_tokens``, else the test length)."""
@@ -179,8 +181,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
     """Profile + fit; writes calibration.json, profile_samples.json, conf/hardware/."""
     import torch
 
-    from moeexp.costmodel.fitted import fit_profile
-    from moeexp.engine.profile import profile_compute, profile_copy
+    from moeexp.engine.profile import profile_compute, profile_copy  # torch
 
     est = s.engine_settings()
     new = s.decode_tokens_for(ctx.prompts)
@@ -223,10 +224,7 @@ def _mape(sim: list[float], eng: list[float]) -> float:
 def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Both backends on one system; the summary row and the per-request rows."""
-    from moeexp.config import build_cache, build_predictor
-    from moeexp.engine.serve import serve_engine
-    from moeexp.simulator import simulate
-    from moeexp.systems import resolve_system
+    from moeexp.engine.serve import serve_engine  # torch
 
     cache_o: dict[str, Any] = {"capacity": s.capacity}
     if entry.cache:
@@ -244,7 +242,7 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         objs.append((pred, pol))
     feed_s = 0.0
     if s.predictor_feed and pcfg["name"] != "none" and "future" not in objs[0][0].needs:
-        from moeexp.engine.profile import profile_feed
+        from moeexp.engine.profile import profile_feed  # torch
 
         feed_reqs = _store_requests(ctx.store, s.profile_requests, (1.0,),
                                     s.decode_tokens_for(ctx.prompts))
@@ -290,13 +288,14 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
 
 def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any], dict[str, list]]:
     """The whole experiment on a pipeline context; returns (metrics, series)."""
-    from moeexp.costmodel.fitted import CalibratedCostModel
-    from moeexp.engine.serve import resolve_device, run_on
+    from moeexp.engine.serve import resolve_device, run_on  # torch
 
     if ctx.store is None or not ctx.store.requests:
         raise ConfigError("backend=sim_vs_engine needs the store split (profile and fits): "
                           "raise dataset.num_prompts or dataset.store_fraction")
-    run_dir = Path(ctx.run_dir) if ctx.run_dir is not None else _hydra_dir()
+    if ctx.run_dir is None:
+        raise ValueError("backend=sim_vs_engine writes its files into ctx.run_dir: set it")
+    run_dir = Path(ctx.run_dir)
     device = resolve_device(s.engine.get("device"), ctx.loaded.model)
     rows, reqs = [], []
     with run_on(ctx.loaded.model, device, s.engine.get("num_threads")):
@@ -333,8 +332,3 @@ def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any],
     series = {c: df[c].tolist() for c in SUMMARY_COLUMNS[1:]}
     return metrics, series
 
-
-def _hydra_dir() -> Path:
-    from moeexp.pipeline import output_dir
-
-    return output_dir()

@@ -75,7 +75,8 @@ def _presets(capacity: float) -> dict[str, Any]:
 
 def _replay_presets(trace: Any, dims: TraceDims, cost: CostModel, capacity: float) -> dict[str, Any]:
     """Fit and replay every non-foundation preset; a preset that fails is reported, not fatal."""
-    from moeexp.config import build_cache, build_predictor
+    from moeexp.cache import build_cache
+    from moeexp.predictors import build_predictor
 
     store, test = trace.split("store"), trace.split("test")
     out: dict[str, Any] = {}

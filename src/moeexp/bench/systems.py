@@ -92,7 +92,8 @@ def _presets(capacity: float) -> dict[str, Any]:
 def _replay_one(cfg: Any, trace: Any, dims: Any, cost: Any) -> dict[str, Any]:
     from threadpoolctl import threadpool_limits
 
-    from moeexp.config import build_cache, build_predictor
+    from moeexp.cache import build_cache
+    from moeexp.predictors import build_predictor
     from moeexp.simulator import simulate
 
     store, test = trace.split("store"), trace.split("test")

@@ -14,9 +14,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from moeexp.errors import ConfigError
+from moeexp.paths import CONF_DIR, read_option
 
 
 @dataclass(frozen=True)
@@ -118,43 +117,24 @@ def _finite_nonneg(v: Any) -> bool:
     return x == x and x >= 0 and x != float("inf")
 
 
-def default_conf_dirs() -> list[Path]:
-    """Where profiles are looked up: the repository's ``conf/hardware`` (source checkout),
-    then ``moeexp/conf/hardware`` inside the installed package, if either exists."""
-    here = Path(__file__).resolve()
-    candidates = [here.parents[3] / "conf" / "hardware", here.parents[1] / "conf" / "hardware"]
-    return [p for p in candidates if p.is_dir()]
+def _profiles_dir(conf_dir: str | Path | None) -> Path:
+    """The folder of profile files: ``conf_dir`` itself, or the repository's ``conf/hardware``."""
+    return Path(conf_dir) if conf_dir is not None else CONF_DIR / "hardware"
 
 
 def available_profiles(conf_dir: str | Path | None = None) -> list[str]:
-    """Sorted names of the profiles found."""
-    dirs = [Path(conf_dir)] if conf_dir is not None else default_conf_dirs()
-    return sorted({p.stem for d in dirs if d.is_dir() for p in d.glob("*.yaml")})
+    """Sorted names of the profiles in ``conf_dir`` (default: ``conf/hardware``)."""
+    return sorted(p.stem for p in _profiles_dir(conf_dir).glob("*.yaml"))
 
 
 def load_profile(name: str, conf_dir: str | Path | None = None) -> HardwareProfile:
-    """Read ``conf/hardware/NAME.yaml``.
+    """Read ``conf/hardware/NAME.yaml`` (or ``conf_dir/NAME.yaml``).
 
     Raises ConfigError for an unknown name (listing the valid profiles), a file whose
     ``name:`` differs from its file name, or missing/unknown/invalid keys.
     """
-    dirs = [Path(conf_dir)] if conf_dir is not None else default_conf_dirs()
-    for d in dirs:
-        path = d / f"{name}.yaml"
-        if path.is_file():
-            break
-    else:
-        valid = available_profiles(conf_dir)
-        raise ConfigError(
-            f"unknown hardware profile {name!r}. Valid hardware profiles: "
-            f"{', '.join(valid) or '(none found in ' + ', '.join(map(str, dirs)) + ')'}"
-        )
-    try:
-        cfg = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"hardware profile {path}: not valid YAML ({e})") from None
-    if not isinstance(cfg, Mapping):
-        raise ConfigError(f"hardware profile {path}: expected a mapping of keys")
+    cfg = read_option(_profiles_dir(conf_dir), name, "hardware profile")
     if cfg.get("name") != name:
-        raise ConfigError(f"hardware profile {path}: name: {cfg.get('name')!r} != file name {name!r}")
+        raise ConfigError(f"hardware profile {name}.yaml: name: {cfg.get('name')!r} != file "
+                          f"name {name!r}")
     return HardwareProfile.from_mapping(cfg)

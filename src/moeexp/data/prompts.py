@@ -49,6 +49,7 @@ from typing import Any, Literal
 import numpy as np
 
 from moeexp.errors import ConfigError, DataError
+from moeexp.registry import unknown_keys
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,11 @@ class DatasetConfig:
         before, after = TEMPLATES.get(self.template, self.template).split("{prompt}")
         return before, after
 
+    def to_mapping(self) -> dict[str, Any]:
+        """The group as a mapping of its own keys (what :meth:`from_mapping` accepts back)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name not in _ONLY_FOR_OTHER[self.name]}
+
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> DatasetConfig:
         """Validate ``cfg`` (a dict or DictConfig) and build the config."""
@@ -150,10 +156,9 @@ class DatasetConfig:
         if name not in DATASETS:
             raise ConfigError(f"unknown dataset {name!r}; valid: {', '.join(sorted(DATASETS))}")
         valid = {f.name for f in fields(cls)} - _ONLY_FOR_OTHER[name]
-        unknown = sorted(set(data) - valid)
+        unknown = set(data) - valid
         if unknown:
-            raise ConfigError(f"dataset={name}: unknown key(s) {unknown}; valid keys: "
-                              f"{', '.join(sorted(valid))}")
+            raise unknown_keys(f"dataset={name}", unknown, valid)
         c = cls(**data)
         checks = [
             (c.lengths in ("fixed", "natural"), f"lengths={c.lengths!r}; valid: fixed, natural"),
@@ -282,11 +287,11 @@ def _user_text(t: _Template, tokenizer: Any, ids: Sequence[int]) -> str:
     return text[len(t.before):] if t.before and text.startswith(t.before) else text
 
 
-def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
+def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
     """Seeded prompts with a store/test split (see the module docstring for every rule).
 
     Args:
-        cfg: the ``dataset`` config group (keys of :class:`DatasetConfig`).
+        cfg: the ``dataset`` config group (a :class:`DatasetConfig`, or a mapping of its keys).
         tokenizer: an HF tokenizer (``encode``, ``decode``, ``bos_token_id``).
 
     Returns:
@@ -296,7 +301,7 @@ def sample_prompts(cfg: Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
         ConfigError: a bad key or value in ``cfg``.
         DataError: the data cannot be loaded, or fewer than ``num_prompts`` prompts qualify.
     """
-    c = DatasetConfig.from_mapping(cfg)
+    c = cfg if isinstance(cfg, DatasetConfig) else DatasetConfig.from_mapping(cfg)
     candidates, get_pair = DATASETS[c.name](c)
     tpl = _template(c, tokenizer)
     rng = np.random.default_rng(c.seed)

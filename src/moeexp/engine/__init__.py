@@ -12,11 +12,10 @@ See :mod:`moeexp.engine.offload` (wrapping), :mod:`moeexp.engine.runtime` (the a
 and :mod:`moeexp.engine.serve` (``backend=engine`` of the app).
 """
 
-from moeexp.engine.build import build_offloaded, model_dims, offload
+from moeexp.engine.build import build_offloaded, engine_settings, offload
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.runtime import EngineSettings
-from moeexp.engine.serve import run_engine_backend
 from moeexp.systems import resolve_system, system_names
 
-__all__ = ["EngineSettings", "build_offloaded", "OffloadedModel", "model_dims", "offload", "resolve_system", "run_engine_backend",
-           "system_names"]
+__all__ = ["EngineSettings", "build_offloaded", "OffloadedModel", "engine_settings", "offload",
+           "resolve_system", "system_names"]

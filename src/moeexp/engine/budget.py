@@ -37,8 +37,12 @@ class Budget:
         return self.slots * self.expert_bytes
 
 
-def make_budget(spec: float | int | str, dims: TraceDims) -> Budget:
-    """The :class:`Budget` of ``spec`` (validated before any weight moves)."""
-    slots = int(capacity_slots(spec, dims))
+def budget_of(slots: int, dims: TraceDims) -> Budget:
+    """The :class:`Budget` of ``slots`` expert slots of a model with ``dims``."""
     total = dims.num_layers * dims.num_experts * dims.expert_bytes
-    return Budget(slots=slots, expert_bytes=dims.expert_bytes, total_expert_bytes=total)
+    return Budget(slots=int(slots), expert_bytes=dims.expert_bytes, total_expert_bytes=total)
+
+
+def make_budget(spec: float | int | str, dims: TraceDims) -> Budget:
+    """The :class:`Budget` of a capacity ``spec`` (validated before any weight moves)."""
+    return budget_of(capacity_slots(spec, dims), dims)

@@ -9,33 +9,48 @@ capacity, the model's MoE layers, the store's dims) runs before any weight moves
 from __future__ import annotations
 
 import logging
-from dataclasses import fields, replace
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from moeexp.cache.base import CACHES
-from moeexp.engine.budget import Budget, make_budget
+from moeexp.cache import CACHES
+from moeexp.engine.budget import Budget, budget_of, make_budget
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.runtime import Engine, EngineSettings
 from moeexp.errors import ConfigError
 from moeexp.models.base import MoEAdapter
-from moeexp.predictors.base import PREDICTORS
-from moeexp.systems import load_registries, resolve_system
+from moeexp.predictors import PREDICTORS
+from moeexp.registry import unknown_keys
+from moeexp.systems import resolve_system
+from moeexp.traces.recorder import trace_dims
 from moeexp.traces.schema import Trace, TraceDims
 
 log = logging.getLogger(__name__)
 
 
-def model_dims(adapter: MoEAdapter, spec_depth: int) -> TraceDims:
-    """The TraceDims predictors and policies are built with for ``adapter``'s model (the
-    recorder's :func:`~moeexp.traces.recorder.trace_dims`: one definition)."""
-    from moeexp.traces.recorder import trace_dims
+#: The names of the engine's mechanism settings (:class:`EngineSettings`' fields).
+SETTING_KEYS: frozenset[str] = frozenset(f.name for f in fields(EngineSettings))
 
-    return trace_dims(adapter, spec_depth)
+
+def engine_settings(mapping: Mapping[str, Any], *, strict: str | None = None,
+                    **overrides: Any) -> EngineSettings:
+    """The :class:`EngineSettings` held by ``mapping`` (a backend group, a system's
+    ``backend:`` block), ``overrides`` applied last: the one filter from config to settings.
+
+    Keys that are not settings are the caller's (decode keys, ``name``) and are ignored,
+    unless ``strict`` names the caller: then they raise ConfigError.
+    """
+    if strict is not None:
+        unknown = set(mapping) - SETTING_KEYS
+        if unknown:
+            raise unknown_keys(strict, unknown, SETTING_KEYS)
+    merged = {**{k: v for k, v in mapping.items() if k in SETTING_KEYS}, **overrides}
+    return EngineSettings(**merged)
 
 
 def _load_store(store: Trace | str | Path | None, dims: TraceDims) -> Trace | None:
@@ -51,9 +66,6 @@ def _load_store(store: Trace | str | Path | None, dims: TraceDims) -> Trace | No
             f"store trace dims (L={d.num_layers}, J={d.num_experts}, K={d.top_k}) do not match "
             f"the model (L={dims.num_layers}, J={dims.num_experts}, K={dims.top_k})")
     return store
-
-
-_SETTING_KEYS = {f.name for f in fields(EngineSettings)}
 
 
 def offload(model: nn.Module, *, system: str = "deepspeed",
@@ -94,18 +106,15 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
     if adapter.layout == "per_expert":
         raise ConfigError(f"{type(model).__name__}: per-expert layouts are not supported by the "
                           f"engine (fused layouts only: {', '.join(['fused', 'fused_interleaved_bias'])})")
-    unknown = sorted(set(overrides) - _SETTING_KEYS)
-    if unknown:
-        raise ConfigError(f"offload(): unknown setting(s) {unknown}; valid: {sorted(_SETTING_KEYS)}")
+    engine_settings(overrides, strict="offload()")  # unknown settings fail before any work
     if capacity is not None:
         cache = {**(cache if isinstance(cache, dict) else {} if cache is None else {"name": cache}),
                  "capacity": capacity}
     model_node = {} if prefetch_distance is None else {"prefetch_distance": prefetch_distance}
     pred_cfg, cache_cfg, settings_d = resolve_system(system, predictor, cache, model=model_node,
                                                      conf_dir=conf_dir, **overrides)
-    settings = EngineSettings(**{k: v for k, v in settings_d.items() if k in _SETTING_KEYS})
-    load_registries()
-    dims = model_dims(adapter, settings.spec_depth)
+    settings = engine_settings(settings_d)
+    dims = trace_dims(adapter, settings.spec_depth)
     trace = _load_store(store, dims)
     budget = make_budget(cache_cfg.pop("capacity", 1.0), dims)
     pred_name = pred_cfg.pop("name")
@@ -116,7 +125,7 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
         pred.fit(trace)
         pol.fit(trace)
     fut = _load_store(future, dims)
-    om = build_offloaded(model, adapter, pred, pol, budget, settings, device=device,
+    om = build_offloaded(model, adapter, pred, pol, settings, device=device,
                          system=system, record=record, future=fut)
     log.info("offloaded %s: system=%s predictor=%s cache=%s slots=%d of %d (%.1f MB budget)",
              type(model).__name__, system, pred_name, pol.name, budget.slots,
@@ -125,19 +134,18 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
 
 
 def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache: Any,
-                    budget: Budget, settings: EngineSettings, *,
+                    settings: EngineSettings, *,
                     device: str | torch.device | None = None, system: str = "custom",
                     record: bool = False, future: Trace | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
-    The device gets ``cache.capacity_slots`` slots: a policy may widen the configured
-    budget (``resident`` holds every expert whatever the capacity says). This is the path
-    of the app's ``backend=engine`` (the pipeline builds and fits the policies itself).
+    The device gets exactly the slots the cache policy manages (``cache.capacity_slots``,
+    which :func:`moeexp.cache.build_cache` derived from the configured capacity; a policy
+    may widen it: ``resident`` holds every expert whatever the capacity says), so engine
+    and simulator hold the same number of experts. This is the path of the app's
+    ``backend=engine`` (the pipeline builds and fits the policies itself).
     """
-    if cache.capacity_slots != budget.slots:
-        log.info("%s holds %d slots (capacity asked for %d)", cache.name, cache.capacity_slots,
-                 budget.slots)
-        budget = replace(budget, slots=int(cache.capacity_slots))
+    budget: Budget = budget_of(cache.capacity_slots, trace_dims(adapter, 0))
     wants_future = "future" in predictor.needs or cache.needs_future
     if wants_future and future is None:
         raise ConfigError(f"{predictor.name}/{cache.name} need the future accesses (oracle, "
@@ -158,7 +166,7 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
         runner.close()
         raise
     om = OffloadedModel(model, adapter, engine, system=system, record=record,
-                        dims=model_dims(adapter, 0))
+                        dims=trace_dims(adapter, 0))
     try:
         if wants_future and future is not None:
             engine.set_future(future)

@@ -31,11 +31,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from moeexp.costmodel.fitted import ProfileSamples
-from moeexp.engine.budget import Budget
-from moeexp.engine.build import build_offloaded, model_dims
+from moeexp.engine.build import build_offloaded
 from moeexp.engine.runtime import EngineSettings
 from moeexp.engine.store import HostStore, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine
+from moeexp.traces.recorder import trace_dims
 
 log = logging.getLogger(__name__)
 
@@ -141,13 +141,12 @@ def _resident_engine(loaded: Any, predictor: Any, settings: EngineSettings,
     from moeexp.cache import CACHES
     from moeexp.predictors import PREDICTORS
 
-    dims = model_dims(loaded.adapter, settings.spec_depth)
+    dims = trace_dims(loaded.adapter, settings.spec_depth)
     n = dims.num_layers * dims.num_experts
-    budget = Budget(slots=n, expert_bytes=dims.expert_bytes, total_expert_bytes=n * dims.expert_bytes)
     pred = predictor if predictor is not None else PREDICTORS.build("none", dims=dims)
     pol = CACHES.build("resident", capacity_slots=n, num_layers=dims.num_layers,
                        num_experts=dims.num_experts)
-    with build_offloaded(loaded.model, loaded.adapter, pred, pol, budget, settings,
+    with build_offloaded(loaded.model, loaded.adapter, pred, pol, settings,
                          system="profile") as om:
         for ids, new in list(requests)[:warmup]:
             _generate(om, ids, min(4, new))

@@ -2,9 +2,9 @@
 
 ::
 
+    check_serve_settings(settings)     # at validation: unknown keys, CUDA asked but absent
     run = serve_engine(loaded, prompts, predictor, cache, settings, trace=test_trace)
     run.metrics, run.series            # the simulator's keys and series layout
-    metrics = run_engine_backend(loaded, prompts, predictor, cache, settings)  # metrics only
 
 ``predictor`` and ``cache`` are built and fitted by the pipeline on the store split (the same
 objects it would hand to the simulator; ``cache.capacity_slots`` is the budget). Each test
@@ -37,26 +37,39 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from moeexp.engine.budget import Budget
-from moeexp.engine.build import build_offloaded, model_dims
+from moeexp.engine.build import SETTING_KEYS, build_offloaded, engine_settings
 from moeexp.engine.report import IterationProbe
 from moeexp.engine.runtime import EngineSettings
 from moeexp.engine.token_replay import forced_tokens, recorded_tokens
 from moeexp.errors import ConfigError
+from moeexp.registry import unknown_keys
+from moeexp.traces.recorder import trace_dims
 from moeexp.traces.schema import RequestMeta, Trace
 
 log = logging.getLogger(__name__)
 
-#: Backend keys beyond EngineSettings' fields.
-_DECODE_KEYS = {"sampling", "top_k", "temperature", "seed", "warmup", "progress", "device",
-                "num_threads", "replay_tokens", "reference"}
+#: Backend keys beyond EngineSettings' fields (conf/backend/engine.yaml).
+DECODE_KEYS: frozenset[str] = frozenset({
+    "sampling", "top_k", "temperature", "seed", "warmup", "progress", "device", "num_threads",
+    "replay_tokens", "reference"})
+
+
+def check_serve_settings(settings: Mapping[str, Any]) -> None:
+    """Validate a ``backend=engine`` group before any work: an unknown key, or a device
+    that is not there (``device=cuda`` without CUDA), raises ConfigError."""
+    unknown = set(settings) - SETTING_KEYS - DECODE_KEYS - {"name"}
+    if unknown:
+        raise unknown_keys("backend=engine", unknown, SETTING_KEYS | DECODE_KEYS)
+    engine_settings(settings)  # the settings' own checks
+    if settings.get("device") is not None:
+        resolve_device(settings["device"])
 
 
 @dataclass
@@ -119,13 +132,6 @@ def run_on(model: torch.nn.Module, device: torch.device,
         torch.set_num_threads(old_threads)
 
 
-def run_engine_backend(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
-                       settings: Mapping[str, Any], *, trace: Trace | None = None
-                       ) -> dict[str, float]:
-    """:func:`serve_engine`'s metrics only (the contract's entry point)."""
-    return serve_engine(loaded, prompts, predictor, cache, settings, trace=trace).metrics
-
-
 def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
                  settings: Mapping[str, Any], *, trace: Trace | None = None) -> EngineRun:
     """Serve ``prompts`` (moeexp.data.prompts.Prompt, test split) through the engine.
@@ -137,11 +143,7 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
         settings: the backend config group (see the module docstring).
         trace: the recorded test trace of these prompts (token replay; oracle's future).
     """
-    known = {f.name for f in fields(EngineSettings)}
-    ignored = sorted(set(settings) - known - _DECODE_KEYS - {"name"})
-    if ignored:
-        log.debug("backend=engine ignores %s", ignored)
-    eng_settings = EngineSettings(**{k: settings[k] for k in known if k in settings})
+    eng_settings = engine_settings(settings)
     replay = bool(settings.get("replay_tokens", False)) and trace is not None
     forced = recorded_tokens(trace, prompts) if replay and trace is not None else None
     needs_future = "future" in predictor.needs or cache.needs_future
@@ -159,26 +161,19 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
     return run
 
 
-def _budget(loaded: Any, slots: int, spec_depth: int) -> Budget:
-    dims = model_dims(loaded.adapter, spec_depth)
-    return Budget(slots=int(slots), expert_bytes=dims.expert_bytes,
-                  total_expert_bytes=dims.num_layers * dims.num_experts * dims.expert_bytes)
-
-
 def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
            settings: Mapping[str, Any], eng_settings: EngineSettings, device: torch.device,
            forced: dict[int, list[int]] | None, future: Trace | None) -> EngineRun:
     """One engine over every prompt; metrics and series."""
     model = loaded.model
-    budget = _budget(loaded, cache.capacity_slots, eng_settings.spec_depth)
     embeds = None
     if "prompt_embed" in predictor.needs:
         from moeexp.data.embed import embed_prompts
 
         embeds = embed_prompts([p.text for p in prompts])
     seed = int(settings.get("seed", 0))
-    _warmup(loaded, prompts, budget, eng_settings, settings)
-    om = build_offloaded(model, loaded.adapter, predictor, cache, budget, eng_settings,
+    _warmup(loaded, prompts, cache.capacity_slots, eng_settings, settings)
+    om = build_offloaded(model, loaded.adapter, predictor, cache, eng_settings,
                          system="engine", future=future)
     probe = IterationProbe(om)
     per_req: dict[str, list[float]] = {k: [] for k in
@@ -236,7 +231,7 @@ def _reference(loaded: Any, prompts: Sequence[Any], settings: Mapping[str, Any],
     from moeexp.cache import CACHES
     from moeexp.predictors import PREDICTORS
 
-    dims = model_dims(loaded.adapter, eng_settings.spec_depth)
+    dims = trace_dims(loaded.adapter, eng_settings.spec_depth)
     pred = PREDICTORS.build("none", dims=dims)
     pol = CACHES.build("resident", capacity_slots=dims.num_layers * dims.num_experts,
                        num_layers=dims.num_layers, num_experts=dims.num_experts)
@@ -258,7 +253,7 @@ def _add_norms(run: EngineRun, ref: EngineRun) -> None:
     run.metrics["reference_tpot_ms_mean"] = ref.metrics["tpot_ms_mean"]
 
 
-def _warmup(loaded: Any, prompts: Sequence[Any], budget: Budget, settings: EngineSettings,
+def _warmup(loaded: Any, prompts: Sequence[Any], slots: int, settings: EngineSettings,
             raw: Mapping[str, Any]) -> None:
     """Untimed requests through a throwaway deepspeed-like engine (kernels, allocator)."""
     n = int(raw.get("warmup", 1))
@@ -267,13 +262,13 @@ def _warmup(loaded: Any, prompts: Sequence[Any], budget: Budget, settings: Engin
     from moeexp.cache import CACHES
     from moeexp.predictors import PREDICTORS
 
-    dims = model_dims(loaded.adapter, settings.spec_depth)
+    dims = trace_dims(loaded.adapter, settings.spec_depth)
     pred = PREDICTORS.build("none", dims=dims)
-    pol = CACHES.build("lru", capacity_slots=budget.slots, num_layers=dims.num_layers,
+    pol = CACHES.build("lru", capacity_slots=slots, num_layers=dims.num_layers,
                        num_experts=dims.num_experts)
     device = next(loaded.model.parameters()).device
     plain = replace(settings, restricted_routing=False, predictor_async=False)
-    with build_offloaded(loaded.model, loaded.adapter, pred, pol, budget, plain,
+    with build_offloaded(loaded.model, loaded.adapter, pred, pol, plain,
                          system="warmup") as om:
         for p in prompts[:n]:
             ids = torch.tensor([list(p.input_ids)], dtype=torch.long, device=device)

@@ -7,7 +7,8 @@ run's own model, system and budget::
 
 What is evaluated: the plain model for ``no_offload``; otherwise the model offloaded by the
 real engine (:func:`moeexp.engine.build_offloaded`) with the run's predictor and cache
-(built from the config, fitted on the store split of the run's trace) and the backend
+(the pipeline's own objects, fitted on the store split of the run's trace, copied before
+the backend ran: :class:`EvalInputs`) and the backend
 group's mechanism keys (``restricted_routing``, ``renormalize``: eMoE's lossy mode;
 ``restricted_wait`` with ``backend=engine``: timing-independent substitutions). An
 exact system gives the plain model's numbers; a lossy one shows what it costs. Each phase
@@ -37,12 +38,12 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from moeexp.config import to_dict, typed
 from moeexp.errors import ConfigError
+from moeexp.registry import to_dict, typed
 
 log = logging.getLogger(__name__)
 
@@ -124,26 +125,41 @@ def eval_spec(node: Any) -> EvalSpec:
     return typed(EvalSpec, to_dict(node), f"eval={node.get('name')}")
 
 
+@dataclass(frozen=True)
+class EvalInputs:
+    """What the pipeline hands the stage: the run's typed parts and its fitted policies.
+
+    Attributes:
+        loaded: the run's LoadedModel (plain; it is plain again afterwards).
+        prompts: the run's prompts (store and test; the test split is evaluated).
+        system: the system's name (``no_offload`` evaluates the plain model).
+        backend: the backend group's keywords (its mechanism settings:
+            ``restricted_routing``, ``restricted_wait``, ...).
+        dataset: the dataset group as a mapping (replies of the test prompts, local tasks).
+        predictor / cache: the run's objects, fitted on the store split and not yet used
+            (each phase of the stage deep-copies them again).
+    """
+
+    loaded: Any
+    prompts: Sequence[Any]
+    system: str
+    backend: Mapping[str, Any]
+    dataset: Mapping[str, Any]
+    predictor: Any
+    cache: Any
+
+
 # ----------------------------------------------------------------------------- engine
-def _engine_factory(cfg: Any, loaded: Any, store: Any,
+def _engine_factory(inputs: EvalInputs,
                     spec: EvalSpec) -> tuple[Callable[..., Any] | None, dict[str, Any]]:
     """``(make, info)``: ``make(warm)`` offloads ``loaded.model`` afresh (None = plain model)
     and runs ``spec.warmup`` passes of the int64[S] sequence ``warm`` through it."""
-    from moeexp.config import build_cache, build_predictor
-    from moeexp.engine import build_offloaded, model_dims
-    from moeexp.engine.budget import Budget
-    from moeexp.engine.runtime import EngineSettings
+    from moeexp.engine import build_offloaded, engine_settings  # torch
     from moeexp.eval.lm import PLAIN_SYSTEMS
 
-    system = str(cfg.system.name)
-    backend = to_dict(cfg.backend)
-    names = {f.name for f in fields(EngineSettings)}
-    settings = EngineSettings(**{k: v for k, v in backend.items() if k in names
-                                 and k != "predictor_async"},
-                              predictor_async=spec.predictor_async)
-    dims = model_dims(loaded.adapter, settings.spec_depth)
-    predictor = build_predictor(cfg.predictor, dims)
-    cache = build_cache(cfg.cache, dims)
+    system, loaded = inputs.system, inputs.loaded
+    predictor, cache = inputs.predictor, inputs.cache
+    settings = engine_settings(inputs.backend, predictor_async=spec.predictor_async)
     info: dict[str, Any] = {"eval_model": "plain"}
     epl = getattr(predictor, "experts_per_layer", None)
     if isinstance(epl, int):
@@ -157,15 +173,11 @@ def _engine_factory(cfg: Any, loaded: Any, store: Any,
         log.info("eval: %s is exact and needs the future accesses: the plain model is "
                  "evaluated (same outputs)", system)
         return None, info
-    predictor.fit(store)
-    cache.fit(store)
-    budget = Budget(slots=int(cache.capacity_slots), expert_bytes=dims.expert_bytes,
-                    total_expert_bytes=dims.num_layers * dims.num_experts * dims.expert_bytes)
     info["eval_model"] = "engine"
 
     def make(warm: Any = None) -> Any:
         om = build_offloaded(loaded.model, loaded.adapter, copy.deepcopy(predictor),
-                             copy.deepcopy(cache), budget, settings, system=system)
+                             copy.deepcopy(cache), settings, system=system)
         if warm is not None and spec.warmup:
             import torch
 
@@ -179,7 +191,7 @@ def _engine_factory(cfg: Any, loaded: Any, store: Any,
 
 
 # ----------------------------------------------------------------------------- quality
-def quality_sequences(cfg: Any, loaded: Any, prompts: Sequence[Any],
+def quality_sequences(dataset: Mapping[str, Any], loaded: Any, prompts: Sequence[Any],
                       max_tokens: int) -> list[Any]:
     """int64[S] sequences: each test prompt's ids + its real first reply, cut to ``max_tokens``."""
     import torch
@@ -188,7 +200,7 @@ def quality_sequences(cfg: Any, loaded: Any, prompts: Sequence[Any],
 
     replies: dict[str, str] = {}
     try:
-        replies = replies_for(to_dict(cfg.dataset), [p.text for p in prompts])
+        replies = replies_for(dataset, [p.text for p in prompts])
     except Exception as err:  # data unavailable: prompts alone still compare the models
         log.warning("eval: replies of the test prompts unavailable (%s): prompts only", err)
     seqs = []
@@ -239,12 +251,11 @@ def _quality(make: Callable[..., Any] | None, loaded: Any, prompts: Sequence[Any
 
 
 # ----------------------------------------------------------------------------- lm-eval
-def _include_path(spec: EvalSpec, cfg: Any, tokenizer: Any) -> str | None:
+def _include_path(spec: EvalSpec, dataset: Mapping[str, Any], tokenizer: Any) -> str | None:
     from moeexp.eval.tasks import LOCAL_TASKS, ensure_tasks
 
     if spec.include_path is not None or not any(t in LOCAL_TASKS for t in spec.tasks):
         return spec.include_path
-    dataset = to_dict(cfg.dataset)
     if dataset.get("name") != "sharegpt":
         from moeexp.paths import load_group_yaml
 
@@ -276,14 +287,12 @@ def _lm_eval(spec: EvalSpec, make: Callable[..., Any] | None, loaded: Any,
     return out
 
 
-def run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> dict[str, Any]:
+def run_eval(spec: EvalSpec, inputs: EvalInputs) -> dict[str, Any]:
     """The stage (see the module docstring); returns flat metrics to add to the run's.
 
     Args:
         spec: the typed ``eval`` group.
-        cfg: the composed run config (system, predictor, cache, backend, dataset, trace).
-        loaded: the run's LoadedModel (plain; it is plain again afterwards).
-        prompts: the run's prompts (store and test; the test split is evaluated).
+        inputs: the run's model, prompts, typed groups and fitted policies.
     """
     if not spec.enabled:
         return {}
@@ -293,27 +302,25 @@ def run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> d
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
     try:
-        return _run_eval(spec, cfg, loaded, prompts)
+        return _run_eval(spec, inputs)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_eval(spec: EvalSpec, cfg: Any, loaded: Any, prompts: Sequence[Any]) -> dict[str, Any]:
+def _run_eval(spec: EvalSpec, inputs: EvalInputs) -> dict[str, Any]:
     t0 = time.perf_counter()
-    from moeexp.traces.store import get_or_record
-
-    store = get_or_record(loaded, prompts, to_dict(cfg.trace)).split("store")  # cache hit
-    make, out = _engine_factory(cfg, loaded, store, spec)
-    test = [p for p in prompts if p.split == "test"][: spec.quality_prompts]
+    loaded = inputs.loaded
+    make, out = _engine_factory(inputs, spec)
+    test = [p for p in inputs.prompts if p.split == "test"][: spec.quality_prompts]
     if spec.quality:
-        seqs = quality_sequences(cfg, loaded, test, spec.quality_max_tokens)
+        seqs = quality_sequences(inputs.dataset, loaded, test, spec.quality_max_tokens)
         out.update(_quality(make, loaded, test, seqs, spec.quality_new_tokens))
     if spec.tasks:
         import torch
 
         warm = torch.tensor(list(test[0].input_ids), dtype=torch.long) if test else None
-        out.update(_lm_eval(spec, make, loaded, _include_path(spec, cfg, loaded.tokenizer),
-                            warm))
+        path = _include_path(spec, inputs.dataset, loaded.tokenizer)
+        out.update(_lm_eval(spec, make, loaded, path, warm))
     out["eval_time_s"] = time.perf_counter() - t0
     log.info("eval: %s", ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                    for k, v in out.items()))

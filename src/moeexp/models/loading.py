@@ -164,15 +164,7 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
     trust = bool(cfg.get("trust_remote_code") or False)
     source, local = _resolve_source(cfg)
     where = source if local else f"hub:{source}"
-
-    def fail(what: str, err: BaseException) -> ModelLoadError:
-        if local:
-            msg = f"cannot load the {what} of model {name!r} from {source}: {err}"
-        else:
-            msg = f"cannot load the {what} of model {name!r} from the hub id {source!r}. "
-            msg += _hub_help(name, source) + f" Original error: {type(err).__name__}: {err}"
-        return ModelLoadError(msg)
-
+    fail = _failure(name, source, local)
     try:
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
     except Exception as err:  # OSError, ValueError, hub errors: all mean "not loadable"
@@ -183,8 +175,41 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
             f"model {name!r} ({where}) has model_type {model_type!r}, which moeexp does not "
             f"support; supported model types: {', '.join(supported_model_types())}"
         )
-
     log.info("loading model %s from %s (dtype=%s, device=%s)", name, where, dtype, device)
+    kwargs = _load_kwargs(config, name, dtype, device, trust)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
+    except Exception as err:
+        raise fail("weights", err) from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
+    except Exception as err:
+        raise fail("tokenizer", err) from err
+    model.eval()
+    adapter = _checked_adapter(model, name, where)
+    pd = cfg.get("prefetch_distance")
+    loaded = LoadedModel(model=model, tokenizer=tokenizer, adapter=adapter, name=name,
+                         source=where, prefetch_distance=None if pd is None else int(pd))
+    log.info("model %s: %s", name, adapter.describe())
+    return loaded
+
+
+def _failure(name: str, source: str, local: bool) -> Any:
+    """``fail(what, err)``: the ModelLoadError for a part (config, weights, tokenizer) that
+    did not load, naming ``model.path=`` and hub login when it came from the hub."""
+
+    def fail(what: str, err: BaseException) -> ModelLoadError:
+        if local:
+            return ModelLoadError(f"cannot load the {what} of model {name!r} from {source}: {err}")
+        return ModelLoadError(
+            f"cannot load the {what} of model {name!r} from the hub id {source!r}. "
+            + _hub_help(name, source) + f" Original error: {type(err).__name__}: {err}")
+
+    return fail
+
+
+def _load_kwargs(config: Any, name: str, dtype: Any, device: str, trust: bool) -> dict[str, Any]:
+    """``from_pretrained`` keywords: dtype, device map, and MXFP4 experts dequantised."""
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust}
     if device != "cpu":
         kwargs["device_map"] = device
@@ -197,16 +222,11 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
 
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
         log.info("model %s: dequantizing MXFP4 experts to plain tensors", name)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, config=config, **kwargs)
-    except Exception as err:
-        raise fail("weights", err) from err
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust)
-    except Exception as err:
-        raise fail("tokenizer", err) from err
-    model.eval()
+    return kwargs
 
+
+def _checked_adapter(model: Any, name: str, where: str) -> MoEAdapter:
+    """The model's adapter, once its experts are seen in the fused layout it expects."""
     adapter = adapter_for(model)
     try:
         adapter.expert_tensors(0, 0)
@@ -217,14 +237,4 @@ def load_model(cfg: Mapping[str, Any]) -> LoadedModel:
             f"({err}); adapters are verified against transformers' built-in implementations, "
             f"so load it with trust_remote_code: false"
         ) from err
-    pd = cfg.get("prefetch_distance")
-    loaded = LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        adapter=adapter,
-        name=name,
-        source=where,
-        prefetch_distance=None if pd is None else int(pd),
-    )
-    log.info("model %s: %s", name, adapter.describe())
-    return loaded
+    return adapter

@@ -54,17 +54,7 @@ def random_trace(
             it_req.append(r)
             it_step.append(step)
             lens.append(T)
-            logits = np.repeat(topic_logits[topic][None], T, axis=0) + rng.normal(0, 1.0, (T, L, J))
-            prev = None
-            for layer in range(L):
-                if prev is not None:
-                    logits[:, layer] += trans[layer - 1][prev].sum(axis=1) / K
-                p = np.exp(logits[:, layer] - logits[:, layer].max(-1, keepdims=True))
-                p /= p.sum(-1, keepdims=True)
-                logits[:, layer] = np.log(p)
-                prev = np.argsort(-p, axis=-1)[:, :K]
-            probs = np.exp(logits)
-            probs_rows.append(probs)
+            probs_rows.append(_route(rng, topic_logits[topic], trans, T, K))
             emb_rows.append(topic_embed[topic][None] + rng.normal(0, 0.5, (T, H)))
     probs = np.concatenate(probs_rows).astype(np.float32)
     probs /= probs.sum(-1, keepdims=True)
@@ -72,12 +62,7 @@ def random_trace(
     topk_w = np.take_along_axis(probs, topk_idx, -1)
     topk_w = topk_w / topk_w.sum(-1, keepdims=True)
     n_tok = probs.shape[0]
-    spec = None
-    if D:
-        spec = np.zeros((n_tok, L, D, J), dtype=np.float32)
-        for d in range(1, D + 1):
-            noisy = probs[:, d:] * rng.uniform(0.5, 1.5, probs[:, d:].shape)
-            spec[:, : L - d, d - 1] = noisy / noisy.sum(-1, keepdims=True)
+    spec = _spec_gates(rng, probs, D) if D else None
     embed = np.concatenate(emb_rows)
     hidden = None
     if with_hidden:
@@ -102,3 +87,32 @@ def random_trace(
     )
     trace.validate()
     return trace
+
+
+def _route(rng: np.random.Generator, topic_logits: np.ndarray, trans: np.ndarray, T: int,
+           K: int) -> np.ndarray:
+    """float64[T, L, J] router probabilities of one iteration of ``T`` tokens: the topic's
+    logits ``[L, J]`` plus noise, each layer biased by the previous layer's top-K experts
+    through ``trans[l-1]`` (``[L, J, J]``)."""
+    L = topic_logits.shape[0]
+    logits = np.repeat(topic_logits[None], T, axis=0) + rng.normal(0, 1.0, (T, L, topic_logits.shape[1]))
+    prev = None
+    for layer in range(L):
+        if prev is not None:
+            logits[:, layer] += trans[layer - 1][prev].sum(axis=1) / K
+        p = np.exp(logits[:, layer] - logits[:, layer].max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        logits[:, layer] = np.log(p)
+        prev = np.argsort(-p, axis=-1)[:, :K]
+    return np.exp(logits)
+
+
+def _spec_gates(rng: np.random.Generator, probs: np.ndarray, D: int) -> np.ndarray:
+    """float32[N, L, D, J]: gate d's guess for layer l + d is that layer's probabilities
+    ``probs[N, L, J]`` with multiplicative noise (renormalised); zero past the last layer."""
+    n_tok, L, J = probs.shape
+    spec = np.zeros((n_tok, L, D, J), dtype=np.float32)
+    for d in range(1, D + 1):
+        noisy = probs[:, d:] * rng.uniform(0.5, 1.5, probs[:, d:].shape)
+        spec[:, : L - d, d - 1] = noisy / noisy.sum(-1, keepdims=True)
+    return spec

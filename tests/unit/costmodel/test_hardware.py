@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from moeexp.costmodel import HardwareProfile, available_profiles, load_profile
-from moeexp.costmodel.hardware import default_conf_dirs
 from moeexp.errors import ConfigError
+from moeexp.paths import CONF_DIR
 
 SHIPPED = ["a100_80g_pcie4", "a5000_pcie4", "h100_pcie5", "rtx3090_pcie4"]
 
@@ -34,7 +34,7 @@ def test_unknown_profile_lists_valid_ones() -> None:
 
 def test_bad_files(tmp_path: Path) -> None:
     """A name mismatch, a missing key and an unknown key each fail naming the problem."""
-    good = default_conf_dirs()[0] / "a5000_pcie4.yaml"
+    good = CONF_DIR / "hardware" / "a5000_pcie4.yaml"
     text = good.read_text()
     (tmp_path / "other.yaml").write_text(text)
     with pytest.raises(ConfigError, match="!= file name"):

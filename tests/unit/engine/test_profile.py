@@ -49,11 +49,11 @@ def test_profile_copy_follows_the_emulated_link() -> None:
 def test_profile_feed_is_a_per_layer_cost_and_leaves_the_predictor_untouched(mixtral, store_of) -> None:
     """A fitted predictor's feeding cost per MoE layer: finite, >= 0, from copies of the
     predictor (the one passed in is not used, so the caller can still replay with it)."""
-    from moeexp.engine.build import model_dims
     from moeexp.predictors import PREDICTORS
+    from moeexp.traces.recorder import trace_dims
 
     loaded = types.SimpleNamespace(model=mixtral, adapter=adapter_for(mixtral), name="t")
-    dims = model_dims(loaded.adapter, 2)
+    dims = trace_dims(loaded.adapter, 2)
     pred = PREDICTORS.build("speculative_gate", dims=dims)
     pred.fit(store_of("mixtral"))
     before = repr(vars(pred))

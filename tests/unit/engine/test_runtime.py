@@ -11,13 +11,12 @@ from tests.unit.conftest import prompt_ids
 from moeexp.cache import CACHES
 from moeexp.costmodel import CostModel, load_profile
 from moeexp.engine import build_offloaded, offload
-from moeexp.engine.budget import Budget
-from moeexp.engine.build import model_dims
 from moeexp.engine.runtime import EngineSettings
 from moeexp.models.adapters import adapter_for
 from moeexp.models.toy_configs import toy_model
 from moeexp.predictors import PREDICTORS
 from moeexp.simulator import simulate
+from moeexp.traces.recorder import trace_dims
 
 PROMPTS = [(10, 0), (7, 1), (12, 2)]
 
@@ -152,13 +151,11 @@ def test_restricted_routing_is_lossy_but_counted(store_of) -> None:
     assert m["h2d_bytes_total"] == 0 and m["demand_loads_total"] == 0
     assert 0 < m["substitution_rate"] < 1
     ad = adapter_for(model)
-    dims = model_dims(ad, 0)
+    dims = trace_dims(ad, 0)
     pol = CACHES.build("resident", capacity_slots=dims.num_layers * dims.num_experts,
                        num_layers=dims.num_layers, num_experts=dims.num_experts)
     pred = PREDICTORS.build("none", dims=dims)
-    budget = Budget(slots=pol.capacity_slots, expert_bytes=dims.expert_bytes,
-                    total_expert_bytes=pol.capacity_slots * dims.expert_bytes)
-    with build_offloaded(model, ad, pred, pol, budget, EngineSettings(restricted_routing=True)) as om:
+    with build_offloaded(model, ad, pred, pol, EngineSettings(restricted_routing=True)) as om:
         out = om.generate(ids, max_new_tokens=5, do_sample=False)
         m = om.metrics()
     assert torch.equal(out, ref) and m["substitution_rate"] == 0 and m["hit_rate"] == 1.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from moeexp.errors import ConfigError
-from moeexp.eval.stage import EvalSpec, eval_spec, run_eval
+from moeexp.eval.stage import EvalInputs, EvalSpec, eval_spec, run_eval
 
 
 def _cfg(model_dir, tmp, *overrides):
@@ -21,6 +21,25 @@ def _cfg(model_dir, tmp, *overrides):
             "eval=lm_eval", "eval.tasks=[moeexp_sharegpt_ppl]", "eval.limit=2",
             "eval.quality=true", "eval.quality_prompts=3", "eval.quality_max_tokens=48",
             "eval.quality_new_tokens=6", f"eval.tasks_dir={tmp}/tasks", *overrides])
+
+
+def _inputs(cfg, loaded, prompts) -> EvalInputs:
+    """What the pipeline hands the stage: typed groups, policies fitted on the store split."""
+    import dataclasses
+
+    from moeexp.cache import build_cache
+    from moeexp.config import validate
+    from moeexp.predictors import build_predictor
+    from moeexp.traces.store import get_or_record
+
+    spec = validate(cfg)
+    store = get_or_record(loaded, prompts, dataclasses.asdict(spec.trace)).split("store")
+    pred, pol = build_predictor(spec.predictor, store.dims), build_cache(spec.cache, store.dims)
+    pred.fit(store)
+    pol.fit(store)
+    return EvalInputs(loaded=loaded, prompts=prompts, system=spec.system.name,
+                      backend=spec.backend.kwargs, dataset=spec.dataset.to_mapping(),
+                      predictor=pred, cache=pol)
 
 
 def test_eval_spec_checks_keys_and_values():
@@ -40,7 +59,7 @@ def test_plain_system_quality_is_perfect(model_dir, loaded, prompts, tmp_path):
     """no_offload evaluates the plain model: perplexity == perplexity_ref, token and greedy
     agreement 1, KL 0; the local task is built from the run's test split and scored."""
     cfg = _cfg(model_dir, tmp_path, "system=no_offload")
-    m = run_eval(eval_spec(cfg.eval), cfg, loaded, prompts)
+    m = run_eval(eval_spec(cfg.eval), _inputs(cfg, loaded, prompts))
     assert m["eval_model"] == "plain"
     assert m["perplexity"] == m["perplexity_ref"] and m["perplexity_ratio"] == 1.0
     assert m["token_agreement"] == 1.0 and m["greedy_agreement"] == 1.0
@@ -56,14 +75,14 @@ def test_emoe_is_lossy_and_exact_system_is_not(model_dir, loaded, prompts, tmp_p
     1e-4 and KL ~ 0. The model is plain afterwards."""
     lossy = _cfg(model_dir, tmp_path, "system=emoe", "cache.capacity=0.125",
                  "predictor.experts_per_layer=2", "predictor.period=1", "eval.tasks=[]")
-    m = run_eval(eval_spec(lossy.eval), lossy, loaded, prompts)
+    m = run_eval(eval_spec(lossy.eval), _inputs(lossy, loaded, prompts))
     assert m["eval_model"] == "engine" and m["experts_per_layer"] == 2
     assert m["quality_substitution_rate"] > 0
     assert abs(m["perplexity_ratio"] - 1) > 1e-3 and m["token_agreement"] < 1.0
     assert m["kl_mean"] > 0 and not any(k.startswith("lm_eval/") for k in m)
     exact = _cfg(model_dir, tmp_path, "system=deepspeed", "cache.capacity=0.125",
                  "eval.tasks=[]")
-    e = run_eval(eval_spec(exact.eval), exact, loaded, prompts)
+    e = run_eval(eval_spec(exact.eval), _inputs(exact, loaded, prompts))
     assert e["eval_model"] == "engine" and e["quality_hit_rate"] < 1.0
     assert abs(e["perplexity_ratio"] - 1) <= 1e-4 and e["kl_mean"] < 1e-6
     assert e["greedy_agreement"] == 1.0
