@@ -8,20 +8,32 @@ iterations are concatenated ("token rows")::
                    s >= 1 = the s-th decode step), token rows
                    ``iter_offsets[i] : iter_offsets[i + 1]``
     token row t  : ``probs[t, l]``      float16[L, J] full router probabilities (softmax of
-                                        the logits, before top-k and renormalisation)
+                                        the logits, before top-k and renormalisation);
+                                        optional (imported traces may hold top-k only)
                    ``topk_idx[t, l]``   int16[K]  experts the model really selected
                    ``topk_weight[t, l]``float16[K] their routing weights
-                   ``embed[t]``         float16[H] output of the embedding layer (semantic key)
+                   ``embed[t]``         float16[H] output of the embedding layer (semantic key;
+                                        optional)
                    ``spec_probs[t, l, d-1]`` float16[J] softmax(gate_{l+d}(h_l)), d = 1..D;
                                         zeros where l + d >= L
                    ``hidden[t, l]``     float16[H] hidden state entering layer l's MoE block
                                         (optional)
-                   ``token_ids[t]``     int32 the token fed in this row
+                   ``token_ids[t]``     int32 the token fed in this row (optional)
 
 Dense layers (DeepSeek's first layers) are not counted: layer index l = 0..L-1 counts MoE
 layers only. On disk a trace is ``NAME.npz`` (numpy arrays, no pickle) plus ``NAME.json``
-(the sidecar: schema version, dims, requests, provenance). Only :mod:`moeexp.traces.io`
-reads or writes them.
+(the sidecar: schema version, dims, requests, provenance, what the trace holds, and the
+digests binding the two files). Only :mod:`moeexp.traces.io` reads or writes them.
+
+**What a trace holds** (:attr:`Trace.capabilities`, also in the sidecar): a trace recorded
+by this project's recorder holds everything above. A trace imported from elsewhere
+(:mod:`moeexp.traces.external`) may be *routing only*: top-k ids and weights of decode
+steps, no full router probabilities (``router_probs``), no embedding-layer outputs
+(``embed``), no token ids (``token_ids``), no prefill routing (``prefill``), no
+speculative gates or hidden states. ``meta["source"]`` says where it came from (model,
+repository, commit, licence). A predictor names what it needs (``Predictor.needs``); one
+needing something the trace lacks is *not applicable* to it (:func:`missing_for`), never
+run on zeros.
 """
 
 from __future__ import annotations
@@ -33,7 +45,20 @@ import numpy as np
 
 from moeexp.errors import TraceError
 
-SCHEMA_VERSION = 1
+#: 2: probs/embed/token_ids optional, capabilities and digests in the sidecar (1: none).
+SCHEMA_VERSION = 2
+
+#: What a trace may hold, with the words a "not applicable" message uses for each.
+CAPABILITIES: dict[str, str] = {
+    "router_probs": "full router probabilities",
+    "embed": "embedding-layer outputs",
+    "token_ids": "token ids",
+    "prefill": "prefill routing",
+    "spec_probs": "speculative gate outputs",
+    "hidden": "hidden states",
+    "prompt_embed": "prompt embeddings",
+    "prompt_text": "prompt texts",
+}
 
 Split = Literal["store", "test"]
 
@@ -84,7 +109,8 @@ class Trace:
 
     ``meta`` holds provenance (model name, dataset, seed, content hash, git sha, ...).
     ``prompt_embed`` (optional, float32[R, E]) is a sentence embedding per request, used by
-    the ``semantic_knn`` predictor.
+    the ``semantic_knn`` predictor. ``probs``, ``embed`` and ``token_ids`` are None in a
+    routing-only trace (see the module docstring).
     """
 
     dims: TraceDims
@@ -92,11 +118,11 @@ class Trace:
     iter_request: np.ndarray  # int32[N_iter]
     iter_step: np.ndarray  # int32[N_iter]
     iter_offsets: np.ndarray  # int64[N_iter + 1]
-    probs: np.ndarray  # float16[N_tok, L, J]
+    probs: np.ndarray | None  # float16[N_tok, L, J]
     topk_idx: np.ndarray  # int16[N_tok, L, K]
     topk_weight: np.ndarray  # float16[N_tok, L, K]
-    embed: np.ndarray  # float16[N_tok, H]
-    token_ids: np.ndarray  # int32[N_tok]
+    embed: np.ndarray | None  # float16[N_tok, H]
+    token_ids: np.ndarray | None  # int32[N_tok]
     spec_probs: np.ndarray | None = None  # float16[N_tok, L, D, J]
     hidden: np.ndarray | None = None  # float16[N_tok, L, H]
     prompt_embed: np.ndarray | None = None  # float32[R, E]
@@ -112,12 +138,16 @@ class Trace:
             (self.iter_step.shape == (n_iter,), "iter_step length != iterations"),
             (self.iter_offsets.shape == (n_iter + 1,), "iter_offsets must have N_iter + 1 entries"),
             (n_iter == 0 or bool(np.all(np.diff(self.iter_offsets) > 0)), "empty iteration"),
-            (self.probs.shape == (n_tok, d.num_layers, d.num_experts), "probs shape"),
             (self.topk_idx.shape == (n_tok, d.num_layers, d.top_k), "topk_idx shape"),
             (self.topk_weight.shape == (n_tok, d.num_layers, d.top_k), "topk_weight shape"),
-            (self.embed.shape == (n_tok, d.hidden_size), "embed shape"),
-            (self.token_ids.shape == (n_tok,), "token_ids shape"),
         ]
+        if self.probs is not None:
+            want_probs = (n_tok, d.num_layers, d.num_experts)
+            checks.append((self.probs.shape == want_probs, "probs shape"))
+        if self.embed is not None:
+            checks.append((self.embed.shape == (n_tok, d.hidden_size), "embed shape"))
+        if self.token_ids is not None:
+            checks.append((self.token_ids.shape == (n_tok,), "token_ids shape"))
         if self.spec_probs is not None:
             want_spec = (n_tok, d.num_layers, d.spec_depth, d.num_experts)
             checks.append((self.spec_probs.shape == want_spec, "spec_probs shape"))
@@ -135,6 +165,32 @@ class Trace:
         bad = [msg for ok, msg in checks if not ok]
         if bad:
             raise TraceError(f"invalid trace: {'; '.join(bad)}")
+
+    # ------------------------------------------------------------------ capabilities
+    @property
+    def capabilities(self) -> frozenset[str]:
+        """What this trace holds, among :data:`CAPABILITIES`."""
+        have = {name for name, arr in (("router_probs", self.probs), ("embed", self.embed),
+                                       ("token_ids", self.token_ids),
+                                       ("spec_probs", self.spec_probs),
+                                       ("hidden", self.hidden),
+                                       ("prompt_embed", self.prompt_embed))
+                if arr is not None}
+        if bool(np.any(self.iter_step == 0)):
+            have.add("prefill")
+        if self.requests and all(r.prompt for r in self.requests):
+            have.add("prompt_text")
+        return frozenset(have)
+
+    def router_probs(self, rows: slice | np.ndarray, layer: int) -> np.ndarray:
+        """float16[T, J]: layer ``layer``'s router probabilities of token ``rows``; in a
+        routing-only trace, the top-k weights scattered into J (zero elsewhere)."""
+        if self.probs is not None:
+            return self.probs[rows, layer]
+        idx = self.topk_idx[rows, layer].astype(np.int64)
+        out = np.zeros((idx.shape[0], self.dims.num_experts), dtype=np.float16)
+        np.put_along_axis(out, idx, self.topk_weight[rows, layer], axis=1)
+        return out
 
     # ------------------------------------------------------------------ views
     @property
@@ -193,11 +249,11 @@ class Trace:
             iter_request=self.iter_request[iters],
             iter_step=self.iter_step[iters],
             iter_offsets=offsets,
-            probs=self.probs[rows],
+            probs=take(self.probs),
             topk_idx=self.topk_idx[rows],
             topk_weight=self.topk_weight[rows],
-            embed=self.embed[rows],
-            token_ids=self.token_ids[rows],
+            embed=take(self.embed),
+            token_ids=take(self.token_ids),
             spec_probs=take(self.spec_probs),
             hidden=take(self.hidden),
             prompt_embed=None if self.prompt_embed is None else self.prompt_embed[req_pos],
@@ -211,9 +267,14 @@ class Trace:
             "dims": asdict(self.dims),
             "requests": [asdict(r) for r in self.requests],
             "meta": self.meta,
-            "optional": {
-                "spec_probs": self.spec_probs is not None,
-                "hidden": self.hidden is not None,
-                "prompt_embed": self.prompt_embed is not None,
-            },
+            "capabilities": sorted(self.capabilities),
         }
+
+
+def missing_for(needs: frozenset[str], capabilities: frozenset[str]) -> list[str]:
+    """The words for what ``needs`` asks of a trace that ``capabilities`` lacks ([] = none).
+
+    Only trace contents count (:data:`CAPABILITIES`); other needs (``future``) are the
+    mechanism's business."""
+    return [CAPABILITIES[n] + f" ({n})" for n in sorted(needs) if n in CAPABILITIES
+            and n not in capabilities]

@@ -4,7 +4,8 @@
 ``<hash>.json``. The sha256 content hash covers everything that determines a trace:
 
 - the model weights (:func:`weights_hash`: every tensor's name, dtype, shape and bytes,
-  sampled for models over 8 GiB; computed once per model object), its class and config;
+  sampled for models over 8 GiB; computed once per model object), its class and config
+  (without the path it was loaded from, :func:`config_identity`);
 - the tokenizer (:func:`tokenizer_hash`: vocabulary and special tokens);
 - the prompts: id, token ids, prompt/output length, split, dataset, task, text;
 - the recording settings: sampling (top_k/temperature only when sampling), spec_depth,
@@ -74,6 +75,19 @@ def _checkpoint_identity(model: Any) -> str:
     return f"dir:{h.hexdigest()}"
 
 
+#: Config keys that say where a model was loaded from, not what it is.
+_LOCATION_KEYS = frozenset({"_name_or_path", "_commit_hash", "transformers_version"})
+
+
+def config_identity(config: Any) -> str:
+    """The model config as sorted JSON, without where it was loaded from (``_name_or_path``):
+    two checkouts of one project, or a model moved on disk, name the same trace."""
+    if config is None or not hasattr(config, "to_dict"):
+        return ""
+    data = {k: v for k, v in config.to_dict().items() if k not in _LOCATION_KEYS}
+    return json.dumps(data, sort_keys=True, default=str)
+
+
 def weights_hash(model: Any) -> str:
     """sha256 (hex) identifying the model's weights; cached per model object.
 
@@ -95,9 +109,7 @@ def weights_hash(model: Any) -> str:
     sampled = total > FULL_HASH_MAX_BYTES or any(t.device.type == "meta" for _, t in state)
     h = hashlib.sha256()
     h.update(type(model).__name__.encode())
-    cfg = getattr(model, "config", None)
-    if cfg is not None and hasattr(cfg, "to_json_string"):
-        h.update(cfg.to_json_string(use_diff=False).encode())
+    h.update(config_identity(getattr(model, "config", None)).encode())
     if sampled:
         h.update(_checkpoint_identity(model).encode())
     for name, t in state:

@@ -148,3 +148,11 @@ def test_concurrent_processes_record_once(loaded, tmp_path, monkeypatch):
     assert all(p.exitcode == 0 for p in procs)
     hashes = {q.get(timeout=5) for _ in procs}
     assert len(hashes) == 1 and len(list(marks.iterdir())) == 1
+
+
+def test_weights_hash_ignores_where_the_model_was_loaded_from(loaded):
+    """Issue 14 case 8: the same weights loaded from two paths name the same trace."""
+    a, b = toy_model("mixtral"), toy_model("mixtral")
+    a.config._name_or_path = "/home/alice/checkout/model"
+    b.config._name_or_path = "/scratch/bob/other/model"
+    assert store.weights_hash(a) == store.weights_hash(b)
