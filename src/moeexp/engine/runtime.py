@@ -17,7 +17,8 @@ simulator's ``Device.serve_layer``, so the same policy objects take the same dec
 
 The copy thread starts queued prefetches whenever no demand load waits, taking the
 eviction decision at that moment under the same lock (see :mod:`moeexp.engine.transfer`).
-The cache policy and the predictor are the very objects the simulator drives.
+The prefetch queue and the prediction sets are :mod:`moeexp.prefetching`'s, the very
+objects the simulator uses; the cache policy and the predictor are those it drives.
 """
 
 from __future__ import annotations
@@ -36,12 +37,12 @@ from moeexp.cache.base import CachePolicy
 from moeexp.engine.budget import Budget
 from moeexp.engine.kernel import slot_rows
 from moeexp.engine.predict import PredictorRunner
-from moeexp.engine.prefetch import PredictionSets, PrefetchQueue
 from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine, CopyJob
 from moeexp.errors import ConfigError
 from moeexp.metrics import PredictionTally
 from moeexp.models.base import MoEAdapter
+from moeexp.prefetching import PredictionSets, PrefetchQueue
 from moeexp.traces.schema import Trace
 
 log = logging.getLogger(__name__)
@@ -166,15 +167,16 @@ class Engine:
         """Copy thread: start the best queued prefetch (eviction decided now), or None."""
         with self.lock:
             while not self.paused:
-                key = self.queue.pop(self.cur_layer)
-                if key is None:
+                got = self.queue.pop(self.cur_layer)
+                if got is None:
                     return None
+                key = got[0]
                 if key in self.pool.slot_of:
                     continue
                 try:
                     victim = self.cache.victim(key, self._protect(self.protected), self.next_access)
                 except ConfigError:
-                    self.queue.dropped += 1
+                    self.queue.drop()
                     continue
                 if victim is not None:
                     self._evict(victim)
@@ -210,6 +212,8 @@ class Engine:
         woke = False
         for hook, tag, pred in self.runner.drain():
             hook_layer = int(tag) if hook == "observe_layer" else -1
+            # Unlike the simulator (since 474f469), start_request predictions are not
+            # counted for the request's first pass: kept so engine metrics stay as they were.
             if hook != "start_request":
                 self.psets.take(pred, hook_layer)
             if pred.prefetch and self.queue.push(pred.prefetch, self.cur_layer, self.pool.slot_of):

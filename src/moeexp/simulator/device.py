@@ -6,11 +6,11 @@ class only keeps the mechanism honest:
 
 * ``ready[key]`` is the time ``key``'s copy finishes; a key is *resident* from the moment
   its copy starts (its slot is taken) and *ready* once the copy finished.
-* Prefetches wait in a priority queue (higher priority first, FIFO among equals). They are
-  started lazily: :meth:`advance` starts, in order, every queued prefetch whose start
-  time (engine free, not paused, enqueued) falls before the next event. A prefetch for a
-  layer whose experts already ran (``layer <= cur_layer``) is dropped, as is one the
-  policy finds no victim for. One key is queued once (at its highest priority).
+* Prefetches wait in the :class:`~moeexp.prefetching.PrefetchQueue` the engine uses too
+  (its rules: higher priority first, FIFO among equals, one entry per key, requests for a
+  layer that already ran dropped). They are started lazily: :meth:`advance` starts, in
+  order, every queued prefetch whose start time (engine free, not paused, enqueued) falls
+  before the next event; one the policy finds no victim for is dropped.
 * A layer's missing experts are loaded on demand: after the copy in flight, before any
   queued prefetch. Experts compute one after another as soon as they are ready (resident
   hits first), so a layer's stall is the compute stream's idle time.
@@ -26,7 +26,6 @@ class only keeps the mechanism honest:
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Callable, Iterable
 
 import numpy as np
@@ -35,6 +34,7 @@ from moeexp.cache.base import CachePolicy, Key
 from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
 from moeexp.predictors.base import Prefetch
+from moeexp.prefetching import PrefetchQueue
 
 _NEG_INF = float("-inf")
 
@@ -52,16 +52,13 @@ class Device:
         self.unused_prefetched: set[Key] = set()
         self.copy_free = 0.0
         self.pause_until = _NEG_INF
-        self.heap: list[tuple[float, int, float, Key]] = []
-        self.pending: dict[Key, float] = {}
-        self.seq = 0
+        self.queue = PrefetchQueue(num_layers, num_experts)
         self.cur_layer = -1
         self.protected: set[Key] = set()
         self.next_access = 0
         # counters
         self.h2d_bytes = 0
         self.prefetches_issued = 0
-        self.prefetches_dropped = 0
         self.waste_bytes = 0
         self.peak_resident = 0
 
@@ -102,52 +99,32 @@ class Device:
             self.peak_resident = n
 
     # ------------------------------------------------------------------ prefetch queue
+    @property
+    def prefetches_dropped(self) -> int:
+        """Prefetch requests dropped (passed layer, no victim, left at a pass's end)."""
+        return self.queue.dropped
+
     def enqueue(self, prefetches: list[Prefetch], t: float) -> None:
         """Queue prefetch requests made at time ``t`` (call :meth:`advance` to ``t`` first)."""
-        L, J, cur = self.L, self.J, self.cur_layer
-        ready, pending, heap = self.ready, self.pending, self.heap
-        for pf in prefetches:
-            layer, expert = pf.layer, pf.expert
-            if layer <= cur:
-                if layer < 0:
-                    raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")
-                self.prefetches_dropped += 1
-                continue
-            key = (layer, expert)
-            if key in ready:
-                continue
-            neg = -pf.priority
-            old = pending.get(key)
-            if old is not None and old <= neg:
-                continue
-            if layer >= L or not 0 <= expert < J:
-                raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")
-            pending[key] = neg
-            self.seq += 1
-            heapq.heappush(heap, (neg, self.seq, t, key))
+        self.queue.push(prefetches, self.cur_layer, self.ready, t)
 
     def advance(self, t: float) -> None:
         """Start every queued prefetch that the copy engine would start before ``t``."""
-        heap = self.heap
-        while heap:
-            neg, _, enq, key = heap[0]
-            if self.pending.get(key) != neg:  # superseded by a higher-priority request
-                heapq.heappop(heap)
-                continue
-            start = max(self.copy_free, self.pause_until, enq)
-            if start >= t:
+        queue, ready = self.queue, self.ready
+        if not queue.pending:
+            return
+        while True:
+            free, paused = self.copy_free, self.pause_until
+            got = queue.pop(self.cur_layer, free if free >= paused else paused, t)
+            if got is None:
                 return
-            heapq.heappop(heap)
-            del self.pending[key]
-            if key[0] <= self.cur_layer:
-                self.prefetches_dropped += 1
-                continue
-            if key in self.ready:
+            key, start = got
+            if key in ready:
                 continue
             try:
                 victim = self.cache.victim(key, self.protected, self.next_access)
             except ConfigError:
-                self.prefetches_dropped += 1
+                queue.drop()
                 continue
             if victim is not None:
                 self._evict(victim)
@@ -163,9 +140,7 @@ class Device:
 
     def end_iteration(self) -> None:
         """Every prefetch still queued targets a layer that already ran: drop them."""
-        self.prefetches_dropped += len(self.pending)
-        self.pending.clear()
-        self.heap.clear()
+        self.queue.clear()
 
     # ------------------------------------------------------------------ layer service
     def serve_layer(self, layer: int, needed: list[int], ce: list[float], pos0: int,
@@ -185,26 +160,23 @@ class Device:
         protected = set(keys)
         self.protected = protected
         self.next_access = pos0 + len(keys)
-        hits: list[int] = []
         waits: list[int] = []
         absent: list[int] = []
-        for i, k in enumerate(keys):
+        comp, stall, n_hits = t, 0.0, 0
+        finished: list[tuple[float, Key]] = []  # compute order == time order
+        unused = self.unused_prefetched
+        for i, k in enumerate(keys):  # hits compute first, in expert order, as met
             r = ready.get(k)
             if r is None:
                 absent.append(i)
             elif r <= t:
-                hits.append(i)
+                comp += ce[i]
+                cache.on_access(k, pos0 + i, True)
+                unused.discard(k)
+                finished.append((comp, k))
+                n_hits += 1
             else:
                 waits.append(i)
-        comp, stall = t, 0.0
-        finished: list[tuple[float, Key]] = []  # compute order == time order
-        unused = self.unused_prefetched
-        for i in hits:
-            k = keys[i]
-            comp += ce[i]
-            cache.on_access(k, pos0 + i, True)
-            unused.discard(k)
-            finished.append((comp, k))
         for i in waits:
             k = keys[i]
             r = ready[k]
@@ -219,7 +191,7 @@ class Device:
             comp, stall = self._demand(keys, absent, ce, pos0, t, comp, stall, finished)
         if (absent or waits) and cache.pause_prefetch_on_miss:
             self.pause_until = comp
-        return comp, len(hits), len(waits) + len(absent), stall
+        return comp, n_hits, len(waits) + len(absent), stall
 
     def _demand(self, keys: list[Key], absent: list[int], ce: list[float], pos0: int, t: float,
                 comp: float, stall: float, finished: list[tuple[float, Key]]) -> tuple[float, float]:

@@ -1,23 +1,31 @@
 """The replay loop: a test trace against a predictor, a cache policy and a cost model.
 
-For each batch (offline: when the previous one finished; online: also not before its last
-member arrived) and each forward pass of it::
+Batches run one after another on one server (offline: each when the previous one finished;
+online: also not before its last member arrived). Each step below is one method of
+:class:`_Replay`::
 
-    start_request (first pass of a request) -> prefetches
-    start_iteration                         -> prefetches
-    for layer l:
-        dense part (attention + router)     time advances, queued copies progress
-        observe_layer(l)                    -> prefetches, cache scores
-        layer l's experts                   hits / in-flight waits / on-demand loads
-    end_iteration; end_request (requests that finished)
+    serve_all: for each batch
+      batch: start_request (its requests)            -> predictions for their first pass
+        forward_pass: for each pass of the batch
+          start_iteration                            -> prefetches
+          layers: for layer l
+            dense part (attention + router)          time advances, queued copies progress
+            observe_layer(l)                         -> prefetches, cache scores
+            layer l's experts                        hits / in-flight waits / on-demand loads
+          end_iteration
+        end_request (requests that finished)
 
 Decisions come from the predictor and the policy only; the simulator never asks which
-policy it runs. Metrics follow ``algorithms.md`` §8 (see :mod:`moeexp.simulator.report`).
+policy it runs. What a prediction does (:meth:`_Replay.take`) is the engine's rule too: its
+prefetches go to the :class:`~moeexp.prefetching.PrefetchQueue` of the
+:class:`~moeexp.simulator.device.Device`, its scores to the policy, and it speaks for the
+``prediction_*`` metrics through :class:`~moeexp.prefetching.PredictionSets`. Metrics
+follow ``algorithms.md`` §8 (see :mod:`moeexp.simulator.report`).
 """
 
 from __future__ import annotations
 
-import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -33,15 +41,13 @@ from moeexp.predictors.base import (
     LayerObservation,
     Prediction,
     Predictor,
-    Prefetch,
     RequestStart,
 )
+from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
-from moeexp.simulator.plan import Plan
+from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
 from moeexp.traces.schema import Trace
-
-log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -92,9 +98,8 @@ def _check(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostMod
 
 def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel, *,
              batch_size: int = 1, arrival_rate: float | None = None,
-             restricted_routing: bool = False, renormalize: bool = False, seed: int = 0,
-             progress: bool = True, num_requests: int | None = None,
-             predictor_feed_s: float = 0.0) -> SimResult:
+             restricted_routing: bool = False, seed: int = 0, progress: bool = True,
+             num_requests: int | None = None, predictor_feed_s: float = 0.0) -> SimResult:
     """Replay ``trace_test``; the caller fitted ``predictor`` and ``cache`` on the store split.
 
     Args:
@@ -106,9 +111,8 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
         arrival_rate: Poisson arrivals in requests/s (online, FCFS, seeded by ``seed``);
             None: offline, each batch starts when the previous one finished.
         restricted_routing: eMoE's lossy mode: non-resident experts are substituted by the
-            next-ranked resident one; nothing is loaded on demand.
-        renormalize: whether restricted routing renormalises top-k weights; it changes the
-            model's output only, never the replay (kept for the record).
+            next-ranked resident one; nothing is loaded on demand. (Whether the model
+            renormalises the top-k weights changes its output only, never the replay.)
         seed: seed of the arrival process.
         progress: show a progress bar over requests.
         num_requests: requests to serve (None: every trace request once; more cycles
@@ -123,125 +127,88 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
     _check(trace_test, predictor, cache, cost, batch_size, arrival_rate, num_requests)
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
-    tr, L = trace_test, trace_test.dims.num_layers
-    plan = Plan(tr, cost, batch_size=batch_size, arrival_rate=arrival_rate,
+    plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                 num_requests=num_requests, seed=seed)
-    dev = Device(cache, cost, L, tr.dims.num_experts)
-    dev.preload(cache.initial_residents())
-    if cache.needs_future:
-        cache.prepare_future(plan.access_stream())
-    needs = predictor.needs
-    want_spec, want_hidden = "spec_probs" in needs, "hidden" in needs
-    want_future, want_pe = "future" in needs, "prompt_embed" in needs
-    req_pos = {r.request_id: i for i, r in enumerate(tr.requests)}
-    tally = Tally(L)
-    pred_sets: dict[int, set[int]] = {}
-    pf_sets: dict[int, set[int]] = {}
+    run = _Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
+                  feed_s=predictor_feed_s)
+    run.serve_all(progress)
+    metrics, series = build_metrics(
+        plan=plan, dev=run.dev, cache=cache, cost=cost, tally=run.tally,
+        restricted=restricted_routing, query_s=run.timed.seconds, query_calls=run.timed.calls,
+        wall_s=perf_counter() - wall0, predictor_stats=predictor.stats())
+    return SimResult(metrics=metrics, series=series)
 
-    pf_hooks: list[tuple[int, list[Prefetch]]] = []  # (layer observed, prefetches), lazily
 
-    def take(pred: Prediction, t: float, cur: int) -> None:
-        if pred.prefetch:
-            pf_hooks.append((cur, pred.prefetch))
-            dev.enqueue(pred.prefetch, t)
-        if pred.scores:
-            cache.observe_scores(pred.scores)
-        if pred.predicted:
-            for layer, arr in pred.predicted.items():
-                if layer > cur:
-                    pred_sets[layer] = set(np.asarray(arr).tolist())
+@dataclass
+class HookTimer:
+    """Wall time spent inside the predictor's hooks that return a Prediction.
 
-    def prefetched_for(layer: int) -> set[int] | None:
-        """Experts prefetched for ``layer`` by hooks before its router (drains pf_hooks)."""
-        for cur, pfs in pf_hooks:
-            for pf in pfs:
-                if pf.layer > cur:
-                    s = pf_sets.get(pf.layer)
-                    if s is None:
-                        pf_sets[pf.layer] = s = set()
-                    s.add(pf.expert)
-        pf_hooks.clear()
-        return pf_sets.get(layer)
+    Attributes:
+        seconds: total seconds; calls: number of hook calls (``predictor_query_us_mean``).
+    """
 
-    probs_all, embed_all = tr.probs, tr.embed
-    bar = tqdm(total=len(plan.unit_request), desc="simulate", unit="req", disable=not progress)
-    server_free = 0.0
-    pos = 0
-    q_time, q_calls = 0.0, 0
-    for batch in plan.batches:
-        t = server_free if batch.arrival_s is None else max(server_free, batch.arrival_s)
-        dev.advance(t)
+    seconds: float = 0.0
+    calls: int = 0
+
+    def __call__(self, hook: Callable[[Any], Prediction], arg: Any) -> Prediction:
+        """``hook(arg)``, timed."""
+        q0 = perf_counter()
+        pred = hook(arg)
+        self.seconds += perf_counter() - q0
+        self.calls += 1
+        return pred
+
+
+class _Replay:
+    """One replay's state: the device, the tallies, the prediction sets, the access clock."""
+
+    def __init__(self, trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel,
+                 plan: Plan, *, restricted: bool, feed_s: float) -> None:
+        self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, cache, cost, plan
+        self.restricted, self.feed_s = restricted, feed_s
+        self.L = trace.dims.num_layers
+        self.dev = Device(cache, cost, self.L, trace.dims.num_experts)
+        self.dev.preload(cache.initial_residents())
+        if cache.needs_future:
+            cache.prepare_future(plan.access_stream())
+        self.tally = Tally(self.L)
+        self.psets = PredictionSets()
+        self.timed = HookTimer()
+        needs = predictor.needs
+        # what observe_layer sees beyond the router's float32[T, J] probabilities: float32
+        # [T, D, J] speculative gates and [T, H] hidden states, when the predictor needs them
+        self.spec = trace.spec_probs if "spec_probs" in needs else None
+        self.hidden = trace.hidden if "hidden" in needs else None
+        self.want_future, self.want_pe = "future" in needs, "prompt_embed" in needs
+        self.req_pos = {r.request_id: i for i, r in enumerate(trace.requests)}
+        self.pos = 0  # index of the next access in the whole replay's access stream
+
+    def serve_all(self, progress: bool) -> None:
+        """Every batch of the plan, in order, on one server (FCFS)."""
+        bar = tqdm(total=len(self.plan.unit_request), desc="simulate", unit="req",
+                   disable=not progress)
+        server_free = 0.0
+        for batch in self.plan.batches:
+            t = server_free if batch.arrival_s is None else max(server_free, batch.arrival_s)
+            server_free = self.batch(batch, t)
+            bar.update(len(batch.units))
+        bar.close()
+
+    def batch(self, batch: Batch, t: float) -> float:
+        """Serve ``batch`` from time ``t`` (s); returns when its last forward pass ended."""
+        self.dev.advance(t)
+        plan, tally, predictor = self.plan, self.tally, self.predictor
         req_preds: list[Prediction] = []
         for u in batch.units:
             tally.start[u] = t
             meta = plan.unit_request[u]
-            pe = tr.prompt_embed[req_pos[meta.request_id]] if want_pe else None  # type: ignore[index]
-            q0 = perf_counter()
-            pred = predictor.start_request(RequestStart(request=meta, prompt_embed=pe))
-            q_time += perf_counter() - q0
-            q_calls += 1
-            req_preds.append(pred)
+            pe = (self.tr.prompt_embed[self.req_pos[meta.request_id]]  # type: ignore[index]
+                  if self.want_pe else None)
+            req_preds.append(self.timed(predictor.start_request,
+                                        RequestStart(request=meta, prompt_embed=pe)))
         for gi, iters in enumerate(batch.groups):
-            gd = plan.group(iters)
-            rows = gd.rows
-            dev.begin_iteration()
-            pred_sets.clear()
-            pf_sets.clear()
-            pf_hooks.clear()
-            # start_request predictions belong to the request's first pass: applied after
-            # begin_iteration, or the previous pass's last layer would drop them as passed.
-            for rp in req_preds:
-                take(rp, t, -1)
-            req_preds.clear()
-            t_iter = t
-            ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
-                                 embed=embed_all[rows].astype(np.float32),
-                                 token_request=gd.token_request,
-                                 future=gd.future() if want_future else None)
-            q0 = perf_counter()
-            pred = predictor.start_iteration(ctx)
-            q_time += perf_counter() - q0
-            q_calls += 1
-            take(pred, t, -1)
-            it_hits = it_miss = 0
-            it_stall = 0.0
-            dense = gd.dense_s + predictor_feed_s
-            for layer in range(L):
-                needed = gd.experts[layer]
-                t += dense
-                dev.advance(t)
-                obs = LayerObservation(
-                    layer=layer, probs=probs_all[rows, layer].astype(np.float32),
-                    experts=np.asarray(needed, dtype=np.int64), counts=gd.counts[layer],
-                    spec_probs=tr.spec_probs[rows, layer].astype(np.float32) if want_spec else None,  # type: ignore[index]
-                    hidden=tr.hidden[rows, layer].astype(np.float32) if want_hidden else None,  # type: ignore[index]
-                )
-                q0 = perf_counter()
-                pred = predictor.observe_layer(obs)
-                q_time += perf_counter() - q0
-                q_calls += 1
-                take(pred, t, layer)
-                P = pred_sets.get(layer)
-                if P is None and (pf_hooks or pf_sets):
-                    P = prefetched_for(layer)
-                tally.pred.add(P, needed)
-                if restricted_routing:
-                    t, h, m, subs, drops = dev.serve_restricted(
-                        layer, needed, tr.topk_idx[rows, layer], probs_all[rows, layer], pos, t,
-                        cost.expert_s)
-                    tally.substitutions += subs
-                    tally.dropped_assignments += drops
-                    tally.assignments += int(gd.counts[layer].sum())
-                    s = 0.0
-                else:
-                    t, h, m, s = dev.serve_layer(layer, needed, gd.ce[layer], pos, t)
-                pos += len(needed)
-                it_hits += h
-                it_miss += m
-                it_stall += s
-            dev.end_iteration()
-            predictor.end_iteration()
-            tally.iteration(it_hits, it_miss, it_stall, t - t_iter)
+            t = self.forward_pass(plan.group(iters), t, req_preds)
+            req_preds = []
             if gi == 0:
                 for u in batch.units:
                     tally.first[u] = t
@@ -249,13 +216,80 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
                 tally.finish[u] = t
                 tally.n_decode[u] = plan.num_decode(u)
                 predictor.end_request(plan.unit_request[u].request_id)
-        server_free = t
-        bar.update(len(batch.units))
-    bar.close()
-    wall = perf_counter() - wall0
-    metrics, series = build_metrics(
-        plan=plan, dev=dev, cache=cache, cost=cost, tally=tally, restricted=restricted_routing,
-        query_s=q_time, query_calls=q_calls, wall_s=wall, predictor_stats=predictor.stats())
-    if restricted_routing and renormalize:
-        log.debug("restricted routing with renormalize=True: affects model output only, not the replay")
-    return SimResult(metrics=metrics, series=series)
+        return t
+
+    def forward_pass(self, gd: GroupData, t: float, req_preds: list[Prediction]) -> float:
+        """One forward pass from time ``t`` (s); returns its end. ``req_preds``: what
+        ``start_request`` said for the requests this pass begins."""
+        self.dev.begin_iteration()
+        self.psets.clear()
+        # start_request predictions belong to the request's first pass: applied after
+        # begin_iteration, or the previous pass's last layer would drop them as passed.
+        for rp in req_preds:
+            self.take(rp, t, -1)
+        ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
+                             embed=self.tr.embed[gd.rows].astype(np.float32),
+                             token_request=gd.token_request,
+                             future=gd.future() if self.want_future else None)
+        self.take(self.timed(self.predictor.start_iteration, ctx), t, -1)
+        end, hits, misses, stall = self.layers(gd, t)
+        self.dev.end_iteration()
+        self.predictor.end_iteration()
+        self.tally.iteration(hits, misses, stall, end - t)
+        return end
+
+    def layers(self, gd: GroupData, t: float) -> tuple[float, int, int, float]:
+        """Every MoE layer of pass ``gd`` from time ``t``: dense part, ``observe_layer``,
+        the layer's experts. Returns (end s, hits, misses, stall s). The hot loop: what it
+        uses is bound to locals first."""
+        dev, timed, take, observe = self.dev, self.timed, self.take, self.predictor.observe_layer
+        for_layer, account = self.psets.for_layer, self.tally.pred.add
+        experts, ce, counts, rows = gd.experts, gd.ce, gd.counts, gd.rows
+        probs, spec, hidden, pos = self.tr.probs, self.spec, self.hidden, self.pos
+        dense = gd.dense_s + self.feed_s
+        hits = misses = 0
+        stall = 0.0
+        for layer in range(self.L):
+            needed = experts[layer]
+            t += dense
+            dev.advance(t)
+            obs = LayerObservation(
+                layer=layer, probs=probs[rows, layer].astype(np.float32),
+                experts=np.asarray(needed, dtype=np.int64), counts=counts[layer],
+                spec_probs=spec[rows, layer].astype(np.float32) if spec is not None else None,
+                hidden=hidden[rows, layer].astype(np.float32) if hidden is not None else None)
+            take(timed(observe, obs), t, layer)
+            account(for_layer(layer), needed)
+            if self.restricted:
+                t, h, m, s = self.serve_restricted(gd, layer, pos, t)
+            else:
+                t, h, m, s = dev.serve_layer(layer, needed, ce[layer], pos, t)
+            pos += len(needed)
+            hits += h
+            misses += m
+            stall += s
+        self.pos = pos
+        return t, hits, misses, stall
+
+    def take(self, pred: Prediction, t: float, hook_layer: int) -> None:
+        """Apply ``pred``, made at time ``t`` by a hook at ``hook_layer`` (-1: request or
+        iteration): queue its prefetches, hand its scores to the policy, note what it
+        predicts (the engine applies a prediction by the same three steps)."""
+        if pred.prefetch:
+            self.dev.enqueue(pred.prefetch, t)
+        if pred.scores:
+            self.cache.observe_scores(pred.scores)
+        self.psets.take(pred, hook_layer)
+
+    def serve_restricted(self, gd: GroupData, layer: int, pos0: int,
+                         t: float) -> tuple[float, int, int, float]:
+        """Layer ``layer`` under restricted routing from time ``t``, its first access at
+        stream index ``pos0``: (end s, hits, misses, stall s = 0: nothing is waited for)."""
+        rows = gd.rows
+        t, h, m, subs, drops = self.dev.serve_restricted(
+            layer, gd.experts[layer], self.tr.topk_idx[rows, layer], self.tr.probs[rows, layer],
+            pos0, t, self.cost.expert_s)
+        self.tally.substitutions += subs
+        self.tally.dropped_assignments += drops
+        self.tally.assignments += int(gd.counts[layer].sum())
+        return t, h, m, 0.0

@@ -9,7 +9,8 @@ Definitions (the simulator's choices where §8 leaves room):
   ``prediction_precision`` = mean of |P ∩ A| / |P| over the pairs where P is non-empty
   (NaN if P is always empty). P is the last ``Prediction.predicted`` given for the layer
   before its router ran, else the union of the experts prefetched for it during this pass
-  before its router ran (resident or not). A = the experts the router chose.
+  before its router ran (resident or not): :class:`moeexp.prefetching.PredictionSets`,
+  the engine's rule too. A = the experts the router chose.
 * Latencies per request: TTFT = end of its prefill pass - arrival; e2e = end of its last
   pass - arrival; TPOT = (e2e - TTFT) / decode steps (requests without decode steps are
   left out). Offline, arrival = the moment its batch starts (no queueing).
@@ -128,7 +129,13 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
         m.setdefault(f"predictor_{k}", float(v))
     missing = [k for k in CORE_KEYS if k not in m]
     assert not missing, missing
-    series: dict[str, list[Any]] = {
+    return m, _series(plan, tally, units, arrival, ttft, tpot, e2e)
+
+
+def _series(plan: Plan, tally: Tally, units: list[int], arrival: dict[int, float],
+            ttft: list[float], tpot: list[float], e2e: list[float]) -> dict[str, list[Any]]:
+    """Per-request series (ms; latencies in seconds given per unit) and per-pass series."""
+    return {
         "request_id": [plan.unit_request[u].request_id for u in units],
         "arrival_ms": [arrival[u] * 1e3 for u in units],
         "ttft_ms": [x * 1e3 for x in ttft],
@@ -141,4 +148,3 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
         "iter_stall_ms": [x * 1e3 for x in tally.it_stall],
         "iter_ms": [x * 1e3 for x in tally.it_time],
     }
-    return m, series

@@ -1,4 +1,5 @@
-"""The core packages (traces, predictors, cache, costmodel, simulator) import no torch."""
+"""The core packages (traces, predictors, cache, costmodel, simulator) and the rules the
+simulator shares with the engine (moeexp.prefetching, moeexp.metrics) import no torch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ def test_core_imports_do_not_pull_torch() -> None:
         "import sys\n"
         "import moeexp.traces, moeexp.traces.schema, moeexp.traces.io, moeexp.traces.synthetic\n"
         "import moeexp.predictors, moeexp.cache, moeexp.cache.capacity\n"
-        "import moeexp.costmodel, moeexp.simulator\n"
+        "import moeexp.costmodel, moeexp.simulator, moeexp.prefetching, moeexp.metrics\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "print(len(bad))\n"
     )
