@@ -1,25 +1,30 @@
-"""One MoE layer through the engine: accesses, demand loads, streaming, compute.
+"""One MoE layer through the engine: the procedure the experts kernel runs.
 
-This is :meth:`Engine.run_layer`'s body (kept apart to keep files short). The order of
-policy calls mirrors :meth:`moeexp.simulator.device.Device.serve_layer`: hits first, then
-in-flight copies, then on-demand loads in expert order, with ``now = pos0 + rank``.
+:func:`serve_layer` only sequences the steps; each step that reads or changes the engine's
+state (the current layer, protected keys, the access clock, paused prefetching, the lock)
+is a method of :class:`~moeexp.engine.runtime.Engine`. The order of policy calls mirrors
+:meth:`moeexp.simulator.device.Device.serve_layer`: hits first, then in-flight copies, then
+on-demand loads in expert order, with ``now = pos0 + rank``::
+
+    experts = sorted unique(idx); check the future (oracle); observe_layer -> predictor
+    with the lock: [settle copies]; pos0 = begin_layer(...)
+        exact:      accesses by state_of (hits, waits), demand loads, streamed chunks
+        restricted: [settle copies]; substitute non-ready experts (nothing loads)
+    compute the remaining rows (lock released); resume_prefetch; sum over top-k
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import nn
 
 from moeexp.engine.kernel import restrict_routing
+from moeexp.engine.runtime import Engine
+from moeexp.engine.store import Key
 from moeexp.predictors.base import LayerObservation
-
-if TYPE_CHECKING:
-    from moeexp.engine.runtime import Engine
-    from moeexp.engine.store import Key
 
 
 def _observe(eng: Engine, layer: int, hidden: torch.Tensor, idx: torch.Tensor,
@@ -47,13 +52,18 @@ def _observe(eng: Engine, layer: int, hidden: torch.Tensor, idx: torch.Tensor,
     eng.runner.submit("observe_layer", obs, tag=layer)
 
 
-def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor,
-                idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """float[T, H]: the routed experts' output of MoE layer ``layer``."""
+def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """float[T, H]: the routed experts' output of MoE layer ``module``.
+
+    Args:
+        hidden: float[T, H] the experts' input; idx: int64[T, K] the router's experts;
+            weights: float[T, K] their routing weights.
+    """
+    layer = eng.layer_of[id(module)]
     T, K = idx.shape
     needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
-    if eng.future is not None:
-        eng.check_future(layer, needed)
+    eng.check_future(layer, needed)
     _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
     keys: list[Key] = [(layer, e) for e in needed]
@@ -71,18 +81,13 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
         return None
 
     all_ready = False
-    settle = eng.settings.restricted_routing and eng.settings.restricted_wait
+    restricted = eng.settings.restricted_routing
+    settle = restricted and eng.settings.restricted_wait
     with eng.lock:
         if settle:  # the copy thread finishes what it started before new work arrives
             eng.settle_prefetches()
-        if eng.runner.any_active:
-            eng.apply_predictions()
-        eng.account_prediction(layer, needed)
-        eng.cur_layer = layer
-        eng.protected = set(keys)
-        pos0 = eng.next_access
-        eng.next_access = pos0 + len(keys)
-        if eng.settings.restricted_routing:
+        pos0 = eng.begin_layer(layer, needed)
+        if restricted:
             if settle:
                 eng.settle_prefetches()
             chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
@@ -92,10 +97,7 @@ def serve_layer(eng: Engine, layer: int, module: nn.Module, hidden: torch.Tensor
             chunk, streamed, all_ready = _serve(
                 eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False))
     full = compute(chunk, flat_e, flat_w, keep, not streamed) if chunk else None
-    if eng.paused:
-        with eng.lock:
-            eng.paused = False
-        eng.copier.wake()
+    eng.resume_prefetch()
     if full is None:
         dtype = parts[0][1].dtype if parts else hidden.dtype
         full = torch.zeros(T * K, hidden.shape[-1], dtype=dtype, device=hidden.device)
@@ -111,20 +113,14 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     Returns the keys still to compute, whether earlier chunks were streamed already, and
     whether every key was a hit (nothing to wait for).
     """
-    cache, c = eng.cache, eng.counters
-    hits, waits, absent = [], [], []
-    for i, k in enumerate(keys):
-        if k not in eng.pool.slot_of:
-            absent.append(i)
-        elif k not in eng.jobs or eng.copier.is_ready(eng.jobs[k]):
-            hits.append(i)
-        else:
-            waits.append(i)
+    states = [eng.state_of(k) for k in keys]
+    hits = [i for i, s in enumerate(states) if s == "ready"]
+    waits = [i for i, s in enumerate(states) if s == "copying"]
+    absent = [i for i, s in enumerate(states) if s == "absent"]
     pinned: list[Key] = []
     for group, hit in ((hits, True), (waits, False)):
         for i in group:
-            cache.on_access(keys[i], pos0 + i, hit)
-            eng.unused_prefetch.discard(keys[i])
+            eng.access(keys[i], pos0 + i, hit)
             pinned.append(keys[i])
     unreleased = set(keys)
     streamed = False
@@ -136,21 +132,19 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
             return False
         chunk = list(pinned)
         pinned.clear()
-        eng.lock.release()  # the copy thread may start prefetches meanwhile
-        try:
+        with eng.unlocked():  # the copy thread may start prefetches meanwhile
             compute_rows(chunk)
-        finally:
-            eng.lock.acquire()
         unreleased.difference_update(chunk)
         streamed = True
         return True
 
     for i in absent:
         eng.demand(keys[i], pos0 + i, unreleased, flush)
-        cache.on_access(keys[i], pos0 + i, False)
+        eng.access(keys[i], pos0 + i, False)
         pinned.append(keys[i])
-    if (absent or waits) and cache.pause_prefetch_on_miss:
-        eng.paused = True
+    if (absent or waits) and eng.cache.pause_prefetch_on_miss:
+        eng.pause_prefetch()
+    c = eng.counters
     c.accesses += len(keys)
     c.hits += len(hits)
     c.streamed_layers += int(streamed)
@@ -165,8 +159,7 @@ def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tenso
                 ) -> tuple[list[Key], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Lossy mode (lock held): substitute non-ready experts; nothing is loaded (with
     ``restricted_wait`` every copy has landed by now: ``settle_prefetches``)."""
-    usable = [e for e in range(eng.J) if (layer, e) in eng.pool.slot_of
-              and ((layer, e) not in eng.jobs or eng.copier.is_ready(eng.jobs[(layer, e)]))]
+    usable = [e for e in range(eng.J) if eng.state_of((layer, e)) == "ready"]
     mask = torch.zeros(eng.J, dtype=torch.bool, device=idx.device)
     if usable:
         mask[usable] = True
@@ -182,11 +175,10 @@ def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tenso
     used = sorted(set((flat if keep is None else flat[keep]).tolist()))
     index = {e: i for i, e in enumerate(needed)}
     for e in used:
-        eng.cache.on_access((layer, e), pos0 + index.get(e, 0), True)
-        eng.unused_prefetch.discard((layer, e))
+        eng.access((layer, e), pos0 + index.get(e, 0), True)
     hit = sum(1 for e in needed if e in set(usable))
     c.accesses += len(needed)
     c.hits += hit
     chunk = [(layer, e) for e in used]
-    eng.protected |= set(chunk)
+    eng.protect(chunk)
     return chunk, new_idx.reshape(-1), new_w.reshape(-1), keep

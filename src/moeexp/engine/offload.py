@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moeexp.engine.executed_trace import TraceRecorder
+from moeexp.engine.layer import serve_layer
 from moeexp.engine.report import RequestTiming, build_metrics
 from moeexp.engine.runtime import Engine
 from moeexp.errors import ConfigError
@@ -82,7 +83,7 @@ class OffloadedModel:
 
         def experts_forward(module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
-            return engine.run_layer(module, hidden, top_k_index, top_k_weights)
+            return serve_layer(engine, module, hidden, top_k_index, top_k_weights)
 
         ExpertsInterface.register(self._impl, experts_forward)
         self.model.set_experts_implementation(self._impl)

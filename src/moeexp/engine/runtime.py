@@ -1,19 +1,23 @@
-"""The engine core: per-layer expert accesses, demand loads, prefetches and streaming.
+"""The engine's state: slots, copies, the prefetch queue, the policies, the counters.
 
-For every MoE layer call the experts kernel hands over ``(module, hidden, idx, weights)``
-and :meth:`Engine.run_layer` does, on the compute thread (same order and rules as the
+For every MoE layer call the experts kernel (:mod:`moeexp.engine.offload`) runs
+:func:`moeexp.engine.layer.serve_layer`, which sequences the steps below; each step is one
+method of :class:`Engine`, which alone writes its state (same order and rules as the
 simulator's ``Device.serve_layer``, so the same policy objects take the same decisions)::
 
     experts = sorted unique(idx)                       one host sync: routing is data
     predictor.observe_layer(...)                       queued to the predictor worker
-    apply the predictions that are ready               queue prefetches, cache hints
-    under the engine lock, accesses at clock pos0 + i (i = rank in `experts`):
+    under the engine lock:
+      begin_layer: apply the predictions that are ready (queue prefetches, cache hints),
+                   account P for the layer, protect its experts, clock pos0
+      accesses at clock pos0 + i (i = rank in `experts`), by state_of:
         resident and copy landed      -> hit            (served first)
         resident, copy still running  -> miss, wait
-        not resident                  -> miss: victim from the policy, demand copy
-        (no victim because every slot holds this layer's experts: compute those, release
-         them and go on: prefill streaming through the budget)
+        not resident                  -> miss: demand (victim from the policy, copy)
+        (no victim because every slot holds this layer's experts: compute those with the
+         lock released (`unlocked`) and go on: prefill streaming through the budget)
     wait for the copies, compute the rows from the slot buffers (no lock held)
+    resume_prefetch                                    a miss paused prefetching
 
 The copy thread starts queued prefetches whenever no demand load waits, taking the
 eviction decision at that moment under the same lock (see :mod:`moeexp.engine.transfer`).
@@ -26,8 +30,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 import torch
@@ -273,15 +279,58 @@ class Engine:
             self.cur_layer = -1  # prefetches made between passes target the next one
             self.logits.clear()
 
-    # ---- the experts kernel -----------------------------------------------------------
-    def run_layer(self, module: nn.Module, hidden: torch.Tensor, idx: torch.Tensor,
-                  weights: torch.Tensor) -> torch.Tensor:
-        """The experts output float[T, H] of MoE layer ``module`` (see module docstring)."""
-        from moeexp.engine.layer import serve_layer  # the per-layer procedure
+    # ---- one layer's steps (sequenced by moeexp.engine.layer.serve_layer) --------------
+    def begin_layer(self, layer: int, experts: list[int]) -> int:
+        """Layer ``layer`` starts (lock held): apply the predictions that are ready, account
+        P against its ``experts`` (sorted), make it the current layer and protect its keys.
+        Returns the access clock of its first expert (the i-th is accessed at that + i)."""
+        if self.runner.any_active:
+            self.apply_predictions()
+        self.counters.pred.add(self.psets.for_layer(layer), experts)
+        self.cur_layer = layer
+        self.protected = {(layer, e) for e in experts}
+        pos0 = self.next_access
+        self.next_access = pos0 + len(experts)
+        return pos0
 
-        return serve_layer(self, self.layer_of[id(module)], module, hidden, idx, weights)
+    def state_of(self, key: Key) -> Literal["absent", "copying", "ready"]:
+        """Whether ``key`` holds no slot, holds one whose copy has not landed, or is ready."""
+        if key not in self.pool.slot_of:
+            return "absent"
+        job = self.jobs.get(key)
+        return "ready" if job is None or self.copier.is_ready(job) else "copying"
 
-    # ---- helpers shared with moeexp.engine.layer ----------------------------------------
+    def access(self, key: Key, now: int, hit: bool) -> None:
+        """The running layer uses ``key`` at clock ``now`` (lock held): the policy sees the
+        access and a prefetched copy of it counts as used."""
+        self.cache.on_access(key, now, hit)
+        self.unused_prefetch.discard(key)
+
+    def protect(self, keys: Iterable[Key]) -> None:
+        """Keep ``keys`` from eviction until the next layer begins (lock held)."""
+        self.protected |= set(keys)
+
+    def pause_prefetch(self) -> None:
+        """A miss of the running layer pauses prefetching (the policy asks for it; lock held)."""
+        self.paused = True
+
+    def resume_prefetch(self) -> None:
+        """The layer is done (lock not held): prefetching paused during it resumes."""
+        if self.paused:
+            with self.lock:
+                self.paused = False
+            self.copier.wake()
+
+    @contextmanager
+    def unlocked(self) -> Iterator[None]:
+        """Release the lock (held once by the caller) for the block, e.g. while a streamed
+        chunk computes or a copy lands: the copy thread may start or collect copies."""
+        self.lock.release()
+        try:
+            yield
+        finally:
+            self.lock.acquire()
+
     def wait_keys(self, keys: list[Key]) -> None:
         """Make compute wait for the copies of ``keys`` (stall time is counted)."""
         waits = [self.jobs[k] for k in keys if k in self.jobs and not self.copier.is_ready(self.jobs[k])]
@@ -349,7 +398,7 @@ class Engine:
         pause prefetching, wait for those copies with the lock released (the copy thread may
         need it to collect them) and let the caller ask the policy again. Returns False
         when no copy is in flight (then nothing can free a slot). Prefetching resumes after
-        the layer (``serve_layer`` clears ``paused``)."""
+        the layer (:meth:`resume_prefetch`)."""
         pending = [j for k, j in self.jobs.items()
                    if k not in unreleased and not self.copier.is_ready(j)]
         if not pending:
@@ -362,17 +411,12 @@ class Engine:
         """Wait for ``jobs`` to land with the lock released (held once on entry and on
         return): the copy thread may need the lock to start or collect copies. With no
         job, just give the copy thread a moment to pop its queue."""
-        self.lock.release()
-        try:
+        with self.unlocked():
             for j in jobs:
                 self.copier.wait_landed(j)
             if not jobs:
                 time.sleep(1e-4)
-        finally:
-            self.lock.acquire()
 
-    def account_prediction(self, layer: int, experts: list[int]) -> None:
-        self.counters.pred.add(self.psets.for_layer(layer), experts)
     # ---- teardown ---------------------------------------------------------------------
     def close(self) -> None:
         """Stop the copy thread and give the fused parameters back to the model."""
