@@ -20,7 +20,9 @@ stored row plus precomputed prefix norms, so one ``observe_layer`` costs O(C·J)
 
 δ selection: δ = clip(1 − score, 0, 1) with ``score`` the matched similarity; experts are
 taken in descending probability until their cumulative probability reaches δ, never fewer
-than K (``use_delta=False``: exactly K).
+than K (``use_delta=False``: exactly K), and never one of probability 0: stored maps are
+rounded (float16 offline, float32 online), so a row may sum to 0.99991 and, with δ = 1, the
+running sum would otherwise never reach δ and take every zero-probability expert too.
 
 Choices where the paper is silent (config keys where useful):
 
@@ -82,7 +84,8 @@ def select_experts(probs: np.ndarray, score: float, k: int, use_delta: bool = Tr
 
     Returns:
         int64[n] experts in descending probability, ``k <= n <= J``: the shortest prefix whose
-        cumulative probability reaches δ = clip(1 − score, 0, 1), extended to ``k``.
+        cumulative probability reaches δ = clip(1 − score, 0, 1), cut at the last expert of
+        non-zero probability (a rounded row can sum to less than δ = 1), extended to ``k``.
     """
     order = np.argsort(-probs, kind="stable")
     if not use_delta:
@@ -90,6 +93,9 @@ def select_experts(probs: np.ndarray, score: float, k: int, use_delta: bool = Tr
     delta = min(max(1.0 - float(score), 0.0), 1.0)
     csum = np.cumsum(probs[order], dtype=np.float64)
     n = int(np.count_nonzero(csum < delta - DELTA_TOL)) + 1
+    # Zero-probability experts sort last and can never be needed to reach δ; without this
+    # a float16-stored row summing to 0.99991 takes them all when δ = 1.
+    n = min(n, int(np.count_nonzero(probs > 0)))
     return order[: min(max(n, k), len(probs))]
 
 

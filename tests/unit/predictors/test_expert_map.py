@@ -64,6 +64,24 @@ def test_delta_selection_never_fewer_than_k() -> None:
     assert select_experts(p, -1.0, k=2, use_delta=False).tolist() == [1, 2]
 
 
+def test_delta_one_on_a_float16_map_skips_zero_probability_experts() -> None:
+    """A map stored in float16 (the offline store's trace) whose six non-zero probabilities
+    [.4, .2, .15, .11, .09, .05] round to a sum of 0.99988: with δ = 1 (score ≤ 0) the
+    running sum never reaches δ, yet the two experts of probability 0 are never needed:
+    six experts, not eight. The same through the predictor: a query key with cosine
+    −0.71 to both stored keys matches row 0 (δ = 1) and predicts its six experts."""
+    row = np.array([0.4, 0.2, 0.15, 0.11, 0.09, 0.05, 0.0, 0.0]).astype(np.float16)
+    p = row.astype(np.float64)  # what the store holds
+    assert p.sum() < 1.0 - 1e-6
+    assert select_experts(p, -0.5, k=2).tolist() == [0, 1, 2, 3, 4, 5]
+    assert select_experts(p, 0.0, k=2).tolist() == [0, 1, 2, 3, 4, 5]
+    assert select_experts(p, -0.5, k=7).tolist() == [0, 1, 2, 3, 4, 5, 6]  # K still rules
+    pred = ExpertMapPredictor(dims=dims(L=2, J=8, K=2), prefetch_distance=1)
+    maps = np.stack([np.stack([row, row]), np.stack([row[::-1], row[::-1]])])
+    pred.store.add(np.array([[1.0, 0.0], [0.0, 1.0]]), maps.astype(np.float64), np.array([0, 1]))
+    assert start(pred, [[-1.0, -1.0]]).predicted[0].tolist() == [0, 1, 2, 3, 4, 5]
+
+
 # ---------------------------------------------------------------------- priorities
 MAP0 = np.array([[0.7, 0.1, 0.1, 0.1], [0.1, 0.6, 0.2, 0.1],
                  [0.1, 0.1, 0.5, 0.3], [0.25, 0.25, 0.1, 0.4]])
