@@ -51,8 +51,9 @@ class LayerTransition(Predictor):
     def __init__(self, *, dims: TraceDims, distance: int = 1, alpha: float = 1.0,
                  top_n: int | None = None) -> None:
         super().__init__(dims=dims)
-        if int(distance) < 1:
-            raise ConfigError(f"layer_transition: distance must be >= 1, got {distance}")
+        if not 1 <= int(distance) <= dims.num_layers - 1:  # else it never predicts a layer
+            raise ConfigError(f"layer_transition: distance must be in 1..{dims.num_layers - 1} "
+                              f"(the model has {dims.num_layers} MoE layers), got {distance}")
         if alpha < 0:
             raise ConfigError(f"layer_transition: alpha must be >= 0, got {alpha}")
         self.distance = int(distance)

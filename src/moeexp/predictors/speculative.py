@@ -158,8 +158,10 @@ class SpeculativeGate(_SpecBase):
 
     def __init__(self, *, dims: TraceDims, distance: int = 1, top_k: int | None = None,
                  aggregate: Aggregate = "union") -> None:
-        if int(distance) < 1:
-            raise ConfigError(f"speculative_gate: distance must be >= 1, got {distance}")
+        L = dims.num_layers
+        if not 1 <= int(distance) <= L - 1:  # layer l + d must exist for some layer l
+            raise ConfigError(f"speculative_gate: distance must be in 1..{L - 1} (the model "
+                              f"has {L} MoE layers), got {distance}")
         super().__init__(dims=dims, offset=int(distance), top_k=top_k, aggregate=aggregate)
         self.distance = int(distance)
 
@@ -177,8 +179,10 @@ class ProMoEStride(_SpecBase):
 
     def __init__(self, *, dims: TraceDims, distance: int = 2, top_k: int | None = None,
                  aggregate: Aggregate = "union") -> None:
-        if int(distance) < 1:
-            raise ConfigError(f"promoe: distance must be >= 1, got {distance}")
+        L = dims.num_layers
+        if not 1 <= int(distance) <= L:  # layer l + d - 1 must exist for some layer l
+            raise ConfigError(f"promoe: distance must be in 1..{L} (the model has {L} MoE "
+                              f"layers), got {distance}")
         if int(distance) == 1:
             log.warning("promoe with distance 1 prefetches the running layer from its own "
                         "router: no look-ahead (on-demand), prediction recall is trivially 1")

@@ -88,3 +88,15 @@ def test_bad_keys_fail() -> None:
         PREDICTORS.build("speculative_gate", dims=DIMS, distance=0)
     with pytest.raises(ConfigError, match="distance"):
         PREDICTORS.build("speculative_gate", dims=DIMS, distanse=1)
+
+
+def test_distance_beyond_the_model_fails_at_construction() -> None:
+    """With L = 4 MoE layers: speculative_gate reads gate_{l+d} (d <= 3), promoe the router of
+    layer l+d-1 (d <= 4), layer_transition predicts layer l+d (d <= 3). A larger distance
+    is a ConfigError when the predictor is built (the pipeline builds it with the model's
+    dims before any weight is read), not after a trace was recorded."""
+    for name, bad, ok in (("speculative_gate", 4, 3), ("promoe", 5, 4),
+                          ("layer_transition", 4, 3)):
+        with pytest.raises(ConfigError, match=f"{name}: distance must be in 1..{ok}.*4 MoE"):
+            PREDICTORS.build(name, dims=DIMS, distance=bad)
+        PREDICTORS.build(name, dims=DIMS, distance=ok)
