@@ -36,6 +36,7 @@ from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalSpec, eval_spec
 from moeexp.predictors import PREDICTORS, check_predictor
 from moeexp.registry import GroupChoice, group_choice, to_dict, typed
+from moeexp.traces.importers import resolve_source
 from moeexp.tracking.loggers import LOGGERS
 
 #: Top-level keys a composed config may hold (the groups, ``trace``, the experiment name,
@@ -61,6 +62,12 @@ class ModelSpec:
     device: str = "cpu"
     prefetch_distance: int = 1
     trust_remote_code: bool = False
+    #: the hub config's shape numbers (``model_type`` + keys): cost dims without a
+    #: checkpoint, for imported traces (:mod:`moeexp.models.arch`); None = none given
+    arch: dict[str, Any] | None = None
+    #: how offloaded experts are held in the cost model of an imported trace: ``dense``
+    #: (the model dtype) or ``mxfp4`` (4.25 bits per weight, gpt-oss's storage)
+    expert_format: str = "dense"
 
     def __post_init__(self) -> None:
         if self.prefetch_distance < 1:
@@ -68,6 +75,9 @@ class ModelSpec:
                               f"got {self.prefetch_distance}")
         if self.path is not None and not Path(self.path).expanduser().exists():
             raise ConfigError(f"model={self.name}: model.path={self.path!r} does not exist")
+        if self.expert_format not in ("dense", "mxfp4"):
+            raise ConfigError(f"model={self.name}: expert_format={self.expert_format!r} "
+                              "(valid: dense, mxfp4)")
 
 
 @dataclass(frozen=True)
@@ -87,6 +97,14 @@ class TraceSpec:
         seed: sampling seed (also the simulator's seed for online arrivals).
         cache_dir: where traces are cached by content hash (None: ``results/traces``).
         progress: show a progress bar while recording.
+        source: ``record`` (record the routing of ``model`` on ``dataset``'s prompts) or an
+            imported routing trace: the name of a shipped one (``gpt_oss_20b``, in
+            ``src/moeexp/assets/routing/``) or the path of a directory in the interchange
+            format (``moeexp import-trace``). An imported trace is replayed as it is:
+            no model is loaded, the model preset's ``arch`` gives the cost dims, and
+            ``dataset.store_fraction`` / ``dataset.seed`` split its requests.
+        request_filter: which requests of an imported trace are used: ``non_repetitive``
+            (default: those not flagged ``has_repetition``, greedy loops) or ``all``.
     """
 
     sampling: Literal["top_k", "greedy"] = "top_k"
@@ -98,9 +116,13 @@ class TraceSpec:
     seed: int = 0
     cache_dir: str | None = None
     progress: bool = True
+    source: str = "record"
+    request_filter: Literal["non_repetitive", "all"] = "non_repetitive"
 
     def __post_init__(self) -> None:
         bad = []
+        if self.request_filter not in ("non_repetitive", "all"):
+            bad.append(f"request_filter={self.request_filter!r} (valid: non_repetitive, all)")
         if self.sampling not in ("top_k", "greedy"):
             bad.append(f"sampling={self.sampling!r} (valid: top_k, greedy)")
         if self.top_k < 1:
@@ -156,6 +178,18 @@ def _check_needs(choice: GroupChoice, trace: TraceSpec) -> None:
         raise ConfigError(f"predictor={choice.name} needs {', and '.join(missing)}")
 
 
+def _check_imported(spec: RunSpec) -> None:
+    """An imported trace exists, and is replayed by the simulator only (no model to run)."""
+    resolve_source(spec.trace.source)
+    if spec.backend.name != "sim":
+        raise ConfigError(f"trace.source={spec.trace.source}: an imported trace has no model "
+                          f"to serve, so backend={spec.backend.name} cannot run it (use "
+                          "backend=sim, or trace.source=record with a model)")
+    if spec.eval.enabled:
+        raise ConfigError(f"trace.source={spec.trace.source}: eval={spec.eval.name} needs the "
+                          "model; an imported trace is routing only (use eval=none)")
+
+
 def _check_dataset(cfg: Any) -> DatasetConfig:
     ds = DatasetConfig.from_mapping(to_dict(cfg))
     if ds.path is not None and not Path(ds.path).expanduser().exists():
@@ -195,7 +229,10 @@ def validate(cfg: DictConfig) -> RunSpec:
         resume=bool(cfg.get("resume", True)),
     )
     check_predictor(spec.predictor)
-    _check_needs(spec.predictor, trace)
+    if trace.source == "record":
+        _check_needs(spec.predictor, trace)
+    else:
+        _check_imported(spec)
     check_cache(spec.cache)
     BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
     LOGGERS.build(spec.logger.name, **spec.logger.kwargs)

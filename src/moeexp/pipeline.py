@@ -47,7 +47,7 @@ from moeexp.data.prompts import sample_prompts
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalInputs, run_eval
 from moeexp.predictors import build_predictor
-from moeexp.traces.schema import Trace, TraceDims
+from moeexp.traces.schema import Trace, TraceDims, missing_for
 from moeexp.tracking.env import collect_env
 from moeexp.tracking.loggers import LOGGERS, Logger
 from moeexp.tracking.run_dir import (
@@ -90,8 +90,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     logger: Logger = LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     times: dict[str, float] = {}
-    loaded = _load_checked(spec, times)
-    prompts = sample_prompts(spec.dataset, loaded.tokenizer)
+    loaded, prompts = _model_and_prompts(spec, times)
     write_env(run_dir, collect_env(hardware_profile=dataclasses.asdict(spec.hardware)))
     logger.start(run_dir, config=_resolved(cfg), group=spec.experiment_name or "adhoc",
                  name=_run_name(spec, run_dir), tags=_tags(spec))
@@ -108,6 +107,15 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     log.info("%s", _headline(metrics))
     log.info("results in %s", run_dir)
     return metrics
+
+
+def _model_and_prompts(spec: RunSpec, times: dict[str, float]) -> tuple[Any, list[Any]]:
+    """The loaded model and its sampled prompts; (None, []) for an imported trace, which
+    is replayed as it is (no model, its own requests)."""
+    if spec.trace.source != "record":
+        return None, []
+    loaded = _load_checked(spec, times)
+    return loaded, sample_prompts(spec.dataset, loaded.tokenizer)
 
 
 def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:
@@ -138,18 +146,24 @@ def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
 def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, float],
              run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """Trace, fit, serve the test split, evaluate; returns (metrics, series)."""
-    from moeexp.traces.store import get_or_record  # torch (the recorder)
-
     t = time.perf_counter()
-    trace = get_or_record(loaded, prompts, dataclasses.asdict(spec.trace))
+    trace = _routing_trace(spec, loaded, prompts)
     times["trace_time_s"] = time.perf_counter() - t
+    predictor = build_predictor(spec.predictor, trace.dims)
+    if "prompt_embed" in predictor.needs:
+        _embed_prompts(spec, trace)
     store, test = trace.split("store"), trace.split("test")
     if test.num_iterations == 0:
-        raise ConfigError(f"the test split is empty ({len(prompts)} prompts, store_fraction "
-                          f"{spec.dataset.store_fraction}): raise dataset.num_prompts or lower "
-                          "dataset.store_fraction")
-    predictor = build_predictor(spec.predictor, trace.dims)
+        raise ConfigError(f"the test split is empty ({len(trace.requests)} requests, "
+                          f"store_fraction {spec.dataset.store_fraction}): raise "
+                          "dataset.num_prompts or lower dataset.store_fraction")
     cache = build_cache(spec.cache, trace.dims)
+    lacks = missing_for(predictor.needs, trace.capabilities)
+    if lacks:
+        reason = f"not applicable: the trace lacks {', and '.join(lacks)}"
+        log.warning("%s (predictor=%s): %s", spec.system.name, spec.predictor.name, reason)
+        return {"status": "not_applicable", "not_applicable_reason": reason, **times,
+                **_identity(spec, trace)}, {}
     t = time.perf_counter()
     predictor.fit(store)
     cache.fit(store)
@@ -166,7 +180,9 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     t = time.perf_counter()
     result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t
-    metrics: dict[str, Any] = dict(result.metrics)
+    metrics: dict[str, Any] = {"status": "ok", **result.metrics}
+    if "prefill" not in trace.capabilities:
+        _mark_no_prefill(metrics)
     metrics.update(times)
     metrics.update(_identity(spec, trace))
     if unused is not None:
@@ -177,13 +193,71 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     return metrics, dict(result.series)
 
 
+def _routing_trace(spec: RunSpec, loaded: Any, prompts: list[Any]) -> Trace:
+    """The run's trace: recorded from the model (cached by content hash) or imported."""
+    if spec.trace.source == "record":
+        from moeexp.traces.store import get_or_record  # torch (the recorder)
+
+        return get_or_record(loaded, prompts, dataclasses.asdict(spec.trace))
+    return _imported_trace(spec)
+
+
+def _imported_trace(spec: RunSpec) -> Trace:
+    """An imported routing trace (``trace.source``) on the cost dims of ``model``'s arch:
+    requests filtered by ``trace.request_filter``, split by ``dataset.store_fraction`` and
+    ``dataset.seed``. (Prompt embeddings are computed from its prompt texts, with
+    ``trace.prompt_embedder``, only for a predictor that needs them: :func:`_execute`.)"""
+    from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
+    from moeexp.traces.importers import resolve_source
+    from moeexp.traces.interchange import read, split_labels, to_trace
+
+    ext = read(resolve_source(spec.trace.source))
+    if spec.trace.request_filter == "non_repetitive":
+        ext = ext.select([i for i, r in enumerate(ext.requests)
+                          if not r.get("has_repetition", False)])
+    if spec.model.arch is None:
+        raise ConfigError(f"trace.source={spec.trace.source}: model={spec.model.name} has no "
+                          "arch block, so the trace has no cost dims (use the preset of the "
+                          f"trace's model, {ext.info.get('model')!r}, or add arch:)")
+    dims = arch_dims(spec.model.arch, dtype=spec.model.dtype,
+                     expert_format=spec.model.expert_format, spec_depth=0,
+                     where=f"model={spec.model.name}")
+    splits = split_labels(ext.num_requests, spec.dataset.store_fraction, spec.dataset.seed)
+    trace = to_trace(ext, dims, splits)
+    trace.meta.update(trace_source=spec.trace.source, request_filter=spec.trace.request_filter,
+                      expert_format=spec.model.expert_format)
+    return trace
+
+
+def _embed_prompts(spec: RunSpec, trace: Trace) -> None:
+    """An imported trace's prompt embeddings, from its prompt texts with
+    ``trace.prompt_embedder``, when a predictor needs them (a recorded trace has them)."""
+    if trace.prompt_embed is None and spec.trace.prompt_embedder == "minilm" \
+            and "prompt_text" in trace.capabilities:
+        from moeexp.data.embed import embed_prompts  # sentence-transformers
+
+        trace.prompt_embed = embed_prompts([r.prompt for r in trace.requests])
+
+
+def _mark_no_prefill(metrics: dict[str, Any]) -> None:
+    """A trace without prefill routing has no TTFT: its ``ttft_*`` are NaN, not a guess
+    (the first decode step's end is not a first token), and ``ttft_available`` says so."""
+    for k in list(metrics):
+        if k.startswith(("ttft_ms_", "ttft_norm_")):
+            metrics[k] = float("nan")
+    metrics["ttft_available"] = False
+
+
 def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
     """The hardware profile's cost model for ``dims``, at the weights' bytes per element."""
-    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(loaded))
+    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded))
 
 
-def _dtype_bytes(loaded: Any) -> int:
-    """Bytes per element of the model's weights, as loaded (``expert_bytes`` uses the same)."""
+def _dtype_bytes(spec: RunSpec, loaded: Any) -> int:
+    """Bytes per element of the model's weights, as loaded (``expert_bytes`` uses the same);
+    without a loaded model (an imported trace), those of ``model.dtype``."""
+    if loaded is None:
+        return {"float32": 4, "float64": 8}.get(spec.model.dtype, 2)
     for p in loaded.model.parameters():
         return int(p.element_size())
     return 2

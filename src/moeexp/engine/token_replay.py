@@ -27,6 +27,9 @@ def recorded_tokens(trace: Trace, prompts: Sequence[Any]) -> dict[int, list[int]
     """
     out: dict[int, list[int]] = {}
     off = trace.iter_offsets
+    if trace.token_ids is None:
+        raise ConfigError("token replay needs the trace's token ids; this trace has none (an "
+                          "imported, routing-only trace): serve it with backend=sim")
     for p in prompts:
         rid = int(p.request_id)
         its = trace.request_iterations(rid)

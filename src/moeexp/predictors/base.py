@@ -21,7 +21,11 @@ prefetched experts count as predicted.
 
 A predictor that needs recorded extras declares them in ``needs``: ``"spec_probs"``
 (speculative gate outputs), ``"hidden"`` (hidden states), ``"prompt_embed"`` (sentence
-embedding of the prompt), ``"future"`` (the true accesses of the iteration: oracle only).
+embedding of the prompt), ``"embed"`` (embedding-layer outputs), ``"router_probs"`` (full
+router probabilities, for a predictor that cannot use the scattered top-k weights a
+routing-only trace gives instead), ``"future"`` (the true accesses of the iteration:
+oracle only). A predictor needing what a trace lacks is not applicable to it
+(:func:`moeexp.traces.schema.missing_for`).
 """
 
 from __future__ import annotations
@@ -84,14 +88,15 @@ class IterationStart:
         request_ids: int[B] requests in the batch.
         step: 0 for prefill, s >= 1 for the s-th decode step.
         embed: float32[T, H] embedding-layer output of the iteration's tokens (all of the
-            batch, concatenated).
+            batch, concatenated); None when the trace has none (a routing-only trace: a
+            predictor that reads it declares ``"embed"`` in ``needs``).
         token_request: int[T] request id of each token row.
         future: for ``needs={"future"}`` only: L arrays, the experts each layer will use.
     """
 
     request_ids: np.ndarray
     step: int
-    embed: np.ndarray
+    embed: np.ndarray | None
     token_request: np.ndarray
     future: tuple[np.ndarray, ...] | None = None
 

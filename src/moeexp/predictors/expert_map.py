@@ -122,7 +122,15 @@ class ExpertMapPredictor(Predictor):
         use_semantic / use_trajectory / use_delta: the ablation switches (Map(T) =
             semantic off, delta off; Map(T+S) = delta off; Map(T+S+δ) = all on).
         min_experts: the "never fewer than K" floor (None: the model's top-K).
+
+    On a routing-only trace (imported, top-k weights only: :attr:`Trace.capabilities`) the
+    maps are the scattered top-k weights (zero outside the K selected experts), and the
+    trajectory search runs on those; the semantic search needs the embedding-layer outputs
+    (``needs = {"embed"}``), so there FineMoE runs as Map(T+δ) (``use_semantic=false``) or
+    is reported not applicable.
     """
+
+    needs = frozenset({"embed"})
 
     def __init__(
         self,
@@ -162,6 +170,8 @@ class ExpertMapPredictor(Predictor):
         self.pooling: Pooling = embed_pooling
         self.use_semantic, self.use_trajectory, self.use_delta = (
             bool(use_semantic), bool(use_trajectory), bool(use_delta))
+        if not self.use_semantic:  # no semantic key: no embeddings needed
+            self.needs = frozenset()  # type: ignore[misc]
         self.store = ExpertMapStore(store_capacity, L, J, dims.hidden_size, self.d)
         self._uniform = np.full(J, 1.0 / J)
         self._uniform.setflags(write=False)
@@ -215,24 +225,30 @@ class ExpertMapPredictor(Predictor):
         """Store rows of a whole trace per ``map_granularity``: keys [N,H], maps [N,L,J], req [N]."""
         lens = np.diff(trace.iter_offsets)
         tok_req = np.repeat(trace.iter_request.astype(np.int64), lens)
+        all_probs = trace.router_probs()  # sparse top-k weights in a routing-only trace
+        embed = trace.embed
+        if embed is None:  # Map(T): no semantic search, the keys are never compared
+            embed = np.zeros((trace.num_tokens, self.dims.hidden_size), dtype=np.float16)
         if self.granularity == "token":
-            return (trace.embed.astype(np.float32), trace.probs.astype(np.float64), tok_req)
+            return (embed.astype(np.float32), all_probs.astype(np.float64), tok_req)
         starts = trace.iter_offsets[:-1]
-        probs = np.add.reduceat(trace.probs.astype(np.float64), starts, axis=0) / lens[:, None, None]
+        probs = np.add.reduceat(all_probs.astype(np.float64), starts, axis=0) / lens[:, None, None]
         if self.pooling == "last_token":
-            keys = trace.embed[trace.iter_offsets[1:] - 1].astype(np.float32)
+            keys = embed[trace.iter_offsets[1:] - 1].astype(np.float32)
         else:
-            keys = (np.add.reduceat(trace.embed.astype(np.float64), starts, axis=0)
+            keys = (np.add.reduceat(embed.astype(np.float64), starts, axis=0)
                     / lens[:, None]).astype(np.float32)
         return keys, probs, trace.iter_request.astype(np.int64)
 
     # ------------------------------------------------------------------ hooks
     def start_iteration(self, ctx: IterationStart) -> Prediction:
-        embed = np.asarray(ctx.embed)
+        tok_req = np.asarray(ctx.token_request, dtype=np.int64)
+        # no embeddings (a routing-only trace, Map(T)): zero keys, never searched
+        embed = (np.zeros((len(tok_req), self.dims.hidden_size), dtype=np.float32)
+                 if ctx.embed is None and not self.use_semantic else np.asarray(ctx.embed))
         if embed.ndim != 2 or embed.shape[1] != self.dims.hidden_size:
             raise ValueError(f"expert_map: embed must be [T, {self.dims.hidden_size}], "
                              f"got {embed.shape}")
-        tok_req = np.asarray(ctx.token_request, dtype=np.int64)
         self._units, self._groups = unit_rows(tok_req)
         B, n = len(self._groups), self.store.size
         self._n = n

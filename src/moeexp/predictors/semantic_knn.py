@@ -58,6 +58,9 @@ def request_profiles(store: Trace) -> tuple[list[int], np.ndarray]:
 def prefill_mean_embed(store: Trace) -> np.ndarray:
     """float64[R, H]: mean embedding-layer row of each request's first iteration."""
     out = np.zeros((len(store.requests), store.dims.hidden_size), dtype=np.float64)
+    if store.embed is None:
+        raise ConfigError("semantic_knn embedding=model needs embedding-layer outputs; this "
+                          "trace has none (use embedding=minilm)")
     for i, r in enumerate(store.requests):
         its = store.request_iterations(r.request_id)
         if len(its):
@@ -93,7 +96,7 @@ class SemanticKNN(Predictor):
             raise ConfigError(f"semantic_knn: k must be >= 1, got {k}")
         self.embedding: Embedding = embedding
         if embedding == "model":
-            self.needs = frozenset()  # type: ignore[misc]
+            self.needs = frozenset({"embed"})  # type: ignore[misc]
         self.k = int(k)
         self.top_n = dims.top_k if top_n is None else int(top_n)
         if not 1 <= self.top_n <= dims.num_experts:
@@ -150,7 +153,7 @@ class SemanticKNN(Predictor):
     def start_iteration(self, ctx: IterationStart) -> Prediction:
         profs = []
         for rid in (int(r) for r in ctx.request_ids):
-            if rid not in self._active and self.embedding == "model":
+            if rid not in self._active and self.embedding == "model" and ctx.embed is not None:
                 rows = ctx.embed[np.asarray(ctx.token_request) == rid]
                 if len(rows) == 0:
                     continue

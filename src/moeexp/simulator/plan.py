@@ -102,7 +102,12 @@ class Plan:
             rng = np.random.default_rng(seed)
             self.arrivals = np.cumsum(rng.exponential(1.0 / arrival_rate, size=n_units))
         self._req_iters = self._iterations_by_request()
-        self._prompt_len = {rid: int(np.diff(trace.iter_offsets)[its[0]]) if len(its) else 0
+        self._prefill = {rid: bool(its) and int(trace.iter_step[its[0]]) == 0
+                         for rid, its in self._req_iters.items()}
+        # tokens before the first decode step: the prefill's, or (a decode-only trace) the
+        # request's recorded prompt length
+        self._prompt_len = {rid: int(np.diff(trace.iter_offsets)[its[0]]) if self._prefill[rid]
+                            else int(trace.request(rid).prompt_len)
                             for rid, its in self._req_iters.items()}
         self._lens = np.diff(trace.iter_offsets)
         self._cache: dict[tuple[int, ...], GroupData] = {}
@@ -131,7 +136,14 @@ class Plan:
 
     def num_decode(self, unit: int) -> int:
         """Decode iterations of ``unit``'s request (its iterations minus the prefill)."""
-        return max(0, len(self._req_iters[self.unit_request[unit].request_id]) - 1)
+        rid = self.unit_request[unit].request_id
+        return max(0, len(self._req_iters[rid]) - int(self._prefill[rid]))
+
+    def has_prefill(self, unit: int) -> bool:
+        """Whether ``unit``'s request has a prefill iteration. Without one (a decode-only
+        trace) its first token is not observed: TTFT is undefined and TPOT counts every
+        decode iteration from the request's start."""
+        return self._prefill[self.unit_request[unit].request_id]
 
     # ------------------------------------------------------------------ group data
     def _expert_table(self, max_tokens: int) -> np.ndarray:
@@ -205,10 +217,10 @@ class Plan:
             for u in b.units:
                 start[u] = t
             for gi, iters in enumerate(b.groups):
-                t += self.group(iters).compute_s
+                t0, t = t, t + self.group(iters).compute_s
                 if gi == 0:
                     for u in b.units:
-                        first[u] = t
+                        first[u] = t if self.has_prefill(u) else t0
                 for u in b.finishing[gi]:
                     finish[u] = t
             free = t

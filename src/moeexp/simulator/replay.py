@@ -47,7 +47,7 @@ from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
 from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
-from moeexp.traces.schema import Trace
+from moeexp.traces.schema import Trace, missing_for
 
 
 @dataclass
@@ -86,13 +86,12 @@ def _check(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostMod
         raise ConfigError(f"arrival_rate must be > 0 requests/s or null, got {arrival_rate!r}")
     if num_requests is not None and num_requests < 1:
         raise ConfigError(f"num_requests must be >= 1 or null, got {num_requests!r}")
-    have = {"spec_probs": trace.spec_probs is not None, "hidden": trace.hidden is not None,
-            "prompt_embed": trace.prompt_embed is not None, "future": True}
-    missing = sorted(n for n in predictor.needs if not have.get(n, False))
+    missing = missing_for(predictor.needs, trace.capabilities)
     if missing:
         raise ConfigError(
-            f"predictor {predictor.name!r} needs {', '.join(missing)}, which this trace lacks "
-            "(re-record it with spec_depth > 0 / record_hidden / a prompt embedder)"
+            f"predictor {predictor.name!r} is not applicable: the trace lacks "
+            f"{', and '.join(missing)} (re-record it with spec_depth > 0 / record_hidden / a "
+            "prompt embedder, or replay a trace that has them)"
         )
 
 
@@ -207,11 +206,11 @@ class _Replay:
             req_preds.append(self.timed(predictor.start_request,
                                         RequestStart(request=meta, prompt_embed=pe)))
         for gi, iters in enumerate(batch.groups):
-            t = self.forward_pass(plan.group(iters), t, req_preds)
+            t0, t = t, self.forward_pass(plan.group(iters), t, req_preds)
             req_preds = []
-            if gi == 0:
+            if gi == 0:  # the first token: after the prefill, or unobserved (decode only)
                 for u in batch.units:
-                    tally.first[u] = t
+                    tally.first[u] = t if plan.has_prefill(u) else t0
             for u in batch.finishing[gi]:
                 tally.finish[u] = t
                 tally.n_decode[u] = plan.num_decode(u)
@@ -228,7 +227,8 @@ class _Replay:
         for rp in req_preds:
             self.take(rp, t, -1)
         ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
-                             embed=self.tr.embed[gd.rows].astype(np.float32),
+                             embed=None if self.tr.embed is None
+                             else self.tr.embed[gd.rows].astype(np.float32),
                              token_request=gd.token_request,
                              future=gd.future() if self.want_future else None)
         self.take(self.timed(self.predictor.start_iteration, ctx), t, -1)
@@ -246,6 +246,7 @@ class _Replay:
         for_layer, account = self.psets.for_layer, self.tally.pred.add
         experts, ce, counts, rows = gd.experts, gd.ce, gd.counts, gd.rows
         probs, spec, hidden, pos = self.tr.probs, self.spec, self.hidden, self.pos
+        router = self.tr.router_probs  # a routing-only trace: the scattered top-k weights
         dense = gd.dense_s + self.feed_s
         hits = misses = 0
         stall = 0.0
@@ -254,7 +255,8 @@ class _Replay:
             t += dense
             dev.advance(t)
             obs = LayerObservation(
-                layer=layer, probs=probs[rows, layer].astype(np.float32),
+                layer=layer, probs=(probs[rows, layer] if probs is not None
+                                    else router(rows, layer)).astype(np.float32),
                 experts=np.asarray(needed, dtype=np.int64), counts=counts[layer],
                 spec_probs=spec[rows, layer].astype(np.float32) if spec is not None else None,
                 hidden=hidden[rows, layer].astype(np.float32) if hidden is not None else None)
@@ -287,7 +289,8 @@ class _Replay:
         stream index ``pos0``: (end s, hits, misses, stall s = 0: nothing is waited for)."""
         rows = gd.rows
         t, h, m, subs, drops = self.dev.serve_restricted(
-            layer, gd.experts[layer], self.tr.topk_idx[rows, layer], self.tr.probs[rows, layer],
+            layer, gd.experts[layer], self.tr.topk_idx[rows, layer],
+            self.tr.router_probs(rows, layer),
             pos0, t, self.cost.expert_s)
         self.tally.substitutions += subs
         self.tally.dropped_assignments += drops

@@ -182,14 +182,17 @@ class Trace:
             have.add("prompt_text")
         return frozenset(have)
 
-    def router_probs(self, rows: slice | np.ndarray, layer: int) -> np.ndarray:
-        """float16[T, J]: layer ``layer``'s router probabilities of token ``rows``; in a
-        routing-only trace, the top-k weights scattered into J (zero elsewhere)."""
+    def router_probs(self, rows: slice | np.ndarray = slice(None),
+                     layer: int | None = None) -> np.ndarray:
+        """float16[T, J] (one ``layer``) or float16[T, L, J] (``layer=None``): the router
+        probabilities of token ``rows``; in a routing-only trace, the top-k weights
+        scattered into J (zero elsewhere), which is what predictors that accept it see."""
         if self.probs is not None:
-            return self.probs[rows, layer]
-        idx = self.topk_idx[rows, layer].astype(np.int64)
-        out = np.zeros((idx.shape[0], self.dims.num_experts), dtype=np.float16)
-        np.put_along_axis(out, idx, self.topk_weight[rows, layer], axis=1)
+            return self.probs[rows] if layer is None else self.probs[rows, layer]
+        idx = self.topk_idx[rows] if layer is None else self.topk_idx[rows, layer]
+        w = self.topk_weight[rows] if layer is None else self.topk_weight[rows, layer]
+        out = np.zeros((*idx.shape[:-1], self.dims.num_experts), dtype=np.float16)
+        np.put_along_axis(out, idx.astype(np.int64), w, axis=-1)
         return out
 
     # ------------------------------------------------------------------ views
