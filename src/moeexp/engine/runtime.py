@@ -106,7 +106,18 @@ class Counters:
 
 
 class Engine:
-    """Slots, copies, cache policy and predictor for one offloaded model."""
+    """Slots, copies, cache policy and predictor for one offloaded model.
+
+    Its state (``cur_layer``, ``protected``, ``next_access``, ``paused``, ``queue``,
+    ``psets``, ``jobs``) is written by its own methods only; :mod:`moeexp.engine.layer`
+    sequences them for one layer and reads ``settings``, ``runner``, ``adapter``,
+    ``logits`` and ``counters`` (the raw counts a layer adds to).
+
+    Attributes:
+        lock: re-entrant; held while a decision reads or changes the state (the compute
+            thread through a layer's accesses, the copy thread while it starts a
+            prefetch, the predictor worker while its predictions apply).
+    """
 
     def __init__(self, adapter: MoEAdapter, runner: PredictorRunner, cache: CachePolicy,
                  budget: Budget, device: torch.device, settings: EngineSettings) -> None:
