@@ -1,0 +1,1 @@
+"""Studies of routing traces that sit above the simulator (they replay through it)."""
