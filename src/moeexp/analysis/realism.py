@@ -155,7 +155,7 @@ def embedded_source() -> Source:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", ["+experiment=finemoe_vs_moeinfinity", "logger=none"])
     spec = validate(cfg)
-    loaded = load_model(dataclasses.asdict(spec.model))
+    loaded: Any = load_model(dataclasses.asdict(spec.model))
     prompts = sample_prompts(spec.dataset, loaded.tokenizer)
     trace = get_or_record(loaded, prompts, dataclasses.asdict(spec.trace))
     return Source("tiny (embedded)", f"recorded, trace {str(trace.meta.get('content_hash'))[:12]}",
