@@ -18,6 +18,14 @@
    - ``lengths: natural``: the whole prompt (truncated to ``max_input_len``), and
      ``output_len`` = the token count of the first assistant reply, clipped to
      ``[1, max_output_len]``.
+   - The model's context (``max_positions``, the pipeline passes the model's
+     ``max_position_embeddings``): a request feeds ``prompt_len + output_len - 1`` positions
+     (the last generated token is never fed). ``fixed`` lengths beyond it are a
+     :class:`ConfigError` before sampling. ``natural`` lengths are **truncated to the
+     context, with a warning** saying how many: the prompt keeps at most ``max_positions``
+     tokens (the template's end kept) and the reply is shortened to
+     ``max_positions - prompt_len + 1`` tokens (at least 1), so nothing is fed at a
+     position the model was not built for.
    ``Prompt.text`` is the decoded text of exactly the tokens fed (without bos; a UTF-8
    character cut in half by the truncation is dropped), so it is a prefix of the
    conversation's first user turn for lossless (byte-level) tokenizers.
@@ -243,7 +251,7 @@ class _Template:
     n_head: int = 0  # bos + encode(before): what precedes the user text
 
 
-def _template(c: DatasetConfig, tokenizer: Any) -> _Template:
+def _template(c: DatasetConfig, tokenizer: Any, ctx: int | None = None) -> _Template:
     """``c.template`` tokenised once (ConfigError if it leaves no room for a prompt)."""
     n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
     parts = c.template_parts
@@ -252,7 +260,7 @@ def _template(c: DatasetConfig, tokenizer: Any) -> _Template:
     before, after = parts
     tail = tuple(int(i) for i in tokenizer.encode(after, add_special_tokens=False)) if after else ()
     n_head = n_bos + (len(tokenizer.encode(before, add_special_tokens=False)) if before else 0)
-    limit = c.input_len if c.lengths == "fixed" else c.max_input_len
+    limit = c.input_len if c.lengths == "fixed" else _input_limit(c, ctx)
     if n_head + len(tail) >= limit:
         raise ConfigError(
             f"dataset.template={c.template!r} takes {n_head + len(tail)} tokens (bos included), "
@@ -261,23 +269,49 @@ def _template(c: DatasetConfig, tokenizer: Any) -> _Template:
     return _Template(before, tail, n_head)
 
 
+def _input_limit(c: DatasetConfig, ctx: int | None) -> int:
+    """Most prompt tokens under ``lengths: natural``: max_input_len, and the context."""
+    return c.max_input_len if ctx is None else min(c.max_input_len, ctx)
+
+
+def _check_context(c: DatasetConfig, ctx: int | None) -> None:
+    """Fixed lengths must fit the model's context of ``ctx`` positions (ConfigError)."""
+    if ctx is not None and c.lengths == "fixed" and c.input_len + c.output_len - 1 > ctx:
+        raise ConfigError(
+            f"dataset={c.name}: input_len={c.input_len} + output_len={c.output_len} - 1 = "
+            f"{c.input_len + c.output_len - 1} positions exceed the model's context of {ctx} "
+            "(max_position_embeddings); lower dataset.input_len or dataset.output_len")
+
+
 def _shape(c: DatasetConfig, t: _Template, tokenizer: Any, text: str, reply: str,
-           reasons: Counter[str]) -> tuple[list[int], int] | None:
-    """(fed ids, output_len) for one candidate, or None (reason counted) if it does not qualify."""
+           reasons: Counter[str], ctx: int | None = None,
+           ) -> tuple[list[int], int, tuple[str, ...]] | None:
+    """(fed ids, output_len, what the context cut) for one candidate, or None (reason
+    counted) if it does not qualify.
+
+    ``ctx``: the model's context in positions; natural lengths are cut to it (the third
+    value names what was cut: ``"prompt"``, ``"reply"``).
+    """
     ids = encode_prompt(tokenizer, t.before + text)
     tail = list(t.tail)
     if c.lengths == "fixed":
         if len(ids) + len(tail) < c.input_len:
             reasons[f"fewer than input_len={c.input_len} tokens"] += 1
             return None
-        return ids[: c.input_len - len(tail)] + tail, c.output_len
-    ids = ids[: c.max_input_len - len(tail)]
+        return ids[: c.input_len - len(tail)] + tail, c.output_len, ()
+    limit = _input_limit(c, ctx)
+    prompt_cut = len(ids) + len(tail) > limit and limit < c.max_input_len
+    ids = ids[: limit - len(tail)]
     if len(ids) <= t.n_head:
         reasons["empty after tokenisation"] += 1
         return None
     ids = ids + tail
     n_out = len(tokenizer.encode(reply, add_special_tokens=False)) if reply else 0
-    return ids, int(min(max(n_out, 1), c.max_output_len))
+    n_out = int(min(max(n_out, 1), c.max_output_len))
+    cut = ("prompt",) if prompt_cut else ()
+    if ctx is not None and len(ids) + n_out - 1 > ctx:
+        n_out, cut = max(1, ctx - len(ids) + 1), (*cut, "reply")
+    return ids, n_out, cut
 
 
 def _user_text(t: _Template, tokenizer: Any, ids: Sequence[int]) -> str:
@@ -287,23 +321,28 @@ def _user_text(t: _Template, tokenizer: Any, ids: Sequence[int]) -> str:
     return text[len(t.before):] if t.before and text.startswith(t.before) else text
 
 
-def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any) -> list[Prompt]:
+def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
+                   max_positions: int | None = None) -> list[Prompt]:
     """Seeded prompts with a store/test split (see the module docstring for every rule).
 
     Args:
         cfg: the ``dataset`` config group (a :class:`DatasetConfig`, or a mapping of its keys).
         tokenizer: an HF tokenizer (``encode``, ``decode``, ``bos_token_id``).
+        max_positions: the model's context (``max_position_embeddings``); None = unlimited.
+            Fixed lengths beyond it fail; natural ones are truncated to it with a warning.
 
     Returns:
         ``num_prompts`` prompts ordered by ``request_id`` (store first, then test).
 
     Raises:
-        ConfigError: a bad key or value in ``cfg``.
+        ConfigError: a bad key or value in ``cfg``, or fixed lengths beyond ``max_positions``.
         DataError: the data cannot be loaded, or fewer than ``num_prompts`` prompts qualify.
     """
     c = cfg if isinstance(cfg, DatasetConfig) else DatasetConfig.from_mapping(cfg)
+    ctx = None if max_positions is None else int(max_positions)
+    _check_context(c, ctx)
     candidates, get_pair = DATASETS[c.name](c)
-    tpl = _template(c, tokenizer)
+    tpl = _template(c, tokenizer, ctx)
     rng = np.random.default_rng(c.seed)
     order = rng.permutation(len(candidates))
     n_bos = 1 if getattr(tokenizer, "bos_token_id", None) is not None else 0
@@ -311,15 +350,16 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any) -> li
     seen_ids: set[tuple[int, ...]] = set()
     seen_text: set[str] = set()
     reasons: Counter[str] = Counter()
+    cut: Counter[str] = Counter()
     for pos in order:
         pair = get_pair(candidates[int(pos)])
         if pair is None:
             reasons["does not open with a user->assistant pair"] += 1
             continue
-        shaped = _shape(c, tpl, tokenizer, pair[0], pair[1], reasons)
+        shaped = _shape(c, tpl, tokenizer, pair[0], pair[1], reasons, ctx)
         if shaped is None:
             continue
-        ids, n_out = shaped
+        ids, n_out, cut_here = shaped
         key = tuple(ids)
         # a byte-level cut can split a UTF-8 character: drop the partial one from the text
         text = _user_text(tpl, tokenizer, ids[n_bos:])
@@ -330,6 +370,7 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any) -> li
         seen_ids.add(key)
         seen_text.add(norm)
         chosen.append((text, key, n_out))
+        cut.update(cut_here)
         if len(chosen) == c.num_prompts:
             break
     if len(chosen) < c.num_prompts:
@@ -341,6 +382,7 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any) -> li
             f"dataset={c.name}: only {len(chosen)} of {len(candidates)} candidate conversations "
             f"qualify but num_prompts={c.num_prompts} (rejected: {why}). To fix: {hint}, or pass "
             "a larger dataset.path.")
+    _warn_cut(c, ctx, cut, len(chosen))
     split_order = np.random.default_rng([c.seed, 1]).permutation(len(chosen))
     n_store = int(round(c.store_fraction * len(chosen)))
     prompts = []
@@ -352,3 +394,15 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any) -> li
     log.info("sampled %d %s prompts (%d store / %d test, lengths=%s) from %d candidates",
              len(prompts), c.name, n_store, len(prompts) - n_store, c.lengths, len(candidates))
     return prompts
+
+
+def _warn_cut(c: DatasetConfig, ctx: int | None, cut: Counter[str], n: int) -> None:
+    """One warning when natural lengths were truncated to the model's context."""
+    if ctx is None or not cut:
+        return
+    log.warning(
+        "dataset.lengths=natural: requests beyond the model's context of %d positions "
+        "(max_position_embeddings) were truncated to it: of %d sampled prompts, %d cut to %d "
+        "tokens and %d with the reply shortened so that prompt_len + output_len - 1 <= %d; "
+        "lower dataset.max_input_len / max_output_len to avoid it",
+        ctx, n, cut["prompt"], min(c.max_input_len, ctx), cut["reply"], ctx)

@@ -87,6 +87,38 @@ def test_natural_lengths(tokenizer):
         assert p.output_len == want
 
 
+def test_natural_lengths_beyond_the_context_are_truncated_with_a_warning(tokenizer, caplog):
+    """Natural lengths up to 64 + 100 into a model with a context of 60 positions: every
+    request fits (prompt_len + output_len - 1 <= 60; before, up to 163 positions were fed
+    silently), prompts longer than 60 tokens are cut to 60 (with output 1), replies are
+    shortened to what is left, the untouched requests are as without the limit, and one
+    warning gives the counts."""
+    import logging
+
+    cfg = sharegpt_cfg(lengths="natural", max_input_len=64, max_output_len=100)
+    free = {p.text: p for p in sample_prompts(cfg, tokenizer)}
+    with caplog.at_level(logging.WARNING, logger="moeexp.data.prompts"):
+        ps = sample_prompts(cfg, tokenizer, max_positions=60)
+    assert max(p.prompt_len + p.output_len - 1 for p in ps) <= 60
+    cut_prompts = [p for p in ps if p.prompt_len == 60]
+    assert cut_prompts and all(p.output_len == 1 for p in cut_prompts)
+    kept = [p for p in ps if p.text in free and free[p.text].prompt_len == p.prompt_len]
+    assert any(free[p.text].output_len > p.output_len for p in kept)  # reply shortened
+    assert any(free[p.text].output_len == p.output_len for p in kept)  # untouched
+    msgs = [r.getMessage() for r in caplog.records if "max_position_embeddings" in r.getMessage()]
+    assert len(msgs) == 1 and "context of 60 positions" in msgs[0]
+    assert f"{len(cut_prompts)} cut to 60 tokens" in msgs[0]
+
+
+def test_fixed_lengths_beyond_the_context_are_refused(tokenizer):
+    """Fixed 43 + 122 needs 164 positions: with a context of 128 it is a ConfigError before
+    any data is read; 164 positions fit exactly."""
+    with pytest.raises(ConfigError, match=r"input_len=43 \+ output_len=122 - 1 = 164 positions "
+                                          r"exceed the model's context of 128"):
+        sample_prompts(sharegpt_cfg(path="/nonexistent"), tokenizer, max_positions=128)
+    assert len(sample_prompts(sharegpt_cfg(num_prompts=2), tokenizer, max_positions=164)) == 2
+
+
 def test_not_enough_prompts_says_how_many_and_what_to_change(tokenizer):
     with pytest.raises(DataError, match=r"only \d+ of \d+ .*num_prompts=5000.*input_len"):
         sample_prompts(sharegpt_cfg(num_prompts=5000), tokenizer)
