@@ -21,3 +21,9 @@ class DataError(MoeexpError):
 
 class ModelLoadError(MoeexpError):
     """A model cannot be loaded (no hub access and no local path, unsupported architecture)."""
+
+
+class StorageError(MoeexpError, OSError):
+    """A file or directory cannot be written: not a directory, no permission, disk full,
+    over a file-size limit. The message names the path; an ``OSError`` too, so code that
+    catches ``OSError`` still does."""

@@ -8,10 +8,11 @@ directory (default ``results/`` in the current working directory).
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
-from moeexp.errors import ConfigError
+from moeexp.errors import ConfigError, StorageError
 from moeexp.registry import unknown_name
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -23,6 +24,39 @@ ASSETS_DIR = PACKAGE_DIR / "assets"
 def results_dir() -> Path:
     """The results root: ``$MOEEXP_RESULTS`` or ``./results``."""
     return Path(os.environ.get("MOEEXP_RESULTS", "results"))
+
+
+def writable_dir(path: str | Path, what: str, create: bool = True) -> Path:
+    """``path`` as a directory moeexp can write to (created if ``create``), checked before
+    any work so that a bad results or cache directory fails at once, naming itself.
+
+    The nearest existing part of ``path`` must be a directory in which a file can be
+    created (a temporary file is written and removed).
+
+    Args:
+        what: how the message names it (``MOEEXP_RESULTS``, ``trace.cache_dir``, ...).
+
+    Raises:
+        StorageError: ``path`` (or a part of it) is a file, or it cannot be created or
+            written.
+    """
+    p = Path(path).expanduser()
+    base = next((q for q in (p, *p.parents) if q.exists()), Path("."))
+    if not base.is_dir():
+        where = "is a file" if base == p else f"lies under {base}, which is a file"
+        raise StorageError(f"{what}={str(path)!r} {where}, not a directory; point it at a "
+                           "directory (it is created if missing)")
+    try:
+        if create:
+            p.mkdir(parents=True, exist_ok=True)
+            base = p
+        fd, probe = tempfile.mkstemp(prefix=".moeexp-write-check-", dir=base)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise StorageError(f"{what}={str(path)!r}: cannot write in {base} "
+                           f"({exc.strerror or exc}); give a writable directory") from None
+    return p
 
 
 def group_options(group: str, conf_dir: str | Path | None = None) -> list[str]:

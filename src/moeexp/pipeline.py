@@ -16,8 +16,15 @@
                                         fitted policies (moeexp.eval.stage)
     metrics.json, series.parquet, env.json, W&B
 
-With ``resume`` true (the default) a job whose directory already holds ``metrics.json``
-is skipped (logged as "skipping: metrics.json exists"); ``resume=false`` reruns it.
+A job's outputs end with its completion marker ``done.json`` (written last, atomically,
+after the W&B run is closed; it holds the resolved config; :mod:`moeexp.tracking.run_dir`).
+With ``resume`` true (the default) a job is skipped only when its directory holds that
+marker, every output it lists, and the same resolved config (logged as "skipping:
+complete with the same config"); a job whose config changed is rerun with a warning
+listing the changed keys, an incomplete one (killed between two outputs) is rerun with a
+warning, and ``resume=false`` reruns every job. A rerun removes the old marker first, so
+a kill during it leaves the job incomplete. The results directory, the run directory and
+the trace cache are checked to be writable directories before any work.
 
 Metrics are flat: the backend's keys (:data:`moeexp.metrics.CORE_KEYS` plus its extras,
 e.g. the simulator's ``ttft_norm_mean``/``tpot_norm_mean``: latency over the same
@@ -42,6 +49,7 @@ from omegaconf import DictConfig, OmegaConf
 from moeexp.backends import BACKENDS, BackendContext
 from moeexp.cache import build_cache
 from moeexp.config import RunSpec, validate
+from moeexp.costmodel.projection import copy_to_compute, project
 from moeexp.costmodel.roofline import CostModel
 from moeexp.data.prompts import sample_prompts
 from moeexp.errors import ConfigError
@@ -51,8 +59,14 @@ from moeexp.traces.schema import Trace, TraceDims, missing_for
 from moeexp.tracking.env import collect_env
 from moeexp.tracking.loggers import LOGGERS, Logger
 from moeexp.tracking.run_dir import (
+    DONE_FILE,
+    ENV_FILE,
     METRICS_FILE,
+    SERIES_FILE,
+    clear_done,
     read_metrics,
+    resume_state,
+    write_done,
     write_env,
     write_metrics,
     write_series,
@@ -83,16 +97,16 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     t_start = time.perf_counter()
     spec = validate(cfg)
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
-    if spec.resume and (run_dir / METRICS_FILE).is_file():
-        log.info("skipping: metrics.json exists in %s (resume=true; resume=false reruns)",
-                 run_dir)
+    config = _resolved(cfg)
+    if spec.resume and _already_complete(run_dir, config):
         return dict(read_metrics(run_dir))
-    run_dir.mkdir(parents=True, exist_ok=True)
+    _check_storage(spec, run_dir)
+    clear_done(run_dir)  # from here on the job's outputs are replaced
     logger: Logger = LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     times: dict[str, float] = {}
     loaded, prompts = _model_and_prompts(spec, times)
     write_env(run_dir, collect_env(hardware_profile=dataclasses.asdict(spec.hardware)))
-    logger.start(run_dir, config=_resolved(cfg), group=spec.experiment_name or "adhoc",
+    logger.start(run_dir, config=config, group=spec.experiment_name or "adhoc",
                  name=_run_name(spec, run_dir), tags=_tags(spec))
     try:
         metrics, series = _execute(spec, loaded, prompts, times, run_dir)
@@ -104,9 +118,48 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
         logger.finish(failed=True)
         raise
     logger.finish()
+    write_done(run_dir, config, outputs=[METRICS_FILE, SERIES_FILE, ENV_FILE],
+               wandb_run_id=logger.run_id)  # last: the job is complete only now
     log.info("%s", _headline(metrics))
     log.info("results in %s", run_dir)
     return metrics
+
+
+def _already_complete(run_dir: Path, config: dict[str, Any]) -> bool:
+    """True (logged) when ``run_dir`` holds this job complete with the same ``config``;
+    otherwise logs why the job is rerun (a warning when it had results)."""
+    state = resume_state(run_dir, config)
+    if state.status == "complete":
+        log.info("skipping: complete with the same config (%s) in %s (resume=true; "
+                 "resume=false reruns)", DONE_FILE, run_dir)
+        return True
+    if state.status == "changed":
+        shown = "; ".join(state.changes[:6]) + (
+            f"; and {len(state.changes) - 6} more" if len(state.changes) > 6 else "")
+        log.warning("rerunning %s: %s (%s); its results are replaced (resume skips a job "
+                    "only when its stored config equals the new one)", run_dir, state.reason,
+                    shown)
+    elif state.status == "incomplete":
+        log.warning("rerunning %s: incomplete, %s", run_dir, state.reason)
+    return False
+
+
+def _check_storage(spec: RunSpec, run_dir: Path) -> None:
+    """The run directory (created) and, when a trace is recorded, the trace cache must be
+    writable directories: StorageError naming them, before any work."""
+    from moeexp.paths import results_dir, writable_dir
+
+    writable_dir(run_dir, "the run directory")
+    if spec.trace.source == "record":
+        cache = spec.trace.cache_dir
+        writable_dir(cache if cache else results_dir() / "traces",
+                     "trace.cache_dir" if cache else "the trace cache (results/traces)")
+
+
+def _context_positions(loaded: Any) -> int | None:
+    """The model's context in positions (``max_position_embeddings``), None if unknown."""
+    n = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    return n if isinstance(n, int) and n > 0 else None
 
 
 def _model_and_prompts(spec: RunSpec, times: dict[str, float]) -> tuple[Any, list[Any]]:
@@ -115,7 +168,8 @@ def _model_and_prompts(spec: RunSpec, times: dict[str, float]) -> tuple[Any, lis
     if spec.trace.source != "record":
         return None, []
     loaded = _load_checked(spec, times)
-    return loaded, sample_prompts(spec.dataset, loaded.tokenizer)
+    return loaded, sample_prompts(spec.dataset, loaded.tokenizer,
+                                  max_positions=_context_positions(loaded))
 
 
 def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:
@@ -177,10 +231,13 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
                          trace=test, predictor=predictor, cache=cache,
                          cost=_cost_model(spec, trace.dims, loaded), seed=spec.trace.seed,
                          store=store, run_dir=run_dir)
+    regime = {"cost_as_model": spec.cost.as_model or "", "cost_expert_bytes_scale":
+              float(spec.cost.expert_bytes_scale), "cost_expert_bytes": ctx.cost.expert_bytes,
+              "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k)}
     t = time.perf_counter()
     result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t
-    metrics: dict[str, Any] = {"status": "ok", **result.metrics}
+    metrics: dict[str, Any] = {"status": "ok", **result.metrics, **regime}
     if "prefill" not in trace.capabilities:
         _mark_no_prefill(metrics)
     metrics.update(times)
@@ -249,7 +306,18 @@ def _mark_no_prefill(metrics: dict[str, Any]) -> None:
 
 
 def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
-    """The hardware profile's cost model for ``dims``, at the weights' bytes per element."""
+    """The hardware profile's cost model for ``dims`` (projected by the ``cost`` block), at
+    the weights' bytes per element."""
+    if spec.cost.projected:
+        from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
+        from moeexp.paths import load_group_yaml
+
+        onto = None
+        if spec.cost.as_model is not None:
+            preset = load_group_yaml("model", spec.cost.as_model)
+            onto = arch_dims(preset["arch"], dtype=str(preset.get("dtype") or "bfloat16"),
+                             where=f"cost.as_model={spec.cost.as_model}")
+        dims = project(dims, onto, float(spec.cost.expert_bytes_scale))
     return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded))
 
 

@@ -59,8 +59,9 @@ def test_shared_trace_cache_and_resume(tmp_path, model_overrides, run_app):
     """Two concurrent joblib jobs want the same trace in an empty cache: exactly one logs
     'recording trace', the other 'reusing trace' (it waited on the lock), and the cache
     holds one trace. Rerunning the sweep in the same (fixed) directory after deleting job
-    1's metrics.json: job 0 is skipped ('skipping: metrics.json exists', its metrics.json
-    untouched), job 1 runs again with the same result, summary.csv still has both rows."""
+    1's metrics.json: job 0 is skipped ('skipping: complete with the same config', its
+    metrics.json untouched), job 1 (a listed output missing) runs again with the same
+    result, summary.csv still has both rows."""
     from tests.integration.conftest import SMALL
 
     sweep, traces = tmp_path / "sweep", tmp_path / "traces"
@@ -78,7 +79,7 @@ def test_shared_trace_cache_and_resume(tmp_path, model_overrides, run_app):
 
     (jobs[1] / "metrics.json").unlink()
     _ok(run_app(*args))  # basic launcher, resume=true (the default)
-    assert "skipping: metrics.json exists" in _log(jobs[0])
+    assert "skipping: complete with the same config" in _log(jobs[0])
     assert (jobs[0] / "metrics.json").stat().st_mtime_ns == stamp
     assert "skipping" not in _log(jobs[1])
     again = json.loads((jobs[1] / "metrics.json").read_text())
@@ -87,20 +88,25 @@ def test_shared_trace_cache_and_resume(tmp_path, model_overrides, run_app):
 
 
 def test_resume_false_reruns(tmp_path, monkeypatch, caplog):
-    """In process: with metrics.json present, run() returns its content without loading
-    the model (resume defaults to true); with resume=false it goes on to load the model
-    (here a sentinel error proves it)."""
+    """In process: with a complete job (metrics.json, env.json, series and done.json with
+    the same config) present, run() returns its metrics without loading the model (resume
+    defaults to true); with resume=false it goes on to load the model (here a sentinel
+    error proves it)."""
     import logging
 
     from hydra import compose, initialize_config_dir
 
     from moeexp import pipeline
-    from moeexp.tracking.run_dir import write_metrics
+    from moeexp.tracking.run_dir import write_done, write_env, write_metrics, write_series
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         cfg = compose("config", ["logger=none"])
         cfg_force = compose("config", ["logger=none", "resume=false"])
     write_metrics(tmp_path, {"hit_rate": 0.125, "system": "deepspeed"})
+    write_series(tmp_path, {})
+    write_env(tmp_path, {})
+    write_done(tmp_path, pipeline._resolved(cfg),
+               outputs=["metrics.json", "series.parquet", "env.json"])
 
     def boom(_cfg):
         raise RuntimeError("model loaded")
@@ -108,6 +114,6 @@ def test_resume_false_reruns(tmp_path, monkeypatch, caplog):
     monkeypatch.setattr("moeexp.models.loading.load_model", boom)
     with caplog.at_level(logging.INFO, logger="moeexp.pipeline"):
         assert pipeline.run(cfg, run_dir=tmp_path) == {"hit_rate": 0.125, "system": "deepspeed"}
-    assert "skipping: metrics.json exists" in caplog.text
+    assert "skipping: complete with the same config" in caplog.text
     with pytest.raises(RuntimeError, match="model loaded"):
         pipeline.run(cfg_force, run_dir=tmp_path)

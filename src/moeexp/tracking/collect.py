@@ -1,6 +1,7 @@
 """``python -m moeexp.tracking.collect DIR`` (or ``moeexp collect DIR``): gather runs into one table.
 
-Finds every run (a directory with ``metrics.json``) under ``DIR``, writes
+Finds every complete run (a directory with ``metrics.json`` and its completion marker
+``done.json``) under ``DIR``, writes
 ``DIR/collected.csv`` (one row per run: its Hydra overrides as columns, then its metrics)
 and ``DIR/collected.md``, and prints the comparison table. ``--baseline SYSTEM`` sets the
 system the ``*_vs_SYSTEM_pct`` columns compare against (default ``deepspeed``; ``none``
@@ -15,7 +16,7 @@ import sys
 from pathlib import Path
 
 from moeexp.atomic import write_text
-from moeexp.tracking.results import gather, print_table, table_columns, to_markdown
+from moeexp.tracking.results import find_runs, gather, print_table, table_columns, to_markdown
 
 log = logging.getLogger("moeexp.tracking.collect")
 
@@ -28,7 +29,10 @@ def collect(root: str | Path, out: str | Path | None = None,
         raise FileNotFoundError(f"{root} is not a directory")
     df = gather(root, baseline=baseline)
     if df.empty:
-        raise FileNotFoundError(f"no run (metrics.json) under {root}")
+        partial = find_runs(root, complete=False)
+        raise FileNotFoundError(f"no complete run under {root}: {len(partial)} incomplete "
+                                f"(metrics.json without done.json)" if partial else
+                                f"no run (metrics.json) under {root}")
     csv = Path(out) if out else root / "collected.csv"
     write_text(csv, df.to_csv(index=False))
     cols = table_columns(df, baseline)

@@ -8,8 +8,14 @@ The pipeline calls::
     logger.finish()
 
 W&B runs offline unless the user asks otherwise (``mode`` defaults to ``$WANDB_MODE``,
-and to ``offline`` when that is unset); ``wandb sync <run_dir>/wandb/offline-run-*``
-uploads an offline run later. wandb 0.31 cannot read its ``.wandb`` files back from
+and to ``offline`` when that is unset); ``moeexp wandb-sync DIR`` uploads the offline runs
+of the complete jobs under DIR later (:mod:`moeexp.tracking.wandb_sync`).
+
+**One job, one W&B run.** A job rerun in its directory (killed before its completion
+marker, or rerun with another config) reuses the run id recorded in its
+``wandb_logged.json``: in offline mode the earlier attempt's ``wandb/offline-run-*``
+directory is removed first (so one offline run per job remains to sync, under the same
+id); online, the same run is resumed (``resume="allow"``). wandb 0.31 cannot read its ``.wandb`` files back from
 Python, so :class:`WandbLogger` also writes what it logged to ``run_dir/wandb_logged.json``
 (project, group, tags, mode, run id, config, metrics, tables, figures, trace).
 ``none`` writes nothing at all.
@@ -26,8 +32,10 @@ the path is ``<config trace.cache_dir>/<hash>.npz``) plus a ``trace`` reference 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import shutil
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +55,8 @@ class Logger:
     """Base class: logs nothing (the ``none`` logger)."""
 
     name = "none"
+    #: the id of the mirrored run once started (None: nothing mirrored)
+    run_id: str | None = None
 
     def start(self, run_dir: str | Path, *, config: Mapping[str, Any], group: str,
               name: str, tags: Sequence[str]) -> None:
@@ -99,23 +109,42 @@ class WandbLogger(Logger):
         all_tags = list(dict.fromkeys([*map(str, tags), *self.extra_tags]))
         # W&B tags are limited to 64 characters.
         all_tags = [t[:64] for t in all_tags]
+        earlier = self._earlier_attempt(run_dir)
         self._run = wandb.init(
             project=self.project, entity=self.entity, group=group, name=name,
             tags=all_tags, config=dict(config), dir=str(run_dir), mode=self.mode,
-            reinit="finish_previous",
+            reinit="finish_previous", id=earlier,
+            resume="allow" if earlier and self.mode == "online" else None,
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        self.run_id = getattr(self._run, "id", None)
         self._path = run_dir / LOGGED_FILE
         self._record = {
             "project": self.project, "entity": self.entity, "group": group, "name": name,
             "tags": all_tags, "mode": self.mode,
-            "run_id": getattr(self._run, "id", None),
+            "run_id": self.run_id,
             "wandb_dir": getattr(self._run, "dir", None),
             "config": dict(config), "metrics": {}, "finished": False,
         }
         write_json(self._path, self._record)
         log.info("W&B %s run %s (group %s) in %s", self.mode, self._record["run_id"], group,
                  self._record["wandb_dir"])
+
+    def _earlier_attempt(self, run_dir: Path) -> str | None:
+        """The run id of an earlier attempt of this job (from its ``wandb_logged.json``),
+        its offline run directories removed: one job, one W&B run (module docstring)."""
+        try:
+            earlier = json.loads((run_dir / LOGGED_FILE).read_text()).get("run_id")
+        except (OSError, ValueError, AttributeError):
+            earlier = None
+        stale = sorted((run_dir / "wandb").glob("offline-run-*"))
+        for d in stale:
+            shutil.rmtree(d, ignore_errors=True)
+        if stale:
+            log.warning("W&B: removed %d offline run(s) of an earlier attempt of this job "
+                        "(%s); the rerun logs under run id %s", len(stale),
+                        ", ".join(d.name for d in stale), earlier or "<new>")
+        return str(earlier) if earlier else None
 
     def log_metrics(self, metrics: Mapping[str, Any]) -> None:
         if self._run is None:

@@ -1,8 +1,11 @@
 """Gather the runs under a directory into one table; compare systems against a baseline.
 
 Used by the end-of-multirun summary (:mod:`moeexp.tracking.summary`) and by
-``python -m moeexp.tracking.collect DIR``. A run is a directory holding ``metrics.json``; its
-Hydra overrides (``.hydra/overrides.yaml``) give the swept keys. One row per run::
+``python -m moeexp.tracking.collect DIR``. A run is a directory holding ``metrics.json``
+and its completion marker ``done.json`` (:mod:`moeexp.tracking.run_dir`); a directory
+with ``metrics.json`` but no marker (a job killed before its last output, or rerunning) is
+left out with a warning. Its Hydra overrides (``.hydra/overrides.yaml``) give the swept
+keys. One row per run::
 
     run | <override keys, e.g. system, cache.capacity> | <metrics.json keys>
 
@@ -25,7 +28,7 @@ from typing import Any
 
 import pandas as pd
 
-from moeexp.tracking.run_dir import METRICS_FILE, read_metrics
+from moeexp.tracking.run_dir import DONE_FILE, METRICS_FILE, is_complete, read_metrics
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +63,24 @@ def read_overrides(run_dir: Path) -> dict[str, str]:
     return out
 
 
-def find_runs(root: str | Path) -> list[Path]:
-    """Run directories (holding ``metrics.json``) under ``root``, sorted, wandb dirs skipped."""
+def find_runs(root: str | Path, complete: bool = True) -> list[Path]:
+    """Run directories (holding ``metrics.json``) under ``root``, sorted, wandb dirs skipped.
+
+    ``complete``: only those with their completion marker (the others are named in a
+    warning); False: every directory with a ``metrics.json``.
+    """
     root = Path(root)
     runs = [p.parent for p in root.rglob(METRICS_FILE) if "wandb" not in p.relative_to(root).parts]
-    return sorted(runs, key=_natural_key)
+    runs = sorted(runs, key=_natural_key)
+    if not complete:
+        return runs
+    done = [r for r in runs if is_complete(r)]
+    if len(done) < len(runs):
+        left = [str(r.relative_to(root)) or "." for r in runs if r not in done]
+        log.warning("%d run(s) under %s left out: incomplete (%s without a complete %s: killed "
+                    "or still running; rerun the sweep with resume=true to finish them): %s",
+                    len(left), root, METRICS_FILE, DONE_FILE, ", ".join(left))
+    return done
 
 
 def _natural_key(p: Path) -> list[Any]:

@@ -11,15 +11,24 @@ atomically (:mod:`moeexp.atomic`), so a reader never sees half a file.
   (int, position in that series) and ``value`` (float64), so series of different lengths
   (per request, per iteration, ...) share one table.
 - ``env.json``: see :mod:`moeexp.tracking.env`.
+- ``done.json``: the completion marker, written **last** and atomically once every other
+  output exists (and the W&B run is closed): ``{"config": <resolved config>, "outputs":
+  [<files>], "wandb_run_id": <id or null>, "finished_utc": <time>}``. A job is complete
+  only with it and its listed outputs (:func:`resume_state`); a job killed between two
+  outputs has none. ``config`` is the resolved config without :data:`RESUME_IGNORED`, so
+  a resumed job is skipped only when its config equals the new one.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -29,6 +38,12 @@ from moeexp.errors import ConfigError
 METRICS_FILE = "metrics.json"
 SERIES_FILE = "series.parquet"
 ENV_FILE = "env.json"
+DONE_FILE = "done.json"
+
+#: Config keys (dotted) that do not change a job's results: display only.
+RESUME_IGNORED: tuple[str, ...] = ("resume", "trace.progress", "backend.progress")
+
+log = logging.getLogger(__name__)
 
 Scalar = float | int | str | bool | None
 
@@ -126,3 +141,106 @@ def write_env(run_dir: str | Path, env: Mapping[str, Any]) -> Path:
     path = Path(run_dir) / ENV_FILE
     write_json(path, dict(env))
     return path
+
+
+# ---------------------------------------------------------------------- completion marker
+def comparable_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` as JSON values (what ``done.json`` holds) without :data:`RESUME_IGNORED`."""
+    out: dict[str, Any] = json.loads(json.dumps(dict(config), sort_keys=True, default=str))
+    for dotted in RESUME_IGNORED:
+        *parents, leaf = dotted.split(".")
+        node: Any = out
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return out
+
+
+def config_changes(old: Mapping[str, Any], new: Mapping[str, Any]) -> list[str]:
+    """``["cache.capacity: 0.25 -> 0.5", ...]``: the dotted keys whose values differ."""
+    a, b = _flat(old), _flat(new)
+    missing = "<absent>"
+    return [f"{k}: {a.get(k, missing)!r} -> {b.get(k, missing)!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k, missing) != b.get(k, missing)]
+
+
+def _flat(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def write_done(run_dir: str | Path, config: Mapping[str, Any], outputs: Sequence[str],
+               wandb_run_id: str | None = None) -> Path:
+    """Write the completion marker ``done.json`` (atomically; call it last)."""
+    path = Path(run_dir) / DONE_FILE
+    write_json(path, {"config": comparable_config(config), "outputs": sorted(outputs),
+                      "wandb_run_id": wandb_run_id,
+                      "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    return path
+
+
+def read_done(run_dir: str | Path) -> dict[str, Any] | None:
+    """The completion marker of ``run_dir``, or None when absent or unreadable."""
+    path = Path(run_dir) / DONE_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        log.warning("%s is unreadable (%s): the job counts as incomplete", path, exc)
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def clear_done(run_dir: str | Path) -> None:
+    """Remove the marker before a job's outputs are replaced (a kill then leaves it
+    incomplete, not complete with outputs of two configs)."""
+    (Path(run_dir) / DONE_FILE).unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What a job directory holds, against the config about to run in it.
+
+    ``status``: ``new`` (no outputs), ``incomplete`` (outputs without the marker, or a
+    listed output missing), ``changed`` (complete, with another config: ``changes``),
+    ``complete`` (complete with this config: resume skips it).
+    """
+
+    status: Literal["new", "incomplete", "changed", "complete"]
+    reason: str = ""
+    changes: list[str] = field(default_factory=list)
+
+
+def is_complete(run_dir: str | Path) -> bool:
+    """The job in ``run_dir`` finished: its marker and every output it lists exist."""
+    done = read_done(run_dir)
+    return done is not None and not _missing(Path(run_dir), done)
+
+
+def _missing(run_dir: Path, done: Mapping[str, Any]) -> list[str]:
+    return [str(f) for f in done.get("outputs", []) if not (run_dir / str(f)).is_file()]
+
+
+def resume_state(run_dir: str | Path, config: Mapping[str, Any]) -> ResumeState:
+    """Whether the job about to run with ``config`` in ``run_dir`` is already complete."""
+    run_dir = Path(run_dir)
+    done = read_done(run_dir)
+    if done is None:
+        if (run_dir / METRICS_FILE).is_file():
+            return ResumeState("incomplete", f"{METRICS_FILE} without {DONE_FILE} (killed or "
+                               "failed before its last output, or written by an older moeexp)")
+        return ResumeState("new")
+    missing = _missing(run_dir, done)
+    if missing:
+        return ResumeState("incomplete", f"{', '.join(missing)} missing")
+    changes = config_changes(done.get("config") or {}, comparable_config(config))
+    if changes:
+        return ResumeState("changed", "its results were made with another config", changes)
+    return ResumeState("complete")

@@ -36,12 +36,14 @@ def summarize_dir(sweep_dir: str | Path, baseline: str | None = "deepspeed",
                   title: str | None = None, show: bool = True) -> Path | None:
     """Write ``summary.csv``/``summary.md`` for the runs under ``sweep_dir``; print the table.
 
-    Returns the csv path, or None (with a warning) when no run left a ``metrics.json``.
+    Returns the csv path, or None (with a warning) when no run completed (a ``metrics.json``
+    with its ``done.json``; incomplete jobs are left out with a warning).
     """
     sweep_dir = Path(sweep_dir)
     df = gather(sweep_dir, baseline=baseline)
     if df.empty:
-        log.warning("no metrics.json under %s: no summary written", sweep_dir)
+        log.warning("no complete run (metrics.json + done.json) under %s: no summary written",
+                    sweep_dir)
         return None
     csv = sweep_dir / SUMMARY_CSV
     write_text(csv, df.to_csv(index=False))

@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from moeexp.tracking import collect
 from moeexp.tracking.results import gather
-from moeexp.tracking.run_dir import write_metrics
+from moeexp.tracking.run_dir import write_done, write_metrics
 from moeexp.tracking.summary import SummaryCallback
 
 
@@ -20,6 +20,7 @@ def _job(root: Path, name: str, overrides: list[str], **metrics) -> Path:
     (d / ".hydra").mkdir(parents=True)
     (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(overrides))
     write_metrics(d, metrics)
+    write_done(d, {"overrides": overrides}, outputs=["metrics.json"])
     return d
 
 
@@ -68,3 +69,20 @@ def test_collect_cli(sweep, tmp_path_factory, capsys):
     assert math.isclose(df["ttft_ms_mean"].sum(), 25.0)
     empty = tmp_path_factory.mktemp("empty")
     assert collect.main([str(empty)]) == 1
+
+
+def test_incomplete_jobs_are_left_out_with_a_warning(sweep, caplog):
+    """A job with metrics.json but no done.json (killed between metrics.json and its
+    series, or rerunning) is not a row of summary.csv / collected.csv (before: its stale
+    metrics were summarised); a warning names it. Only incomplete jobs: collect says so."""
+    import logging
+
+    (sweep / "3" / "done.json").unlink()
+    with caplog.at_level(logging.WARNING, logger="moeexp.tracking.results"):
+        df = gather(sweep)
+    assert list(df["run"]) == ["0", "1", "2"]
+    assert "1 run(s) under" in caplog.text and "incomplete" in caplog.text and ": 3" in caplog.text
+    only = sweep / "3"
+    with caplog.at_level(logging.ERROR, logger="moeexp.tracking.collect"):
+        assert collect.main([str(only)]) == 1
+    assert "no complete run under" in caplog.text and "1 incomplete" in caplog.text

@@ -100,3 +100,84 @@ def test_env_json_has_git_versions_hardware(tmp_path):
     assert data["packages"]["numpy"] == np.__version__ and data["packages"]["hydra-core"]
     assert data["hardware"]["cpu_count"] >= 1 and data["hardware"]["memory_bytes"] > 0
     assert data["hardware_profile"]["name"] == "rtx3090_pcie4"
+
+
+# ---------------------------------------------------------------------- completion marker
+CFG = {"cache": {"name": "lru", "capacity": 0.25}, "trace": {"seed": 0, "progress": True},
+       "resume": True}
+
+
+def _complete(d: Path, config=CFG) -> None:
+    rd.write_metrics(d, {"hit_rate": 0.5})
+    rd.write_series(d, {})
+    rd.write_done(d, config, outputs=[rd.METRICS_FILE, rd.SERIES_FILE])
+
+
+def test_resume_state_new_complete_changed_incomplete(tmp_path):
+    """Empty dir: new. Marker + outputs + same config: complete (progress/resume flags do
+    not count). Another capacity: changed, naming 'cache.capacity: 0.25 -> 0.5'. A listed
+    output missing, or metrics.json without a marker: incomplete."""
+    assert rd.resume_state(tmp_path, CFG).status == "new"
+    _complete(tmp_path)
+    assert rd.resume_state(tmp_path, CFG).status == "complete"
+    quiet = {**CFG, "resume": False, "trace": {"seed": 0, "progress": False}}
+    assert rd.resume_state(tmp_path, quiet).status == "complete"
+    other = {**CFG, "cache": {"name": "lru", "capacity": 0.5}}
+    st = rd.resume_state(tmp_path, other)
+    assert st.status == "changed" and st.changes == ["cache.capacity: 0.25 -> 0.5"]
+    added = {**CFG, "trace": {"seed": 0, "top_k": 5}}
+    assert rd.resume_state(tmp_path, added).changes == ["trace.top_k: '<absent>' -> 5"]
+    (tmp_path / rd.SERIES_FILE).unlink()
+    st = rd.resume_state(tmp_path, CFG)
+    assert st.status == "incomplete" and "series.parquet missing" in st.reason
+    rd.clear_done(tmp_path)
+    st = rd.resume_state(tmp_path, CFG)
+    assert st.status == "incomplete" and "metrics.json without done.json" in st.reason
+    assert not rd.is_complete(tmp_path)
+
+
+def test_done_marker_is_strict_json_with_the_config_and_outputs(tmp_path):
+    _complete(tmp_path)
+    done = json.loads((tmp_path / rd.DONE_FILE).read_text())
+    assert done["outputs"] == ["metrics.json", "series.parquet"]
+    assert done["config"] == {"cache": {"name": "lru", "capacity": 0.25}, "trace": {"seed": 0}}
+    assert done["wandb_run_id"] is None and done["finished_utc"].endswith("Z")
+    (tmp_path / rd.DONE_FILE).write_text("{trunc")  # unreadable: incomplete, not a crash
+    assert rd.resume_state(tmp_path, CFG).status == "incomplete"
+
+
+# ---------------------------------------------------------------------- storage errors
+def test_full_disk_names_the_file_and_keeps_the_old_one(tmp_path):
+    """Over a file-size limit (RLIMIT_FSIZE, what `ulimit -f` sets; errno EFBIG, the
+    issue's 'OSError: File too large'): a StorageError naming metrics.json and saying why;
+    the old metrics.json is intact and no temporary file is left. The same for a trace."""
+    import resource
+
+    from moeexp.errors import StorageError
+    from moeexp.traces import io as trace_io
+    from moeexp.traces.synthetic import random_trace
+
+    rd.write_metrics(tmp_path, {"hit_rate": 0.5})
+    before = (tmp_path / rd.METRICS_FILE).read_text()
+    big = {f"x{i}_ms_mean": float(i) for i in range(400)}
+    trace = random_trace()
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (2048, hard))
+    try:
+        with pytest.raises(StorageError, match=r"cannot write .*metrics\.json: File too large "
+                                               r"\(the file exceeds a file-size limit"):
+            rd.write_metrics(tmp_path, big)
+        with pytest.raises(StorageError, match=r"cannot write .*trace.*File too large"):
+            trace_io.save(trace, tmp_path / "trace")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert (tmp_path / rd.METRICS_FILE).read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [rd.METRICS_FILE]
+
+
+def test_writing_under_a_file_is_a_storage_error(tmp_path):
+    from moeexp.errors import StorageError
+
+    (tmp_path / "f").write_text("")
+    with pytest.raises(StorageError, match=r"cannot write .*f/run/metrics\.json.*is a file"):
+        rd.write_metrics(tmp_path / "f" / "run", {"hit_rate": 0.5})
