@@ -34,6 +34,7 @@ from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.data.prompts import DatasetConfig
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalSpec, eval_spec
+from moeexp.paths import load_group_yaml
 from moeexp.predictors import PREDICTORS, check_predictor
 from moeexp.registry import GroupChoice, group_choice, to_dict, typed
 from moeexp.traces.importers import resolve_source
@@ -44,10 +45,11 @@ from moeexp.tracking.loggers import LOGGERS
 #: A new config group must be added here, or a run with it fails validation.
 TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger",
-    "trace", "experiment_name", "eval", "resume",
+    "trace", "experiment_name", "eval", "resume", "cost",
 })
-#: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true).
-OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume"})
+#: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true,
+#: ``cost`` absent = no projection).
+OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume", "cost"})
 
 
 # ----------------------------------------------------------------------------- typed groups
@@ -138,6 +140,29 @@ class TraceSpec:
 
 
 @dataclass(frozen=True)
+class CostSpec:
+    """The ``cost`` block: a projection of the trace onto another cost regime
+    (:mod:`moeexp.costmodel.projection`; the routing stays the trace's).
+
+    Attributes:
+        as_model: a ``conf/model`` preset with an ``arch:`` block whose bytes and compute
+            replace the traced model's (None: the traced model's own).
+        expert_bytes_scale: every expert's bytes times this (> 0; 1 = none).
+    """
+
+    as_model: str | None = None
+    expert_bytes_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not float(self.expert_bytes_scale) > 0:
+            raise ConfigError(f"cost.expert_bytes_scale must be > 0, got {self.expert_bytes_scale}")
+
+    @property
+    def projected(self) -> bool:
+        return self.as_model is not None or float(self.expert_bytes_scale) != 1.0
+
+
+@dataclass(frozen=True)
 class SystemSpec:
     """The ``system`` group's own block: the bundle's name (it also overrides groups)."""
 
@@ -161,6 +186,7 @@ class RunSpec:
     eval: EvalSpec
     experiment_name: str | None
     resume: bool = True
+    cost: CostSpec = CostSpec()
 
 
 # ----------------------------------------------------------------------------- checks
@@ -227,7 +253,12 @@ def validate(cfg: DictConfig) -> RunSpec:
         eval=eval_spec(cfg.get("eval")),
         experiment_name=cfg.get("experiment_name"),
         resume=bool(cfg.get("resume", True)),
+        cost=typed(CostSpec, to_dict(cfg.get("cost") or {}), "cost"),
     )
+    if spec.cost.as_model is not None and not load_group_yaml("model", spec.cost.as_model).get("arch"):
+        raise ConfigError(f"cost.as_model={spec.cost.as_model}: that preset has no arch: block "
+                          "(presets with one: gpt_oss_20b, mixtral_8x7b, phi3_5_moe, "
+                          "qwen1_5_moe_a2_7b)")
     check_predictor(spec.predictor)
     if trace.source == "record":
         _check_needs(spec.predictor, trace)
