@@ -260,30 +260,16 @@ def _routing_trace(spec: RunSpec, loaded: Any, prompts: list[Any]) -> Trace:
 
 
 def _imported_trace(spec: RunSpec) -> Trace:
-    """An imported routing trace (``trace.source``) on the cost dims of ``model``'s arch:
-    requests filtered by ``trace.request_filter``, split by ``dataset.store_fraction`` and
-    ``dataset.seed``. (Prompt embeddings are computed from its prompt texts, with
+    """An imported routing trace (``trace.source``) on the cost dims of ``model``'s arch,
+    requests filtered by ``trace.request_filter`` and split by ``dataset.store_fraction``
+    and ``dataset.seed``. (Prompt embeddings are computed from its prompt texts, with
     ``trace.prompt_embedder``, only for a predictor that needs them: :func:`_execute`.)"""
-    from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
-    from moeexp.traces.importers import resolve_source
-    from moeexp.traces.interchange import read, split_labels, to_trace
+    from moeexp.traces.importers import load_imported
 
-    ext = read(resolve_source(spec.trace.source))
-    if spec.trace.request_filter == "non_repetitive":
-        ext = ext.select([i for i, r in enumerate(ext.requests)
-                          if not r.get("has_repetition", False)])
-    if spec.model.arch is None:
-        raise ConfigError(f"trace.source={spec.trace.source}: model={spec.model.name} has no "
-                          "arch block, so the trace has no cost dims (use the preset of the "
-                          f"trace's model, {ext.info.get('model')!r}, or add arch:)")
-    dims = arch_dims(spec.model.arch, dtype=spec.model.dtype,
-                     expert_format=spec.model.expert_format, spec_depth=0,
-                     where=f"model={spec.model.name}")
-    splits = split_labels(ext.num_requests, spec.dataset.store_fraction, spec.dataset.seed)
-    trace = to_trace(ext, dims, splits)
-    trace.meta.update(trace_source=spec.trace.source, request_filter=spec.trace.request_filter,
-                      expert_format=spec.model.expert_format)
-    return trace
+    return load_imported(spec.trace.source, spec.model.arch, model=spec.model.name,
+                         dtype=spec.model.dtype, expert_format=spec.model.expert_format,
+                         request_filter=spec.trace.request_filter,
+                         store_fraction=spec.dataset.store_fraction, seed=spec.dataset.seed)
 
 
 def _embed_prompts(spec: RunSpec, trace: Trace) -> None:

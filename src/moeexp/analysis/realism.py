@@ -162,19 +162,16 @@ def embedded_source() -> Source:
                   trace)
 
 
-def imported_source(source: str, model: str) -> Source:
-    """An imported trace (shipped name or directory), non-repetitive requests, 7:3 split."""
-    from moeexp.models.arch import arch_dims
+def imported_source(source: str) -> Source:
+    """An imported trace (shipped name or directory), non-repetitive requests, 7:3 split,
+    on the dims of its model's preset."""
     from moeexp.paths import load_group_yaml
-    from moeexp.traces.importers import resolve_source
-    from moeexp.traces.interchange import read, split_labels, to_trace
+    from moeexp.traces.importers import load_imported, resolve_source
+    from moeexp.traces.interchange import read
 
-    ext = read(resolve_source(source))
-    ext = ext.select([i for i, r in enumerate(ext.requests) if not r.get("has_repetition")])
-    arch = load_group_yaml("model", str(ext.info.get("model") or model)).get("arch")
-    dims = arch_dims(arch or {}, where=f"model={ext.info.get('model')}")
-    trace = to_trace(ext, dims, split_labels(ext.num_requests, 0.7, 0))
-    return Source(f"{ext.info.get('model')} (real)", f"imported {source}, {ext.content_hash()[:12]}",
+    model = str(read(resolve_source(source)).info.get("model"))
+    trace = load_imported(source, load_group_yaml("model", model).get("arch"), model=model)
+    return Source(f"{model} (real)", f"imported {source}, {str(trace.meta['content_hash'])[:12]}",
                   trace)
 
 
@@ -195,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sources = [] if ns.no_embedded else [embedded_source()]
-    sources += [imported_source(s, "gpt_oss_20b") for s in ["gpt_oss_20b", *ns.trace]]
+    sources += [imported_source(s) for s in ["gpt_oss_20b", *ns.trace]]
     rows = []
     for src in sources:
         log.info("realism card: %s", src.label)

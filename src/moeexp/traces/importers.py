@@ -204,6 +204,34 @@ def resolve_source(source: str) -> Path:
                       "trace.source=record records the model's routing")
 
 
+def load_imported(source: str, arch: dict[str, Any] | None, *, model: str, dtype: str = "bfloat16",
+                  expert_format: str = "dense", request_filter: str = "non_repetitive",
+                  store_fraction: float = 0.7, seed: int = 0) -> Any:
+    """The routing-only Trace of ``source`` (:func:`resolve_source`) on the cost dims of
+    ``model``'s ``arch`` block: requests filtered (``non_repetitive`` drops those flagged
+    ``has_repetition``; ``all``), split by request (``store_fraction``, ``seed``). The one
+    way an imported trace becomes replayable (pipeline, realism card, eviction landscape).
+    """
+    from moeexp.errors import ConfigError
+    from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
+    from moeexp.traces.interchange import split_labels, to_trace
+
+    ext = read(resolve_source(source))
+    if request_filter == "non_repetitive":
+        ext = ext.select([i for i, r in enumerate(ext.requests)
+                          if not r.get("has_repetition", False)])
+    if not arch:
+        raise ConfigError(f"trace.source={source}: model={model} has no arch block, so the "
+                          "trace has no cost dims (use the preset of the trace's model, "
+                          f"{ext.info.get('model')!r}, or add arch:)")
+    dims = arch_dims(arch, dtype=dtype, expert_format=expert_format, spec_depth=0,
+                     where=f"model={model}")
+    trace = to_trace(ext, dims, split_labels(ext.num_requests, store_fraction, seed))
+    trace.meta.update(trace_source=source, request_filter=request_filter,
+                      expert_format=expert_format)
+    return trace
+
+
 def import_trace(src: str | Path, fmt: str, out: str | Path | None = None) -> Path:
     """Import ``src`` (format ``fmt``) into ``out`` (default: the imported-trace cache)."""
     from moeexp.paths import results_dir
