@@ -30,6 +30,12 @@ Model arguments (``--model_args k=v,...``; lm-eval types the values):
   independent of copy timing; with the inline predictor the run is then deterministic),
   ...);
 - ``batch_size``, ``max_length``: passed to HFLM.
+
+Everything that can be checked without the weights is checked before the model loads and
+before the ``auto`` store is sampled and recorded (:func:`check_model_args`): an unknown
+system, predictor, cache or setting, a misspelled key, a capacity below K experts or a
+prefetch distance beyond the model's MoE layers (the dims from the model's config on the
+meta device), and the ``dataset.KEY`` overrides of the ``auto`` store.
 """
 
 from __future__ import annotations
@@ -83,6 +89,43 @@ def default_trace_cfg() -> dict[str, Any]:
     return {str(k): v for k, v in out.items()}
 
 
+def check_model_args(model_cfg: Mapping[str, Any], system: str,
+                     capacity: float | int | str | None, store: str | None, dataset: str,
+                     overrides: Mapping[str, Any]) -> None:
+    """Raise :class:`~moeexp.errors.ConfigError` for anything wrong in the model args that
+    is knowable before the load (see the module docstring); nothing is loaded or sampled."""
+    if system in PLAIN_SYSTEMS:
+        return
+    from moeexp.cache import build_cache, check_cache
+    from moeexp.data.prompts import DatasetConfig
+    from moeexp.engine.build import engine_settings
+    from moeexp.models.loading import probe_adapter
+    from moeexp.paths import load_group_yaml
+    from moeexp.predictors import build_predictor, check_predictor
+    from moeexp.registry import group_choice
+    from moeexp.systems import resolve_system
+    from moeexp.traces.recorder import trace_dims
+
+    groups, settings = _split_overrides(overrides)
+    engine_settings(settings, strict="moeexp model_args")
+    cache = dict(groups["cache"])
+    if capacity is not None:
+        cache["capacity"] = _num(capacity)
+    model_node = {"prefetch_distance": model_cfg.get("prefetch_distance", 2)}
+    pred_cfg, cache_cfg, merged = resolve_system(system, groups["predictor"] or None,
+                                                 cache or None, model=model_node, **settings)
+    pred, pol = group_choice(pred_cfg, "predictor"), group_choice(cache_cfg, "cache")
+    check_predictor(pred)
+    check_cache(pol)
+    probe = probe_adapter(model_cfg)
+    if probe is not None:  # the model's dims without its weights
+        dims = trace_dims(probe, engine_settings(merged).spec_depth)
+        build_predictor(pred, dims)
+        build_cache(pol, dims)
+    if store == "auto":
+        DatasetConfig.from_mapping({**load_group_yaml("dataset", dataset), **groups["dataset"]})
+
+
 def auto_store(loaded: Any, dataset: str = "sharegpt",
                dataset_overrides: Mapping[str, Any] | None = None,
                trace_overrides: Mapping[str, Any] | None = None) -> Any:
@@ -98,7 +141,9 @@ def auto_store(loaded: Any, dataset: str = "sharegpt",
     from moeexp.traces.store import get_or_record
 
     dcfg = {**load_group_yaml("dataset", dataset), **dict(dataset_overrides or {})}
-    prompts = sample_prompts(dcfg, loaded.tokenizer)
+    ctx = getattr(getattr(loaded.model, "config", None), "max_position_embeddings", None)
+    prompts = sample_prompts(dcfg, loaded.tokenizer,
+                             max_positions=ctx if isinstance(ctx, int) and ctx > 0 else None)
     trace = get_or_record(loaded, prompts, {**default_trace_cfg(), **dict(trace_overrides or {})})
     return trace.split("store")
 
@@ -161,7 +206,10 @@ class MoeexpLM(HFLM):
         if loaded is None:
             from moeexp.models.loading import load_model
 
-            loaded = load_model(_model_cfg(model, model_path, dtype, device))
+            model_cfg = _model_cfg(model, model_path, dtype, device)
+            if offloaded is None:
+                check_model_args(model_cfg, system, capacity, store, dataset, overrides)
+            loaded = load_model(model_cfg)
         self.loaded = loaded
         self.system = offloaded.system if offloaded is not None else system
         self.offloaded = offloaded
