@@ -110,13 +110,21 @@ class WandbLogger(Logger):
         # W&B tags are limited to 64 characters.
         all_tags = [t[:64] for t in all_tags]
         earlier = self._earlier_attempt(run_dir)
-        self._run = wandb.init(
+        kwargs: dict[str, Any] = dict(
             project=self.project, entity=self.entity, group=group, name=name,
             tags=all_tags, config=dict(config), dir=str(run_dir), mode=self.mode,
-            reinit="finish_previous", id=earlier,
-            resume="allow" if earlier and self.mode == "online" else None,
+            reinit="finish_previous",
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True),
         )
+        try:
+            self._run = wandb.init(**kwargs, id=earlier,
+                                   resume="allow" if earlier and self.mode == "online" else None)
+        except Exception as exc:  # noqa: BLE001 - e.g. the id still held by a live W&B service
+            if earlier is None:
+                raise
+            log.warning("W&B: cannot reuse run id %s of the earlier attempt (%s); starting a "
+                        "new run", earlier, exc)
+            self._run = wandb.init(**kwargs)
         self.run_id = getattr(self._run, "id", None)
         self._path = run_dir / LOGGED_FILE
         self._record = {

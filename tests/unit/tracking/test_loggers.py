@@ -52,3 +52,35 @@ def test_wandb_offline_run_writes_local_files(tmp_path, monkeypatch):
     assert rec["config"] == config
     assert rec["metrics"] == {"hit_rate": 0.25, "prediction_f1": None, "system": "deepspeed"}
     assert rec["run_id"] and runs[0].name.endswith(rec["run_id"])
+
+
+def test_a_rerun_after_a_kill_leaves_one_offline_run_under_the_same_id(tmp_path, monkeypatch):
+    """A process starts the job's W&B run and is SIGKILLed (no finish); the rerun in the same
+    directory removes the dead offline run and logs under its id: one offline-run-* remains
+    (before: two under the same name, the dead one without metrics, both synced)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    code = ("import os, signal, sys\n"
+            "from moeexp.tracking.loggers import WandbLogger\n"
+            "lg = WandbLogger()\n"
+            "lg.start(sys.argv[1], config={'a': 1}, group='g', name='n', tags=[])\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    # its own W&B service, as a separate job process has (not this process's, if started)
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_SERVICE"}
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-2000:]
+    dead = json.loads((tmp_path / LOGGED_FILE).read_text())["run_id"]
+    assert len(list((tmp_path / "wandb").glob("offline-run-*"))) == 1
+    lg = WandbLogger()
+    lg.start(tmp_path, config={"a": 1}, group="g", name="n", tags=[])
+    lg.log_metrics({"hit_rate": 0.5})
+    lg.finish()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and runs[0].name.endswith(dead) and lg.run_id == dead
+    rec = json.loads((tmp_path / LOGGED_FILE).read_text())
+    assert rec["run_id"] == dead and rec["finished"] and rec["metrics"] == {"hit_rate": 0.5}
