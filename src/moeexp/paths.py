@@ -1,8 +1,10 @@
 """Where moeexp finds its configs and assets, and where results go.
 
-``conf/`` lives at the repository root (the design card's layout); moeexp is installed
-editable, so it is found relative to this file. ``MOEEXP_RESULTS`` overrides the results
-directory (default ``results/`` in the current working directory).
+``conf/`` lives at the repository root (the design card's layout). An editable install
+(``make install``) reads it there, relative to this file; a wheel (``pip install .``)
+carries a copy as package data, ``moeexp/conf/`` (``setup.py`` puts it there), which is
+used when present. ``MOEEXP_RESULTS`` overrides the results directory (default
+``results/`` in the current working directory).
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from moeexp.registry import unknown_name
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REPO_DIR = PACKAGE_DIR.parents[1]
-CONF_DIR = REPO_DIR / "conf"
+#: the wheel's copy (package data) when installed from a wheel, else the repository's
+CONF_DIR = (PACKAGE_DIR / "conf") if (PACKAGE_DIR / "conf" / "config.yaml").is_file() \
+    else REPO_DIR / "conf"
 ASSETS_DIR = PACKAGE_DIR / "assets"
 
 
