@@ -53,7 +53,7 @@ from moeexp.predictors.base import (
     Prefetch,
     RequestStart,
 )
-from moeexp.predictors.emoe_model import SoftmaxRegression, store_histories
+from moeexp.predictors.emoe_model import SoftmaxRegression, store_histories, training_pairs
 from moeexp.traces.schema import RequestMeta, Trace, TraceDims
 
 Variant = Literal["emoe_l", "emoe_a"]
@@ -179,12 +179,7 @@ class EMoE(Predictor):
         rng = np.random.default_rng(self.seed)
         self.models = []
         for layer in range(L):
-            if self.variant == "emoe_a":
-                x, y = full[:-1].reshape(-1, L * J), full[1:, layer]
-            elif layer == 0:
-                x, y = full[:-1, 0], full[1:, 0]
-            else:
-                x, y = prefill[:, layer - 1], full[:, layer]
+            x, y = training_pairs(full, prefill, self.variant, layer)
             m = SoftmaxRegression(x.shape[1], J, self.prior[layer], rng)
             m.fit(x, y, steps=self.steps, lr=self.lr, l2=self.l2)
             self.models.append(m)

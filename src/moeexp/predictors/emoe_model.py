@@ -2,6 +2,19 @@
 
 The paper's predictor is an XLNet-sized transformer; moeexp uses a linear softmax model per
 layer (``algorithms.md`` §6 allows a smaller model; its size is reported by ``stats()``).
+
+Why it is hand-written and not scikit-learn's multinomial ``LogisticRegression`` (L-BFGS):
+the targets are distributions (soft labels), which it does not take, so each row must
+become J rows weighted by its target (the rows of weight 0 dropped). Both reach the same
+optimum: test-split soft cross-entropy 2.7336 (emoe_l) and 2.7430 (emoe_a) for both on the
+tiny model's ShareGPT trace, and ``system=emoe`` replays (periods 1 and 40, both variants)
+moved hit rate by at most +0.0008. But the J-fold rows make it slower as J grows: at
+Qwen1.5-MoE's shape (L = 24, J = 60, K = 4, synthetic) 0.69 s against 0.42 s (emoe_l) and
+25.4 s against 6.8 s (emoe_a); at the tiny model's J = 16 it is faster (0.03-0.09 s
+against 0.14-0.17 s), but importing scikit-learn costs 0.7-1.5 s per process, more than this
+whole fit, so a run's ``fit_time_s`` would go from 0.18 s to 0.59 s. Prediction is a numpy
+softmax either way (``predict_proba``: 70-110 us per query against 5-7 us). Measured with
+BLAS on one thread: ``moeexp.bench.predictor_fit`` (``run(trace=...)`` for a recorded trace).
 """
 
 from __future__ import annotations
@@ -66,6 +79,22 @@ class SoftmaxRegression:
 def _rows(a: np.ndarray) -> np.ndarray:
     s = a.sum(axis=-1, keepdims=True)
     return np.where(s > 0, a / np.where(s > 0, s, 1.0), 1.0 / a.shape[-1])
+
+
+def training_pairs(full: np.ndarray, prefill: np.ndarray, variant: str,
+                   layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(x, y) that layer ``layer``'s regression learns, from :func:`store_histories`.
+
+    ``emoe_a``: x = a request's whole L*J distribution, y = the next request's layer row;
+    ``emoe_l``: layer 0 from the previous request's layer 0, layer i >= 1 from the same
+    request's prefill distribution at layer i-1 (y: its whole-request row at layer i).
+    """
+    _, L, J = full.shape
+    if variant == "emoe_a":
+        return full[:-1].reshape(-1, L * J), full[1:, layer]
+    if layer == 0:
+        return full[:-1, 0], full[1:, 0]
+    return prefill[:, layer - 1], full[:, layer]
 
 
 def store_histories(store: Trace) -> tuple[np.ndarray, np.ndarray]:

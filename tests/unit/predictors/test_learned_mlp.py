@@ -62,3 +62,19 @@ def test_needs_hidden_states() -> None:
     tr = random_trace(num_requests=4)
     with pytest.raises(ConfigError, match="trace.record_hidden=true"):
         PREDICTORS.build("learned_mlp", dims=tr.dims, progress=False).fit(tr)
+
+
+def test_split_rows_holds_out_whole_requests_and_caps_training_rows() -> None:
+    """20 store requests, holdout 0.25 -> 5 whole requests held out, disjoint from the
+    training rows; max_train_tokens=30 keeps a sorted random 30 of the rest; the same
+    seed gives the same rows."""
+    tr = random_trace(num_requests=20, store_fraction=1.0, with_hidden=True, seed=3)
+    p = PREDICTORS.build("learned_mlp", dims=tr.dims, holdout=0.25, max_train_tokens=30,
+                         progress=False)
+    train, held = p.split_rows(tr, np.random.default_rng(0))
+    tok_req = np.repeat(tr.iter_request, np.diff(tr.iter_offsets))
+    assert len(set(tok_req[held].tolist())) == 5
+    assert not set(tok_req[train].tolist()) & set(tok_req[held].tolist())
+    assert len(train) == 30 and np.all(np.diff(train) > 0)
+    again = p.split_rows(tr, np.random.default_rng(0))
+    assert again[0].tolist() == train.tolist() and again[1].tolist() == held.tolist()
