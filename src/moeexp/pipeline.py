@@ -145,15 +145,17 @@ def _already_complete(run_dir: Path, config: dict[str, Any]) -> bool:
 
 
 def _check_storage(spec: RunSpec, run_dir: Path) -> None:
-    """The run directory (created) and, when a trace is recorded, the trace cache must be
-    writable directories: StorageError naming them, before any work."""
+    """The run directory (created) and, when a trace is recorded, the trace cache (not
+    created yet: a later error must not leave it behind) must be writable directories:
+    StorageError naming them, before any work."""
     from moeexp.paths import results_dir, writable_dir
 
     writable_dir(run_dir, "the run directory")
     if spec.trace.source == "record":
         cache = spec.trace.cache_dir
         writable_dir(cache if cache else results_dir() / "traces",
-                     "trace.cache_dir" if cache else "the trace cache (results/traces)")
+                     "trace.cache_dir" if cache else "the trace cache (results/traces)",
+                     create=False)
 
 
 def _context_positions(loaded: Any) -> int | None:
