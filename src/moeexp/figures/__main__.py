@@ -34,6 +34,9 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "fig16a_store_capacity": ("store_capacity_sweep", plots.store_capacity),
     "emoe_quality": ("emoe_accuracy", plots.emoe_quality),
     "sim_vs_engine": ("sim_vs_engine", plots.sim_vs_engine),
+    "regime_map": ("regime_map", plots.regime_map),
+    "regime_map_real": ("regime_map_real", plots.regime_map),
+    "real_routing_systems": ("real_routing", plots.system_bars),
 }
 
 

@@ -145,3 +145,28 @@ def sim_vs_engine(df: pd.DataFrame) -> Figure:
         ax.set_ylabel(f"simulator {m.split('_')[0].upper()} (ms)")
     fig.tight_layout()
     return fig
+
+
+def regime_map(df: pd.DataFrame) -> Figure:
+    """The regime map (issue 11): TPOT over no_offload's and the cache hit rate against the
+    copy-to-compute ratio (log axes), one line per system, one pair of panels per budget.
+    Rows reported not applicable (no TPOT) are left out."""
+    sys_c = _need(df, "system", "system.name")
+    cap_c = _need(df, "cache_capacity", "cache.capacity")
+    ratio_c = _need(df, "copy_to_compute")
+    df = df[np.isfinite(pd.to_numeric(df.get("tpot_norm_mean"), errors="coerce"))]
+    caps = sorted(df[cap_c].astype(float).unique())
+    fig, axes = _fig(2 * len(caps), width=3.8)
+    for i, cap in enumerate(caps):
+        sub = df[df[cap_c].astype(float) == cap]
+        for s in dict.fromkeys(sub[sys_c]):
+            pts = sub[sub[sys_c] == s].sort_values(ratio_c)
+            axes[2 * i].plot(pts[ratio_c], pts["tpot_norm_mean"], marker="o", ms=3, label=s)
+            axes[2 * i + 1].plot(pts[ratio_c], pts["hit_rate"], marker="o", ms=3, label=s)
+        axes[2 * i].set(xscale="log", yscale="log", xlabel="copy / decode-layer compute",
+                        ylabel="TPOT / no_offload", title=f"budget {cap:.0%}")
+        axes[2 * i + 1].set(xscale="log", xlabel="copy / decode-layer compute",
+                            ylabel="cache hit rate", title=f"budget {cap:.0%}")
+    axes[-1].legend(fontsize=6, loc="best")
+    fig.tight_layout()
+    return fig
