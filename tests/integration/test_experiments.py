@@ -6,6 +6,7 @@ comparison relies on (oracle is the hit-rate ceiling; a full cache only misses f
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import itertools
 import math
 from functools import cache
@@ -116,6 +117,12 @@ def test_every_sweep_point_composes_validates_and_builds(name: str) -> None:
     distance beyond trace.spec_depth would fail here, not after a recording)."""
     points = sweep_points(name)
     assert points
+    # Hydra imports an experiment's callbacks at app start, compose() does not:
+    # eviction_landscape registers its backend that way (and needs the optional extra).
+    for cb in (OmegaConf.select(_exp_yaml(name), "hydra.callbacks") or {}).values():
+        importlib.import_module(str(cb["_target_"]).rsplit(".", 1)[0])
+    if name == "eviction_landscape":
+        pytest.importorskip("libcachesim", reason="optional: pip install -e '.[cachesim]'")
     for point in points:
         cfg = _compose([f"+experiment={name}", *point])
         spec = validate(cfg)
