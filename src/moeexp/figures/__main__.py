@@ -15,6 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from moeexp.figures import plots
+from moeexp.figures.eviction_landscape import eviction_landscape
 from moeexp.figures.load import latest_summary, read_summary
 from moeexp.paths import results_dir
 
@@ -37,6 +38,7 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "regime_map": ("regime_map", plots.regime_map),
     "regime_map_real": ("regime_map_real", plots.regime_map),
     "real_routing_systems": ("real_routing", plots.system_bars),
+    "eviction_landscape": ("eviction_landscape", eviction_landscape),
 }
 
 
