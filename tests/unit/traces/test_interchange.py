@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from moeexp.errors import TraceError
-from moeexp.traces import importers, interchange
+from moeexp.traces import importers
 from moeexp.traces.interchange import ExternalRouting, check, read, split_labels, to_trace, write
 from moeexp.traces.schema import TraceDims
 
@@ -131,6 +131,7 @@ def test_shipped_subset_loads():
     assert ext.info["source"]["licence"] == "Apache-2.0"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (FULL_REPACK / "routing.npz").is_file(),
                     reason=f"the full gpt-oss repack is not at {FULL_REPACK} (set MOEEXP_GPT_OSS_REPACK)")
 def test_full_import_reproduces_the_shipped_subset(tmp_path):
@@ -144,4 +145,3 @@ def test_full_import_reproduces_the_shipped_subset(tmp_path):
     assert again.content_hash() == shipped.content_hash()
     for k in ("experts", "weights", "offsets", "positions"):
         np.testing.assert_array_equal(getattr(again, k), getattr(shipped, k))
-    assert interchange.read(write(again, tmp_path / "sub")).content_hash() == shipped.content_hash()
