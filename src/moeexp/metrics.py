@@ -30,7 +30,67 @@ CORE_KEYS: tuple[str, ...] = (
     "predictor_query_us_mean",
     "accesses_total",
     "requests_total",
+    # where the bytes and the stalls go (traffic_metrics)
+    "output_tokens_total",
+    "demand_loads_total", "prefetches_issued", "prefetches_used", "prefetches_wasted",
+    "prefetches_dropped",
+    "h2d_demand_bytes_total", "h2d_prefetch_bytes_total", "prefetch_used_bytes",
+    "h2d_demand_bytes_per_token", "prefetch_used_bytes_per_token",
+    "prefetch_waste_bytes_per_token",
+    "stall_demand_ms_total", "stall_late_prefetch_ms_total", "stall_link_ms_total",
 )
+
+#: Parts that add up to a total (the identity tests hold both backends to them).
+PARTS_OF: dict[str, tuple[str, ...]] = {
+    "h2d_bytes_total": ("h2d_demand_bytes_total", "h2d_prefetch_bytes_total"),
+    "h2d_prefetch_bytes_total": ("prefetch_used_bytes", "prefetch_waste_bytes"),
+    "prefetches_issued": ("prefetches_used", "prefetches_wasted"),
+    "stall_ms_total": ("stall_demand_ms_total", "stall_late_prefetch_ms_total",
+                       "stall_link_ms_total"),
+}
+
+
+def traffic_metrics(*, expert_bytes: int, output_tokens: int, demand_loads: int,
+                    prefetches_issued: int, prefetches_used: int, prefetches_wasted: int,
+                    prefetches_dropped: int, stall_demand_ms: float, stall_late_prefetch_ms: float,
+                    stall_link_ms: float) -> dict[str, float]:
+    """Where the bytes and the stalls go: the one definition both backends emit.
+
+    Every host-to-device copy moves one expert (``expert_bytes``) and is either a demand
+    load (a layer needed an expert that held no slot) or a started prefetch. A prefetched
+    copy is *used* when a layer computes with it before it leaves the device (a hit, or a
+    wait for it still in flight), else *wasted* (evicted unused, or unused at the end).
+    Prefetch requests *dropped* before their copy started (their layer ran, no victim, the
+    pass ended) moved no bytes and are only counted. Per-token values divide by the output
+    tokens: one per request and forward pass it took part in (the prefill's token
+    included). The stall time (``stall_ms_total``) is split by what the compute waited
+    for: ``stall_demand_ms_total`` a demand copy's own transfer, ``stall_late_prefetch_ms_total``
+    a copy already in flight when the layer needed it (a prefetch started too late), and
+    ``stall_link_ms_total`` a demand copy queued behind other copies on the link before its
+    transfer began. Identities (:data:`PARTS_OF`): demand + prefetch bytes =
+    ``h2d_bytes_total``; used + wasted = prefetch bytes; the three stalls = ``stall_ms_total``.
+    """
+    per = 1.0 / output_tokens if output_tokens > 0 else float("nan")
+    demand_b = float(demand_loads * expert_bytes)
+    used_b = float(prefetches_used * expert_bytes)
+    waste_b = float(prefetches_wasted * expert_bytes)
+    return {
+        "output_tokens_total": float(output_tokens),
+        "demand_loads_total": float(demand_loads),
+        "prefetches_issued": float(prefetches_issued),
+        "prefetches_used": float(prefetches_used),
+        "prefetches_wasted": float(prefetches_wasted),
+        "prefetches_dropped": float(prefetches_dropped),
+        "h2d_demand_bytes_total": demand_b,
+        "h2d_prefetch_bytes_total": float(prefetches_issued * expert_bytes),
+        "prefetch_used_bytes": used_b,
+        "h2d_demand_bytes_per_token": demand_b * per,
+        "prefetch_used_bytes_per_token": used_b * per,
+        "prefetch_waste_bytes_per_token": waste_b * per,
+        "stall_demand_ms_total": float(stall_demand_ms),
+        "stall_late_prefetch_ms_total": float(stall_late_prefetch_ms),
+        "stall_link_ms_total": float(stall_link_ms),
+    }
 
 
 def summarize(prefix: str, values: Sequence[float] | np.ndarray) -> dict[str, float]:

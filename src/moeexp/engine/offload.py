@@ -180,6 +180,7 @@ class OffloadedModel:
             runner.submit("start_iteration", ctx)
 
     def _post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self.engine.counters.output_tokens += self._tokens // max(1, self._seq)  # one per row
         self.engine.end_iteration()
         self.engine.runner.submit("end_iteration")
         if self.recorder is not None:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from moeexp.engine.runtime import Engine
-from moeexp.metrics import CORE_KEYS, f1, summarize
+from moeexp.metrics import CORE_KEYS, f1, summarize, traffic_metrics
 
 NAN = float("nan")
 
@@ -38,9 +38,11 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
     """Flat metric dict: every CORE_KEY plus engine-only extras."""
     c = engine.counters
     stall_ms = c.stall_s * 1e3
+    parts_ms = [c.stall_demand_s * 1e3, c.stall_late_s * 1e3, c.stall_link_s * 1e3]
     if c.cuda_stalls:
         torch.cuda.synchronize(engine.device)
         stall_ms += sum(a.elapsed_time(b) for a, b in c.cuda_stalls)
+        _add_cuda_parts(c.cuda_stall_parts, parts_ms)
     recall, precision = c.pred.recall, c.pred.precision
     runner = engine.runner
     out: dict[str, float] = {
@@ -64,13 +66,17 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         "hits_total": float(c.hits),
         "misses_total": float(c.accesses - c.hits),
         "requests_total": float(requests),
+        **traffic_metrics(
+            expert_bytes=engine.spec.nbytes, output_tokens=c.output_tokens,
+            demand_loads=c.demand_loads, prefetches_issued=c.prefetches,
+            prefetches_used=c.prefetches_used,
+            prefetches_wasted=c.prefetches_wasted + len(engine.unused_prefetch),
+            prefetches_dropped=engine.queue.dropped, stall_demand_ms=parts_ms[0],
+            stall_late_prefetch_ms=parts_ms[1], stall_link_ms=parts_ms[2]),
     }
     missing = [k for k in CORE_KEYS if k not in out]
     assert not missing, f"engine metrics lack {missing}"
     out.update({
-        "demand_loads_total": float(c.demand_loads),
-        "prefetches_issued": float(c.prefetches),
-        "prefetches_dropped": float(engine.queue.dropped),
         "preload_bytes": float(c.preload_bytes),
         "resident_expert_bytes_peak": float(c.resident_bytes_peak),
         "expert_slots": float(engine.pool.num_slots),
@@ -81,6 +87,20 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         "copy_seconds_total": float(engine.copier.copy_seconds),
     })
     return out
+
+
+def _add_cuda_parts(parts: list[tuple[Any, Any, bool, Any]], out_ms: list[float]) -> None:
+    """Add the CUDA stall segments (ms, device synchronised) to ``out_ms`` = [demand, late
+    prefetch, link]: a prefetch's segment is a late prefetch; a demand load's is link time
+    until its copy's start event (clamped to the segment), demand time after."""
+    for begin, end, demand, started in parts:
+        seg = begin.elapsed_time(end)
+        if not demand:
+            out_ms[1] += seg
+            continue
+        link = min(max(begin.elapsed_time(started), 0.0), seg) if started is not None else 0.0
+        out_ms[2] += link
+        out_ms[0] += seg - link
 
 
 class IterationProbe:

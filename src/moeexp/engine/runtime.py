@@ -92,7 +92,14 @@ class Counters:
     hits: int = 0
     demand_loads: int = 0
     prefetches: int = 0
+    prefetches_used: int = 0  # prefetched copies a layer used before their eviction
+    prefetches_wasted: int = 0  # prefetched copies evicted unused
+    output_tokens: int = 0  # one per request row and forward pass
     stall_s: float = 0.0
+    # CPU stall seconds by cause (moeexp.metrics.traffic_metrics); they add up to stall_s
+    stall_demand_s: float = 0.0
+    stall_late_s: float = 0.0
+    stall_link_s: float = 0.0
     waste_bytes: int = 0
     preload_bytes: int = 0
     resident_bytes_peak: int = 0
@@ -102,6 +109,10 @@ class Counters:
     streamed_layers: int = 0
     pred: PredictionTally = field(default_factory=PredictionTally)
     cuda_stalls: list[tuple[torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    #: CUDA: one entry per waited copy: (wait began, wait ended, demand load?, the copy's
+    #: start event); the segments of a wait tile its cuda_stalls entry
+    cuda_stall_parts: list[tuple[torch.cuda.Event, torch.cuda.Event, bool,
+                                 torch.cuda.Event | None]] = field(default_factory=list)
     access_log: list[tuple[int, int, bool]] = field(default_factory=list)
 
 
@@ -166,6 +177,7 @@ class Engine:
         if key in self.unused_prefetch:
             self.unused_prefetch.discard(key)
             self.counters.waste_bytes += self.spec.nbytes
+            self.counters.prefetches_wasted += 1
         self.pool.release(key)
         self.cache.on_evict(key)
 
@@ -315,7 +327,9 @@ class Engine:
         """The running layer uses ``key`` at clock ``now`` (lock held): the policy sees the
         access and a prefetched copy of it counts as used."""
         self.cache.on_access(key, now, hit)
-        self.unused_prefetch.discard(key)
+        if key in self.unused_prefetch:
+            self.unused_prefetch.remove(key)
+            self.counters.prefetches_used += 1
 
     def protect(self, keys: Iterable[Key]) -> None:
         """Keep ``keys`` from eviction until the next layer begins (lock held)."""
@@ -343,23 +357,40 @@ class Engine:
             self.lock.acquire()
 
     def wait_keys(self, keys: list[Key]) -> None:
-        """Make compute wait for the copies of ``keys`` (stall time is counted)."""
+        """Make compute wait for the copies of ``keys`` (stall time is counted).
+
+        Each waited copy's share is split by cause (:func:`moeexp.metrics.traffic_metrics`):
+        a prefetch's whole wait is a late prefetch (it was in flight when the layer needed
+        it); a demand load's wait is link time until its copy began (behind other copies)
+        and demand time after."""
         waits = [self.jobs[k] for k in keys if k in self.jobs and not self.copier.is_ready(self.jobs[k])]
         if not waits:
             return
+        c = self.counters
         if self.copier.cuda:
             stream = torch.cuda.current_stream(self.device)
-            t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = prev = torch.cuda.Event(enable_timing=True)
             t0.record(stream)
             for j in waits:
                 self.copier.wait(j)
-            t1.record(stream)
-            self.counters.cuda_stalls.append((t0, t1))
+                mark = torch.cuda.Event(enable_timing=True)
+                mark.record(stream)
+                c.cuda_stall_parts.append((prev, mark, j.demand, j.start_event))
+                prev = mark
+            c.cuda_stalls.append((t0, prev))
         else:
-            start = time.perf_counter()
+            a = start = time.perf_counter()
             for j in waits:
                 self.copier.wait(j)
-            self.counters.stall_s += time.perf_counter() - start
+                b = time.perf_counter()
+                if j.demand:
+                    link = min(max(j.started_at - a, 0.0), b - a)
+                    c.stall_link_s += link
+                    c.stall_demand_s += (b - a) - link
+                else:
+                    c.stall_late_s += b - a
+                a = b
+            c.stall_s += a - start
 
     def sync_lut(self, layer: int, keys: list[Key]) -> None:
         """Point the device lookup table at the slots of ``keys`` (compute thread only)."""

@@ -52,6 +52,10 @@ class CopyJob:
     finished: threading.Event = field(default_factory=threading.Event)
     event: torch.cuda.Event | None = None  # CUDA: recorded after the copy
     t0: float = 0.0
+    #: perf_counter when its copy began (CPU: the worker took it; a prefetch: started)
+    started_at: float = 0.0
+    #: CUDA: a timing event recorded on the copy stream just before its copy
+    start_event: torch.cuda.Event | None = None
 
 
 class CopyEngine:
@@ -108,7 +112,8 @@ class CopyEngine:
 
     def started_prefetch(self, key: Key, slot: int) -> CopyJob:
         """A prefetch job the engine's ``prefetch_source`` is handing to the worker."""
-        job = CopyJob(key, slot, False, self.pool.spec.nbytes, state="copying")
+        job = CopyJob(key, slot, False, self.pool.spec.nbytes, state="copying",
+                      started_at=time.perf_counter())
         with self._cond:
             self._outstanding.add(job)
             self.bytes_copied += job.nbytes
@@ -201,6 +206,7 @@ class CopyEngine:
                 if self._demand:
                     job = self._demand.popleft()
                     job.state = "copying"
+                    job.started_at = time.perf_counter()
                     self.bytes_copied += job.nbytes
                     return job
                 seen = self._wakeups
@@ -265,6 +271,8 @@ class CopyEngine:
             prev = self.last_use[job.slot]
             if prev is not None:
                 self.stream.wait_event(prev)
+            job.start_event = torch.cuda.Event(enable_timing=True)
+            job.start_event.record(self.stream)  # when the link begins this copy
             for n, t in self.store.expert(*job.key).items():
                 self.pool.buffers[n][job.slot].copy_(t, non_blocking=True)
             ev = torch.cuda.Event()

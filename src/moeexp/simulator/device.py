@@ -17,6 +17,12 @@ class only keeps the mechanism honest:
 * When a layer needs more experts than fit (a prefill touching every expert), experts
   already computed in this layer are released for eviction and the rest stream through
   the budget; the resident count never exceeds ``cache.capacity_slots``.
+* Counters for where the bytes and the stalls go (:mod:`moeexp.simulator.report`): every
+  copy is a demand load or a started prefetch; a prefetched copy is *used* when a layer
+  computes with it (a hit, or a wait for it in flight) before it leaves, else *wasted*.
+  A layer's stall is split by what the compute stream waits for: a copy that was already
+  in flight when the layer needed it (a late prefetch), a demand copy's own transfer, or,
+  before that transfer starts, the other copies ahead of it on the link.
 * ``protected`` (never evicted): for a demand load, the running layer's experts not yet
   computed, the loaded key included; for a prefetch, the running layer's experts. So a
   demand load's key is always protected and a prefetch's never is (policies such as
@@ -56,11 +62,19 @@ class Device:
         self.cur_layer = -1
         self.protected: set[Key] = set()
         self.next_access = 0
-        # counters
+        # counters (moeexp.simulator.report turns them into the metrics)
         self.h2d_bytes = 0
+        self.demand_loads = 0
         self.prefetches_issued = 0
+        self.prefetches_used = 0  # prefetched copies a layer used before their eviction
+        self.prefetches_wasted = 0  # prefetched copies evicted unused
         self.waste_bytes = 0
         self.peak_resident = 0
+        # stall seconds by cause: a demand copy's own transfer, a copy already in flight
+        # when the layer needed it (a late prefetch), a demand copy queued behind others
+        self.stall_demand_s = 0.0
+        self.stall_inflight_s = 0.0
+        self.stall_link_s = 0.0
 
     # ------------------------------------------------------------------ residency
     def preload(self, keys: Iterable[Key]) -> None:
@@ -82,6 +96,7 @@ class Device:
         if key in self.unused_prefetched:
             self.unused_prefetched.discard(key)
             self.waste_bytes += self.expert_bytes
+            self.prefetches_wasted += 1
         self.cache.on_evict(key)
 
     def _insert(self, key: Key, ready_at: float, now: int, prefetched: bool) -> None:
@@ -90,6 +105,8 @@ class Device:
         self.cache.on_insert(key, now, prefetched)
         if prefetched:
             self.unused_prefetched.add(key)
+        else:
+            self.demand_loads += 1
         n = len(self.ready)
         if n > self.capacity:
             raise RuntimeError(
@@ -172,20 +189,25 @@ class Device:
             elif r <= t:
                 comp += ce[i]
                 cache.on_access(k, pos0 + i, True)
-                unused.discard(k)
+                if k in unused:
+                    unused.remove(k)
+                    self.prefetches_used += 1
                 finished.append((comp, k))
                 n_hits += 1
             else:
                 waits.append(i)
-        for i in waits:
+        for i in waits:  # copies in flight since before the layer needed them: prefetches
             k = keys[i]
             r = ready[k]
             if r > comp:
                 stall += r - comp
+                self.stall_inflight_s += r - comp
                 comp = r
             comp += ce[i]
             cache.on_access(k, pos0 + i, False)
-            unused.discard(k)
+            if k in unused:
+                unused.remove(k)
+                self.prefetches_used += 1
             finished.append((comp, k))
         if absent:
             comp, stall = self._demand(keys, absent, ce, pos0, t, comp, stall, finished)
@@ -220,10 +242,15 @@ class Device:
                 self._evict(victim)
             done = copy_t + self.copy_s
             self._insert(k, done, pos0 + i, False)
-            copy_t = done
-            if done > comp:
+            if done > comp:  # idle from comp: behind other copies until copy_t, then its own
                 stall += done - comp
+                if copy_t > comp:
+                    self.stall_link_s += copy_t - comp
+                    self.stall_demand_s += done - copy_t
+                else:
+                    self.stall_demand_s += done - comp
                 comp = done
+            copy_t = done
             comp += ce[i]
             cache.on_access(k, pos0 + i, False)
             finished.append((comp, k))
@@ -278,5 +305,7 @@ class Device:
             comp += expert_s(counts[e])
             k = (layer, e)
             self.cache.on_access(k, pos0 + index.get(e, 0), True)
-            self.unused_prefetched.discard(k)
+            if k in self.unused_prefetched:
+                self.unused_prefetched.remove(k)
+                self.prefetches_used += 1
         return comp, hits, len(needed) - hits, subs, drops

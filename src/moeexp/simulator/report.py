@@ -17,7 +17,10 @@ Definitions (the simulator's choices where §8 leaves room):
 * ``ttft_norm_mean`` / ``tpot_norm_mean``: mean over requests of latency / the same
   request's latency with every expert resident (same arrivals, same profile).
 * ``prefetch_waste_bytes``: bytes of prefetched experts that left the device, or were
-  still there at the end, without ever being used.
+  still there at the end, without ever being used. The rest of the traffic and stall
+  decomposition (demand / prefetch bytes, used / wasted prefetches, per output token;
+  stalls on a demand copy, a late prefetch, the link) is :func:`moeexp.metrics.traffic_metrics`
+  over the :class:`~moeexp.simulator.device.Device` counters.
 * ``gpu_mem_peak_bytes``: expert cache bytes + always-resident weights (no KV cache).
 """
 
@@ -30,7 +33,7 @@ import numpy as np
 
 from moeexp.cache.base import CachePolicy
 from moeexp.costmodel.roofline import CostModel
-from moeexp.metrics import CORE_KEYS, PredictionTally, f1, summarize
+from moeexp.metrics import CORE_KEYS, PredictionTally, f1, summarize, traffic_metrics
 
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
@@ -114,8 +117,16 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
         "requests_total": float(len(units)),
         "hits_total": float(hits),
         "misses_total": float(misses),
-        "prefetches_issued": float(dev.prefetches_issued),
-        "prefetches_dropped": float(dev.prefetches_dropped),
+        **traffic_metrics(
+            expert_bytes=cost.expert_bytes,
+            output_tokens=sum(n_dec[u] + int(plan.has_prefill(u)) for u in units),
+            demand_loads=dev.demand_loads, prefetches_issued=dev.prefetches_issued,
+            prefetches_used=dev.prefetches_used,
+            prefetches_wasted=dev.prefetches_wasted + len(dev.unused_prefetched),
+            prefetches_dropped=dev.prefetches_dropped,
+            stall_demand_ms=dev.stall_demand_s * 1e3,
+            stall_late_prefetch_ms=dev.stall_inflight_s * 1e3,
+            stall_link_ms=dev.stall_link_s * 1e3),
         "ttft_norm_mean": _ratio_mean(ttft, ttft0),
         "tpot_norm_mean": _ratio_mean(tpot, tpot0),
         "sim_wall_s": wall_s,
