@@ -30,7 +30,7 @@ when a forward pass begins.
 
 from __future__ import annotations
 
-import heapq
+from heapq import heappop, heappush
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -106,7 +106,7 @@ class PrefetchQueue:
                 raise ValueError(f"prefetch {pf} out of range (L={self.L}, J={J})")
             pending[key] = neg
             self._seq += 1
-            heapq.heappush(heap, (neg, self._seq, at, key))
+            heappush(heap, (neg, self._seq, at, key))
             n += 1
         return n
 
@@ -125,12 +125,12 @@ class PrefetchQueue:
         while heap:
             neg, _, at, key = heap[0]
             if pending.get(key) != neg:
-                heapq.heappop(heap)  # superseded by a higher-priority request
+                heappop(heap)  # superseded by a higher-priority request
                 continue
             start = free_at if free_at >= at else at  # max(free_at, at)
             if start >= before:
                 return None
-            heapq.heappop(heap)
+            heappop(heap)
             del pending[key]
             if key[0] <= current_layer:
                 self.dropped += 1

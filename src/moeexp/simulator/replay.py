@@ -281,7 +281,8 @@ class _Replay:
             self.dev.enqueue(pred.prefetch, t)
         if pred.scores:
             self.cache.observe_scores(pred.scores)
-        self.psets.take(pred, hook_layer)
+        if pred.prefetch or pred.predicted:  # else it says nothing for P (most calls)
+            self.psets.take(pred, hook_layer)
 
     def serve_restricted(self, gd: GroupData, layer: int, pos0: int,
                          t: float) -> tuple[float, int, int, float]:
