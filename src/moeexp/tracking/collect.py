@@ -1,11 +1,15 @@
 """``python -m moeexp.tracking.collect DIR`` (or ``moeexp collect DIR``): gather runs into one table.
 
 Finds every complete run (a directory with ``metrics.json`` and its completion marker
-``done.json``) under ``DIR``, writes
-``DIR/collected.csv`` (one row per run: its Hydra overrides as columns, then its metrics)
-and ``DIR/collected.md``, and prints the comparison table. ``--baseline SYSTEM`` sets the
-system the ``*_vs_SYSTEM_pct`` columns compare against (default ``deepspeed``; ``none``
-to omit them); ``--out PATH`` writes the csv elsewhere.
+``done.json``) under ``DIR``, writes ``DIR/collected.csv`` (one row per group of the swept
+keys other than ``dataset.seed``: each metric's mean, its 95 % Student-t interval over the
+seeds ``<metric>_ci95`` and ``n``), ``DIR/collected_runs.csv`` (one row per run: its Hydra
+overrides as columns, then its metrics), ``DIR/collected_paired.csv`` (FineMoE's paired
+changes against its baselines, when present) and ``DIR/collected.md``, and prints the
+comparison table, as the end of a multirun does (:mod:`moeexp.tracking.summary`).
+``--baseline SYSTEM`` sets the system the ``*_vs_SYSTEM_pct`` columns compare against
+(default ``deepspeed``; ``none`` to omit them); ``--out PATH`` writes the csv elsewhere
+(the other files beside it).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import logging
 import sys
 from pathlib import Path
 
-from moeexp.atomic import write_text
-from moeexp.tracking.results import find_runs, gather, print_table, table_columns, to_markdown
+from moeexp.tracking.results import find_runs
+from moeexp.tracking.summary import write_summary
 
 log = logging.getLogger("moeexp.tracking.collect")
 
@@ -27,19 +31,13 @@ def collect(root: str | Path, out: str | Path | None = None,
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")
-    df = gather(root, baseline=baseline)
-    if df.empty:
+    csv = write_summary(root, Path(out) if out else root / "collected.csv", baseline,
+                        show=show)
+    if csv is None:
         partial = find_runs(root, complete=False)
         raise FileNotFoundError(f"no complete run under {root}: {len(partial)} incomplete "
                                 f"(metrics.json without done.json)" if partial else
                                 f"no run (metrics.json) under {root}")
-    csv = Path(out) if out else root / "collected.csv"
-    write_text(csv, df.to_csv(index=False))
-    cols = table_columns(df, baseline)
-    write_text(csv.with_suffix(".md"), to_markdown(df, cols))
-    if show:
-        print_table(df, cols, f"{root} ({len(df)} runs)")
-    log.info("%d runs -> %s", len(df), csv)
     return csv
 
 

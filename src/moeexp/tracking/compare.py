@@ -10,14 +10,24 @@ present with the same values of the other swept keys (e.g. the same ``dataset``)
     recall_vs_<b>_pct = 100 * (prediction_recall / prediction_recall[b] - 1)
     hit_vs_<b>_pct    = 100 * (hit_rate / hit_rate[b] - 1)
 
+and the absolute differences ``ttft_vs_<b>_ms``, ``tpot_vs_<b>_ms`` (ms) and
+``recall_vs_<b>_pp``, ``hit_vs_<b>_pp`` (percentage points). Rows are matched on every
+swept key that varies within one system's rows, the seed (``dataset.seed``) included, so
+each change is *paired*: the two systems served the same prompts.
+
 FineMoE's "hit rate" is the prediction recall ("overlapped expert ratio", §8), so the
 paper's hit-rate numbers sit beside ``recall_vs_<b>_pct``; our real cache ``hit_rate`` has
 no paper counterpart. The paper does not say whether "+14%" is relative or in percentage
 points; we compare relative changes (the csv also holds ``recall_vs_<b>_pp``).
 
+:func:`paired_changes` folds FineMoE's per-seed changes into their mean and 95 % Student-t
+interval over the seeds (``n`` pairs; :mod:`moeexp.tracking.intervals`), one row per
+baseline (and per value of the other swept keys), beside the paper's number.
 :func:`comparison_markdown` renders two tables for ``summary.md``: every system against
-each baseline, and FineMoE's measured change next to the paper's. It returns ``""`` when the
-sweep has no ``system`` column or none of the four baselines, so other sweeps are unchanged.
+each baseline (means over the seeds), and FineMoE's paired changes with their intervals
+next to the paper's. It returns ``""`` when the sweep has no ``system`` column or none of
+the four baselines, so other sweeps are unchanged. A row reported ``not_applicable`` (on
+either side of a pair) prints as such, never as a number.
 """
 
 from __future__ import annotations
@@ -27,6 +37,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import pandas as pd
+
+from moeexp.tracking.intervals import SEED_KEY, aggregate, mean_ci, not_applicable
 
 #: FineMoE's four baselines, in the paper's order (config names).
 PAPER_BASELINES: tuple[str, ...] = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity")
@@ -47,6 +59,10 @@ PAPER_CHANGES: dict[str, dict[str, float | None]] = {
 #: quantity -> metric column compared (relative change).
 QUANTITIES: dict[str, str] = {"ttft": "ttft_ms_mean", "tpot": "tpot_ms_mean",
                               "recall": "prediction_recall", "hit": "hit_rate"}
+
+#: quantity -> (absolute-difference suffix, scale): ms for latencies, points for rates.
+ABSOLUTE: dict[str, tuple[str, float]] = {"ttft": ("ms", 1.0), "tpot": ("ms", 1.0),
+                                          "recall": ("pp", 100.0), "hit": ("pp", 100.0)}
 
 #: Keys that identify a row but never select the matching baseline row.
 _NOT_MATCHED = frozenset({"run", "system", "predictor", "cache", "trace_hash", "experiment"})
@@ -92,8 +108,30 @@ def baselines_present(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELIN
     return [b for b in baselines if b in names]
 
 
+def _diff(x: Any, b: Any, scale: float) -> float:
+    """``scale * (x - b)``; NaN when either is missing."""
+    try:
+        x, b = float(x), float(b)
+    except (TypeError, ValueError):
+        return math.nan
+    return scale * (x - b) if math.isfinite(x) and math.isfinite(b) else math.nan
+
+
+def _refs(df: pd.DataFrame, b: str, keys: Sequence[str]) -> list[Any]:
+    """For every row of ``df``, the row of system ``b`` with the same ``keys`` (or None)."""
+    base = df[df["system"].astype(str) == b]
+    refs = []
+    for _, row in df.iterrows():
+        m = base
+        for k in keys:
+            m = m[m[k].astype(str) == str(row[k])]
+        refs.append(m.iloc[0] if len(m) else None)
+    return refs
+
+
 def baseline_changes(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELINES) -> pd.DataFrame:
-    """``df`` plus ``<q>_vs_<b>_pct`` (and ``recall_vs_<b>_pp``) for every present baseline.
+    """``df`` plus ``<q>_vs_<b>_pct`` and the absolute ``<q>_vs_<b>_ms|_pp`` for every
+    present baseline (module docstring).
 
     A row's baseline is the row of system ``b`` with the same :func:`match_keys` values;
     without one the cells are NaN.
@@ -102,26 +140,63 @@ def baseline_changes(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELINE
     if not present:
         return df
     keys = match_keys(df)
-    out = df.copy()
+    new: dict[str, list[float]] = {}
     for b in present:
-        base = df[df["system"].astype(str) == b]
-        refs = []
-        for _, row in df.iterrows():
-            m = base
-            for k in keys:
-                m = m[m[k].astype(str) == str(row[k])]
-            refs.append(m.iloc[0] if len(m) else None)
+        refs = _refs(df, b, keys)
         for q, metric in QUANTITIES.items():
             if metric not in df.columns:
                 continue
-            out[f"{q}_vs_{b}_pct"] = [_pct(row[metric], ref[metric] if ref is not None else None)
-                                     for (_, row), ref in zip(df.iterrows(), refs, strict=True)]
-        if "prediction_recall" in df.columns:
-            out[f"recall_vs_{b}_pp"] = [
-                100.0 * (float(row["prediction_recall"]) - float(ref["prediction_recall"]))
-                if ref is not None else math.nan
-                for (_, row), ref in zip(df.iterrows(), refs, strict=True)]
+            pairs = [(row[metric], ref[metric] if ref is not None else None)
+                     for (_, row), ref in zip(df.iterrows(), refs, strict=True)]
+            unit, scale = ABSOLUTE[q]
+            new[f"{q}_vs_{b}_pct"] = [_pct(x, r) for x, r in pairs]
+            new[f"{q}_vs_{b}_{unit}"] = [_diff(x, r, scale) for x, r in pairs]
+        new[f"_na_{b}"] = [ref is not None and not_applicable(ref) for ref in refs]
+    out = df.copy()
+    for c, v in new.items():
+        out[c] = v
     return out
+
+
+def paired_changes(df: pd.DataFrame, system: str = PAPER_SYSTEM,
+                   baselines: Sequence[str] = PAPER_BASELINES) -> pd.DataFrame:
+    """``system`` against each baseline, paired over the seeds: one row per baseline (and per
+    value of the swept keys other than the seed); empty when either is absent.
+
+    Columns: the keys, ``baseline``, ``n`` (seeds with both rows), ``status`` (``ok`` or
+    ``not_applicable: <system>``), and for each quantity ``q`` (ttft, tpot, recall, hit):
+    ``q_pct`` with ``q_pct_ci95``, the absolute ``q_ms``/``q_pp`` with its ``_ci95``
+    (mean and 95 % Student-t half-width over the seeds), and ``q_paper`` (the paper's %).
+    """
+    present = baselines_present(df, baselines)
+    if not present or system not in set(df["system"].astype(str)):
+        return pd.DataFrame()
+    ch = baseline_changes(df, present)
+    keys = [k for k in match_keys(df) if k != SEED_KEY]
+    mine = ch[ch["system"].astype(str) == system]
+    ident = mine[keys].astype(str).agg("\x1f".join, axis=1) if keys else \
+        pd.Series("", index=mine.index)
+    rows = []
+    for _, part in mine.groupby(ident, sort=False):
+        for b in present:
+            row: dict[str, Any] = {k: part[k].iloc[0] for k in keys}
+            row["baseline"] = b
+            na = [system] if all(not_applicable(r) for _, r in part.iterrows()) else []
+            if part[f"_na_{b}"].astype(bool).all():
+                na.append(b)
+            row["status"] = f"not_applicable: {', '.join(na)}" if na else "ok"
+            row["n"] = 0
+            for q in QUANTITIES:
+                unit = ABSOLUTE[q][0]
+                for col in (f"{q}_vs_{b}_pct", f"{q}_vs_{b}_{unit}"):
+                    mean, half, n = mean_ci(part[col]) if col in part else (math.nan,) * 2 + (0,)
+                    short = col.replace(f"_vs_{b}", "")
+                    row[short], row[f"{short}_ci95"] = mean, half
+                    row["n"] = max(row["n"], n)
+                row[f"{q}_paper"] = PAPER_CHANGES.get(q, {}).get(b) if system == PAPER_SYSTEM \
+                    else None
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 
 def _cell(v: Any) -> str:
@@ -132,44 +207,92 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def interval_cell(mean: Any, half: Any, unit: str = "%") -> str:
+    """``-17.6% [-18.5, -16.8]`` (the 95 % interval); the mean alone when there is none.
+    Milliseconds (``unit=" ms"``) get 3 decimals: the tiny model's TPOT is ~0.4 ms."""
+    if mean is None or not isinstance(mean, (int, float)) or not math.isfinite(mean):
+        return "-"
+    d = 3 if unit.strip() == "ms" else 1
+    if half is None or not isinstance(half, (int, float)) or not math.isfinite(half):
+        return f"{mean:+.{d}f}{unit}"
+    return f"{mean:+.{d}f}{unit} [{mean - half:+.{d}f}, {mean + half:+.{d}f}]"
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(_cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines) + "\n"
 
 
+_SHORT = {"deepspeed": "DS", "mixtral_offloading": "MO", "promoe": "ProMoE",
+          "moe_infinity": "MoE-Inf"}
+
+
+def _systems_table(df: pd.DataFrame, present: Sequence[str], keys: Sequence[str]) -> str:
+    """Every system against each baseline: the mean over the seeds of the paired changes."""
+    ch = baseline_changes(df, present)
+    ch = ch.drop(columns=[c for c in ch.columns if c.startswith("_na_")])
+    group = [k for k in ("system", *keys) if k in ch.columns]
+    rows_df = aggregate(ch, group)
+    cols = [(f"{q}_vs_{b}_pct", f"{q.upper() if q != 'recall' else 'recall'} vs "
+             f"{_SHORT.get(b, b)}") for q in ("ttft", "tpot", "recall") for b in present
+            if not (q == "recall" and b == "deepspeed")]
+    cols = [(c, h) for c, h in cols if c in rows_df.columns]
+    rows = [[*(row[k] for k in group), row["n"],
+             *(row[c] if not not_applicable(row) else "n/a" for c, _ in cols)]
+            for _, row in rows_df.iterrows()]
+    note = " (mean over the n seeds of the change on the same prompts)" \
+        if (rows_df["n"] > 1).any() else ""
+    return (f"\n### Change against FineMoE's baselines (negative TTFT/TPOT = faster){note}"
+            "\n\n" + _count_table([*group, "n", *(h for _, h in cols)], rows))
+
+
+def _count_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """:func:`_table`, with the ``n`` column printed as a count, not a change."""
+    at = list(header).index("n")
+    rows = [[*r[:at], str(int(r[at])), *r[at + 1:]] for r in rows]
+    return _table(header, rows)
+
+
+def paired_markdown(paired: pd.DataFrame) -> str:
+    """FineMoE's paired changes with their 95 % intervals beside the paper's ("" if none)."""
+    if paired.empty:
+        return ""
+    keys = list(paired.columns[:list(paired.columns).index("baseline")])
+    header = [*keys, "baseline", "n", "TTFT", "TTFT paper", "TPOT", "TPOT paper", "TTFT ms",
+              "TPOT ms", "recall", "recall paper (\"hit rate\")", "hit_rate"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    for _, r in paired.iterrows():
+        ok = r["status"] == "ok"
+        na = str(r["status"]).replace("not_applicable", "not applicable")
+
+        def iv(q: str, unit: str = "%", r: Any = r, ok: bool = ok, na: str = na) -> str:
+            return interval_cell(r[q], r[f"{q}_ci95"], unit) if ok else \
+                na if q == "ttft_pct" else "n/a"
+
+        cells = [iv("ttft_pct"), _cell(r["ttft_paper"]), iv("tpot_pct"), _cell(r["tpot_paper"]),
+                 iv("ttft_ms", " ms"), iv("tpot_ms", " ms"), iv("recall_pct"),
+                 _cell(r["recall_paper"]), iv("hit_pct")]
+        lines.append("| " + " | ".join([*(str(r[k]) for k in keys), str(r["baseline"]),
+                                        str(int(r["n"])) if ok else "-", *cells]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def comparison_markdown(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELINES) -> str:
-    """Markdown: every system vs each baseline, and FineMoE measured vs paper ("" if n/a)."""
+    """Markdown from the per-run rows ``df``: every system vs each baseline, and FineMoE's
+    paired changes with intervals vs the paper's ("" without a baseline)."""
     present = baselines_present(df, baselines)
     if not present:
         return ""
-    ch = baseline_changes(df, present)
-    keys = match_keys(df)
-    labels = ["system", *keys]
-    short = {"deepspeed": "DS", "mixtral_offloading": "MO", "promoe": "ProMoE",
-             "moe_infinity": "MoE-Inf"}
-    cols = [(f"{q}_vs_{b}_pct", f"{q.upper() if q != 'recall' else 'recall'} vs "
-             f"{short.get(b, b)}") for q in ("ttft", "tpot", "recall") for b in present
-            if not (q == "recall" and b == "deepspeed")]
-    cols = [(c, h) for c, h in cols if c in ch.columns]
-    parts = ["\n### Change against FineMoE's baselines (negative TTFT/TPOT = faster)\n\n",
-             _table(labels + [h for _, h in cols],
-                    [[*(row[k] for k in labels), *(row[c] for c, _ in cols)]
-                     for _, row in ch.iterrows()])]
-    fm = ch[ch["system"].astype(str) == PAPER_SYSTEM]
-    if len(fm):
-        parts.append("\n### FineMoE: measured change beside the paper's (algorithms.md §9)\n\n")
-        header = [*keys, "baseline", "TTFT", "TTFT paper", "TPOT", "TPOT paper",
-                  "recall", "recall paper (\"hit rate\")", "hit_rate"]
-        rows = []
-        for _, row in fm.iterrows():
-            for b in present:
-                rows.append([*(row[k] for k in keys), b,
-                             row.get(f"ttft_vs_{b}_pct"), PAPER_CHANGES["ttft"].get(b),
-                             row.get(f"tpot_vs_{b}_pct"), PAPER_CHANGES["tpot"].get(b),
-                             row.get(f"recall_vs_{b}_pct"), PAPER_CHANGES["recall"].get(b),
-                             row.get(f"hit_vs_{b}_pct")])
-        parts.append(_table(header, rows))
-        parts.append("\n(relative changes; the paper's \"hit rate\" is the prediction recall; "
-                     "deepspeed predicts nothing, so no recall change against it)\n")
+    keys = [k for k in match_keys(df) if k != SEED_KEY]
+    parts = [_systems_table(df, present, keys)]
+    paired = paired_changes(df, PAPER_SYSTEM, present)
+    if len(paired):
+        parts.append("\n### FineMoE: paired change beside the paper's (algorithms.md §9)\n\n")
+        parts.append(paired_markdown(paired))
+        parts.append("\n(mean over the n prompt samples (`dataset.seed`) of FineMoE's change "
+                     "against the baseline on the same prompts, [95 % interval: Student t "
+                     "over the seeds]; relative changes, absolute ones in ms; the paper's "
+                     "\"hit rate\" is the prediction recall; deepspeed predicts nothing, so "
+                     "no recall change against it)\n")
     return "".join(parts)

@@ -3,10 +3,17 @@
 Registered in ``conf/config.yaml`` under ``hydra.callbacks.summary``, so every multirun
 (an experiment's own sweep or ``--multirun``) ends with, in the sweep directory:
 
-- ``summary.csv``: one row per job (swept keys as columns, then every metric, then the
-  ``<q>_vs_<baseline>_pct`` deltas; see :mod:`moeexp.tracking.results`);
-- ``summary.md``: the comparison table as markdown (for experiment READMEs);
-- the comparison table printed on stdout (rich) and logged.
+- ``summary_runs.csv``: one row per job (swept keys as columns, then every metric, then
+  the ``<q>_vs_<baseline>_pct`` deltas, matched on the seed; see
+  :mod:`moeexp.tracking.results`);
+- ``summary.csv``: one row per group of the swept keys other than ``dataset.seed``: each
+  metric's mean over the seeds, its ``<metric>_ci95`` (half-width of the 95 % Student-t
+  interval over the seeds) and ``n`` (see :mod:`moeexp.tracking.intervals`);
+- ``summary_paired.csv``: when the sweep holds FineMoE and any of its four baselines,
+  FineMoE's paired change against each (mean, interval, ``n``, the paper's number;
+  :func:`moeexp.tracking.compare.paired_changes`);
+- ``summary.md``: the tables as markdown (for experiment READMEs), intervals as ``±``;
+- the comparison table (and the paired changes) printed on stdout (rich) and logged.
 
 Jobs run by the basic, joblib or submitit launchers all write into the sweep directory,
 and ``on_multirun_end`` runs in the launching process, so the callback reads the jobs'
@@ -19,43 +26,95 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from moeexp.atomic import write_text
-from moeexp.tracking.compare import comparison_markdown
-from moeexp.tracking.results import gather, print_table, table_columns, to_markdown
+from moeexp.tracking.compare import comparison_markdown, interval_cell, paired_changes
+from moeexp.tracking.results import print_table, summarize, table_columns, to_markdown
 
 log = logging.getLogger(__name__)
 
 SUMMARY_CSV = "summary.csv"
+SUMMARY_RUNS_CSV = "summary_runs.csv"
+SUMMARY_PAIRED_CSV = "summary_paired.csv"
 SUMMARY_MD = "summary.md"
+
+#: The first line of summary.md when a row folds several seeds.
+INTERVAL_NOTE = ("Each row: mean ± 95 % interval (Student t over the n prompt samples, "
+                 "`dataset.seed`); per-run rows in summary_runs.csv.\n\n")
 
 
 def summarize_dir(sweep_dir: str | Path, baseline: str | None = "deepspeed",
                   title: str | None = None, show: bool = True) -> Path | None:
-    """Write ``summary.csv``/``summary.md`` for the runs under ``sweep_dir``; print the table.
+    """Write the summary files (module docstring) for the runs under ``sweep_dir``; print
+    the tables.
 
-    Returns the csv path, or None (with a warning) when no run completed (a ``metrics.json``
-    with its ``done.json``; incomplete jobs are left out with a warning).
+    Returns the ``summary.csv`` path, or None (with a warning) when no run completed (a
+    ``metrics.json`` with its ``done.json``; incomplete jobs are left out with a warning).
     """
     sweep_dir = Path(sweep_dir)
-    df = gather(sweep_dir, baseline=baseline)
-    if df.empty:
+    return write_summary(sweep_dir, sweep_dir / SUMMARY_CSV, baseline, title, show)
+
+
+def write_summary(root: Path, csv: Path, baseline: str | None = "deepspeed",
+                  title: str | None = None, show: bool = True) -> Path | None:
+    """The runs under ``root`` summarised into ``csv`` (the rows over the seeds), beside it
+    ``<stem>_runs.csv``, ``<stem>_paired.csv`` (if any) and ``<stem>.md``; None when no run
+    completed (with a warning)."""
+    summary = summarize(root, baseline=baseline)
+    runs, rows = summary.runs, summary.rows
+    if runs.empty:
         log.warning("no complete run (metrics.json + done.json) under %s: no summary written",
-                    sweep_dir)
+                    root)
         return None
-    csv = sweep_dir / SUMMARY_CSV
-    write_text(csv, df.to_csv(index=False))
-    cols = table_columns(df, baseline)
+    write_text(csv.with_name(f"{csv.stem}_runs.csv"), runs.to_csv(index=False))
+    write_text(csv, rows.to_csv(index=False))
+    paired = paired_changes(runs)
+    if len(paired):
+        write_text(csv.with_name(f"{csv.stem}_paired.csv"), paired.to_csv(index=False))
+    cols = table_columns(rows, baseline)
+    note = INTERVAL_NOTE.replace("summary_runs", f"{csv.stem}_runs") \
+        if (rows["n"] > 1).any() else ""
     # + each system against FineMoE's four baselines beside the paper's numbers, if present
-    write_text(sweep_dir / SUMMARY_MD, to_markdown(df, cols) + comparison_markdown(df))
-    title = title or f"{sweep_dir} ({len(df)} runs)"
+    write_text(csv.with_suffix(".md"), note + to_markdown(rows, cols) + comparison_markdown(runs))
+    title = title or f"{root} ({len(runs)} runs)"
     if show:
-        text = print_table(df, cols, title)
-        log.debug("comparison table:\n%s", text)  # printed once above; also in summary.md
-    log.info("summary of %d runs: %s", len(df), csv)
+        text = print_table(rows, cols, f"{title}{_seeds(rows)}")
+        log.debug("comparison table:\n%s", text)  # printed once above; also in the .md
+        if len(paired):
+            print_paired(paired)
+    log.info("summary of %d runs in %d rows: %s", len(runs), len(rows), csv)
     return csv
+
+
+def _seeds(rows: pd.DataFrame) -> str:
+    n = sorted({int(x) for x in rows["n"]})
+    if n == [1]:
+        return ""
+    return f" - mean ± 95 % interval (Student t) over n = {'/'.join(map(str, n))} seeds"
+
+
+def print_paired(paired: pd.DataFrame) -> str:
+    """Print FineMoE's paired changes (TTFT, TPOT) against each baseline; returns the text."""
+    keys = list(paired.columns[:list(paired.columns).index("baseline")])
+    shown = []
+    for _, r in paired.iterrows():
+        ok = r["status"] == "ok"
+        cell = {q: interval_cell(r[q], r[f"{q}_ci95"], " ms" if q.endswith("_ms") else "%")
+                if ok else str(r["status"]) if q == "ttft_pct" else "n/a"
+                for q in ("ttft_pct", "tpot_pct", "ttft_ms", "tpot_ms")}
+        shown.append({**{k: r[k] for k in keys}, "finemoe vs": r["baseline"],
+                      "n": int(r["n"]) if ok else "-",
+                      "TTFT change [95% CI]": cell["ttft_pct"], "TTFT paper": r["ttft_paper"],
+                      "TPOT change [95% CI]": cell["tpot_pct"], "TPOT paper": r["tpot_paper"],
+                      "TTFT ms": cell["ttft_ms"], "TPOT ms": cell["tpot_ms"]})
+    df = pd.DataFrame(shown)
+    for c in ("TTFT paper", "TPOT paper"):
+        df[c] = [f"{v:+.0f}%" if isinstance(v, (int, float)) and v == v else "-" for v in df[c]]
+    return print_table(df, list(df.columns), "FineMoE against each baseline: paired over the "
+                       "same prompts (mean, 95 % Student-t interval over the seeds)")
 
 
 class SummaryCallback(Callback):

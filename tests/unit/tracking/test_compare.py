@@ -59,7 +59,7 @@ def test_markdown_has_paper_numbers_and_is_empty_without_baselines() -> None:
     """The paper's -74% TTFT vs DeepSpeed sits beside the measured -70.0%; a sweep without
     any of the four baselines (e.g. an ablation) gets no extra section."""
     md = comparison_markdown(_df())
-    assert "| sharegpt | deepspeed | -70.0% | -74.0% |" in md
+    assert "| sharegpt | deepspeed | 1 | -70.0% | -74.0% |" in md
     assert PAPER_CHANGES["recall"]["moe_infinity"] == 68.0 and "+68.0%" in md
     abl = pd.DataFrame({"system": ["map_t", "map_ts"], "ttft_ms_mean": [1.0, 2.0]})
     assert comparison_markdown(abl) == ""
