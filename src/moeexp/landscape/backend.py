@@ -17,6 +17,8 @@ run directory:
 Registration: :mod:`moeexp.backends` has no plug-in discovery, so this module registers
 the backend when imported; the experiment imports it through :class:`RegisterBackend`, a
 no-op Hydra callback (``hydra.callbacks`` of conf/experiment/eviction_landscape.yaml).
+That is also why the backend is a block of the experiment file and not a ``conf/backend``
+option: ``backend=eviction_landscape`` alone would name a backend nothing has imported.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ OFFLINE = ("belady", "lcs.Belady")
 
 @dataclass(frozen=True)
 class LandscapeSettings:
-    """The backend group's keys (conf/backend/eviction_landscape.yaml)."""
+    """The ``backend`` block of conf/experiment/eviction_landscape.yaml."""
 
     capacities: tuple[float, ...]
     sources: tuple[SourceSpec, ...]

@@ -14,9 +14,13 @@ Two request semantics (:data:`Semantics`):
   expert the running layer still needs. Each run (one layer of one pass) first requests
   its experts that are resident (hits, found with ``find(update_cache=False)``), then
   its misses; by the time a miss evicts, every resident expert of the run has been used,
-  so none that the layer still needs can be the victim. (The simulator also releases a
-  hit once computed; this ordering releases every hit at once. For a recency policy the
-  two agree: a just-used expert is never the least recent.)
+  so none that the layer still needs can be the victim. This is looser than the
+  simulator in one way: there an expert stays protected until it has *computed*, so a
+  layer's miss loaded a moment ago cannot make room for its next miss, while here it can
+  (it has been requested). For a recency policy the two agree (a just-used expert is
+  never the least recent: moeexp's ``lru`` equals ``LRU`` here, tested); for a policy
+  whose victim can be the newest object (LIRS with one HIR slot, FIFO-like queues of one
+  object) they can differ.
 
 Only online policies have a ``protected`` variant: Belady reads the future of the order
 it is fed, and moeexp's ``belady`` is the protected MIN.
