@@ -7,7 +7,8 @@ Public API::
         om.generate(input_ids, max_new_tokens=16)
         om.metrics()
 
-See :mod:`moeexp.engine.offload` (wrapping), :mod:`moeexp.engine.runtime` (the access loop),
+See :mod:`moeexp.engine.offload` (wrapping), :mod:`moeexp.engine.runtime` (the Engine and its
+state), :mod:`moeexp.engine.layer` (one layer's steps),
 :mod:`moeexp.engine.transfer` (copies), :mod:`moeexp.eval.quality` (lossy-mode quality)
 and :mod:`moeexp.engine.serve` (``backend=engine`` of the app).
 """
