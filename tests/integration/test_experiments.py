@@ -50,17 +50,27 @@ def _exp_yaml(name: str) -> DictConfig:
     return cfg
 
 
-def sweep_points(name: str) -> list[list[str]]:
-    """Every point of an experiment's grid (``hydra.sweeper.params``) as override lists
-    (one empty point for a single-run experiment)."""
+def sweep_axes(name: str) -> dict[str, list[str]]:
+    """An experiment's grid (``hydra.sweeper.params``): key -> its values (as strings)."""
     params = OmegaConf.select(_exp_yaml(name), "hydra.sweeper.params") or {}
     parser = OverridesParser.create()
-    axes = []
+    axes = {}
     for key, value in params.items():
         (ov,) = parser.parse_overrides([f"{key}={value}"])
-        values = list(ov.sweep_string_iterator()) if ov.is_sweep_override() else [str(value)]
-        axes.append([f"{key}={v}" for v in values])
-    return [list(p) for p in itertools.product(*axes)]
+        axes[str(key)] = list(ov.sweep_string_iterator()) if ov.is_sweep_override() \
+            else [str(value)]
+    return axes
+
+
+def sweep_points(name: str) -> list[list[str]]:
+    """Every point of an experiment's grid as override lists (one empty point for a
+    single-run experiment), at its first seed only: the prompt sample (``dataset.seed``)
+    changes no composition, and the other seeds would triple these checks."""
+    axes = sweep_axes(name)
+    if "dataset.seed" in axes:
+        axes["dataset.seed"] = axes["dataset.seed"][:1]
+    return [list(p) for p in itertools.product(
+        *([f"{k}={v}" for v in values] for k, values in axes.items()))]
 
 
 @cache
@@ -108,6 +118,21 @@ def test_every_experiment_has_a_sweep_dir_readme_and_shared_trace_recipe() -> No
             for ov in point:
                 if ov.startswith("model.prefetch_distance="):
                     assert int(ov.split("=")[1]) <= depth, (name, ov)
+
+
+def test_every_sweep_runs_three_prompt_samples_by_default() -> None:
+    """Every MULTIRUN experiment sweeps dataset.seed over at least 0, 1, 2 (issue 12: each
+    number with its interval), first, so that a killed sweep has whole samples done; the
+    command line replaces the list (dataset.seed=0 for one sample, 0,1,2,3,4 for five)."""
+    multirun = [n for n in EXPERIMENTS if _exp_yaml(n).get("hydra", {}).get("mode") == "MULTIRUN"]
+    assert set(ISSUE3) <= set(multirun)
+    for name in multirun:
+        axes = sweep_axes(name)
+        assert list(axes)[0] == "dataset.seed", name
+        assert axes["dataset.seed"][:3] == ["0", "1", "2"], name
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        cfg = compose("config", ["+experiment=finemoe_vs_moeinfinity", "dataset.seed=4"])
+    assert cfg.dataset.seed == 4 and cfg.dataset.name == "sharegpt"
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -160,7 +185,7 @@ def test_sweep_points_vary_what_the_experiment_says() -> None:
     on = _compose(["+experiment=online_serving", "+experiment/online=finemoe_online"])
     assert (on.predictor.mode, on.backend.arrival_rate, on.backend.num_online_requests) == \
         ("online", 2.91, 256)
-    fvm = [p[0].split("=")[1] for p in sweep_points("finemoe_vs_moeinfinity")]
+    fvm = sweep_axes("finemoe_vs_moeinfinity")["system"]
     # every system but the routing-only variant of FineMoE (Map(T+δ): the predictor ablation)
     assert sorted(fvm) == sorted(set(SYSTEMS) - {"finemoe_no_semantic"})
 
@@ -188,7 +213,7 @@ def test_cache_ablation_end_to_end(tmp_path: Path, small: list[str], run_app) ->
     """The cache ablation with tiny overrides: five runs (one per policy) in the sweep dir,
     a summary the figures can draw, and a trace whose store and test prompts are disjoint."""
     sweep = tmp_path / "exp"
-    out = run_app("+experiment=cache_ablation", *small, "logger=none",
+    out = run_app("+experiment=cache_ablation", *small, "logger=none", "dataset.seed=0",
                   "hydra/launcher=basic", f"hydra.sweep.dir={sweep}", timeout=300)
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     df = pd.read_csv(sweep / "summary.csv")

@@ -73,7 +73,8 @@ def test_wheel_carries_conf_and_its_app_runs_the_default_experiment(tmp_path, mo
     sweep = work / "exp"
     out = _run([str(venv / "bin" / "moeexp"), "+experiment=finemoe_vs_moeinfinity",
                 *model_overrides, "dataset.num_prompts=10", "dataset.input_len=12",
-                "dataset.output_len=8", f"hydra.sweep.dir={sweep}"], cwd=work, env=env)
+                "dataset.output_len=8", "dataset.seed=0", f"hydra.sweep.dir={sweep}"],
+               cwd=work, env=env)
     _ok(out)
     exp = OmegaConf.load(CONF_DIR / "experiment" / "finemoe_vs_moeinfinity.yaml")
     systems = str(exp.hydra.sweeper.params.system).split(",")
