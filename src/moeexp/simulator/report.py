@@ -22,6 +22,9 @@ Definitions (the simulator's choices where §8 leaves room):
   stalls on a demand copy, a late prefetch, the link) is :func:`moeexp.metrics.traffic_metrics`
   over the :class:`~moeexp.simulator.device.Device` counters.
 * ``gpu_mem_peak_bytes``: expert cache bytes + always-resident weights (no KV cache).
+* ``makespan_ms``: when the last forward pass ended (from time 0, the first batch's start
+  or the first arrival's clock origin); ``bound_*``: the latency floor of
+  :mod:`moeexp.simulator.bound` for this budget and link (no exact system goes below it).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import numpy as np
 from moeexp.cache.base import CachePolicy
 from moeexp.costmodel.roofline import CostModel
 from moeexp.metrics import CORE_KEYS, PredictionTally, f1, summarize, traffic_metrics
+from moeexp.simulator.bound import bound_metrics
 
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
@@ -129,6 +133,8 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
             stall_link_ms=dev.stall_link_s * 1e3),
         "ttft_norm_mean": _ratio_mean(ttft, ttft0),
         "tpot_norm_mean": _ratio_mean(tpot, tpot0),
+        "makespan_ms": max(tally.finish.values(), default=NAN) * 1e3,
+        **bound_metrics(plan, cost, cache.capacity_slots, cache.initial_residents()),
         "sim_wall_s": wall_s,
         "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
     }
