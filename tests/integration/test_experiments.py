@@ -1,6 +1,6 @@
 """The experiments of issue 3 (conf/experiment/*.yaml): they compose, validate and build at
 every sweep point, one runs end to end, and the systems keep the properties the
-comparison relies on (oracle is the hit-rate ceiling; a full cache only misses first touches).
+comparison relies on (the oracles bound the hit rate; a full cache only misses first touches).
 """
 
 from __future__ import annotations
@@ -264,12 +264,15 @@ def _prop_trace(seed: int) -> Any:
 @pytest.mark.parametrize("seed", [0, 1])
 def test_no_exact_system_beats_the_oracle_hit_rate(seed: int) -> None:
     """At equal capacity and batch size 1, every preset except the lossy eMoE has a real
-    cache hit rate <= oracle's (perfect prefetch + Belady) on a random trace."""
+    cache hit rate <= the better of the two oracles' (perfect prefetch + Belady: MIN's
+    replacements, ``oracle``, or the Aggressive rule, ``oracle_aggressive``; neither is a
+    ceiling alone: cache/belady.py) on a random trace."""
     tr = _prop_trace(seed)
+    oracles = ("oracle", "oracle_aggressive")
     for capacity in (0.25, 0.5):
-        ceiling = _replay(tr, "oracle", capacity)["hit_rate"]
+        ceiling = max(_replay(tr, o, capacity)["hit_rate"] for o in oracles)
         for system in SYSTEMS:
-            if system in LOSSY or system in ("oracle", "no_offload"):
+            if system in LOSSY or system in (*oracles, "no_offload"):
                 continue
             hr = _replay(tr, system, capacity)["hit_rate"]
             assert hr <= ceiling + 1e-12, (system, capacity, hr, ceiling)

@@ -8,7 +8,10 @@ earlier may be accepted now (``belady`` admits a prefetch only once MIN's victim
 no longer needed); the mechanism ignores keys already queued or resident. With
 ``reissue: false`` only the layer entering the window is issued (cheaper; on a Mixtral-
 shaped random trace at 25 % capacity: hit rate 0.792 instead of 0.811). With ``belady``
-it forms the ``oracle`` system: the hit-rate ceiling for a capacity.
+it forms the ``oracle`` system (MIN's replacements, made early: prefetch_rule
+conservative) and ``oracle_aggressive`` (Cao et al.'s Aggressive rule: prefetches in
+access order as soon as the link is free; the latency reference, at or above every exact
+system; see :mod:`moeexp.cache.belady`).
 """
 
 from __future__ import annotations

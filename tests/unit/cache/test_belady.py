@@ -91,3 +91,23 @@ def test_needs_prepare_future_and_valid_rule() -> None:
         c.victim(B, {B}, 0)
     with pytest.raises(ConfigError, match="prefetch_rule"):
         BeladyCache(capacity_slots=1, num_layers=1, num_experts=2, prefetch_rule="nope")
+
+
+def test_aggressive_rule_prefetches_without_harm_and_never_waits() -> None:
+    """``aggressive`` (Cao et al.'s Aggressive rule). Stream A B C B, A and B loaded:
+    prefetching C at now=0 would evict B (used at 1, before C at 2): refused; once A has
+    been used (now=1) A, never used again, goes. A demand load never waits for MIN's victim:
+    stream A B C with A protected (still computing), C's load evicts B, the furthest
+    unprotected expert, where the MIN-following rules raise and make the mechanism wait."""
+    c = _cache([A, B, C, B], rule="aggressive")
+    c.on_insert(A, 0, True)
+    c.on_insert(B, 0, True)
+    with pytest.raises(PrefetchRefused):
+        c.victim(C, set(), 0)
+    c.on_access(A, 0, True)
+    assert c.victim(C, set(), 1) == A
+    d = _cache([A, B, C], rule="aggressive")
+    for k in (A, B):
+        d.on_insert(k, -1, False)
+    assert d.victim(C, {A, C}, 2) == B
+    assert d._schedule == {}  # MIN's plan is never consulted, so never computed
