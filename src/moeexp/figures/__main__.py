@@ -1,7 +1,9 @@
 """``make figures`` / ``python -m moeexp.figures``: every figure whose results exist.
 
-Reads ``results/experiments/<experiment>/**/summary.csv`` (newest per experiment) and
-writes PNG and PDF files under ``results/figures/``. For a figure whose experiment has not
+Reads ``results/experiments/<experiment>/**/summary.csv`` (newest per experiment; one row
+per configuration with its mean and 95 % interval over the seeds, and
+``summary_paired.csv`` beside it for FineMoE's paired changes) and writes PNG and PDF
+files under ``results/figures/``. For a figure whose experiment has not
 run yet it says which experiment to run instead.
 """
 
@@ -29,9 +31,10 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "fig14_predictor_ablation": (
         "predictor_ablation",
         lambda df: plots.ablation(df, ("system", "system.name", "predictor"),
-                                   "prediction ablation")),
+                                   "prediction ablation", plots.PAPER_ORDER_PREDICTORS)),
     "fig14_cache_ablation": (
-        "cache_ablation", lambda df: plots.ablation(df, ("cache", "cache.name"), "cache ablation")),
+        "cache_ablation", lambda df: plots.ablation(df, ("cache", "cache.name"), "cache ablation",
+                                                    plots.PAPER_ORDER_CACHES)),
     "fig16a_store_capacity": ("store_capacity_sweep", plots.store_capacity),
     "emoe_quality": ("emoe_accuracy", plots.emoe_quality),
     "sim_vs_engine": ("sim_vs_engine", plots.sim_vs_engine),

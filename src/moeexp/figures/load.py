@@ -15,7 +15,21 @@ def latest_summary(results: Path, experiment: str) -> Path | None:
 
 
 def read_summary(path: Path) -> pd.DataFrame:
-    """The summary table with swept-key columns normalised (``+system`` -> ``system``)."""
+    """The summary table with swept-key columns normalised (``+system`` -> ``system``).
+
+    One row per configuration: each metric's mean over the seeds and its ``_ci95``
+    (:mod:`moeexp.tracking.intervals`). FineMoE's paired changes against its baselines
+    (``summary_paired.csv`` beside it, when the sweep wrote one) ride along in
+    ``df.attrs["paired"]``.
+    """
+    df = _read(path)
+    paired = path.with_name(f"{path.stem}_paired.csv")
+    if paired.is_file():
+        df.attrs["paired"] = _read(paired)
+    return df
+
+
+def _read(path: Path) -> pd.DataFrame:
     df = pd.read_csv(path)
     df.columns = [c.lstrip("+") for c in df.columns]
     return df

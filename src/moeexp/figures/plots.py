@@ -1,31 +1,60 @@
 """One function per figure. Each takes a summary DataFrame and returns a matplotlib Figure.
 
+A summary row is one configuration over its prompt samples (``summary.csv``,
+:mod:`moeexp.tracking.intervals`): ``<metric>`` is the mean over the seeds and
+``<metric>_ci95`` the half-width of its 95 % Student-t interval, drawn as the error bar
+(none when a row has one seed). Latency is drawn normalised to ``no_offload`` (the
+``*_norm_mean`` metrics: the tiny model's absolute milliseconds mean little), falling back
+to milliseconds for a summary without them. Lossy systems (restricted routing: a
+``substitution_rate``, or eMoE by name) are hatched and labelled apart from the exact
+ones: their latency belongs to a different model output. A row reported not applicable
+is written ``n/a`` where its bar would be, never drawn as zero.
+
 The system names on the axes are the config names (``finemoe``, ``moe_infinity``, ...).
 Hit rate and prediction recall are drawn as separate panels: they are different metrics
-(algorithms.md §8) and are never mixed.
+(algorithms.md §8) and are never mixed. Where the paper gives a number (FineMoE's
+reductions against its four baselines, algorithms.md §9) it is drawn beside ours; where it
+gives an ordering only (the ablations), the ordering is written under the title.
+Legends sit outside the axes.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pandas as pd
 
 from moeexp.figures.load import column
+from moeexp.tracking.compare import PAPER_BASELINES, PAPER_CHANGES, paired_changes
 
 if TYPE_CHECKING:
+    from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
+#: Systems whose replay is lossy when the summary has no ``substitution_rate`` column.
+LOSSY_SYSTEMS = frozenset({"emoe"})
 
-def _fig(ncols: int, width: float = 4.2, height: float = 3.2) -> tuple[Figure, np.ndarray]:
+#: Colours: exact systems, lossy systems, the paper's numbers.
+EXACT, LOSSY, PAPER = "tab:blue", "tab:orange", "0.55"
+
+#: The paper's orderings (algorithms.md §9), worst first.
+PAPER_ORDER_PREDICTORS = ("hit_count", "speculative", "map_t", "map_ts", "map_tsd")
+PAPER_ORDER_CACHES = ("lru", "lfu", "finemoe")
+
+_LATENCY = {"ttft": ("ttft_norm_mean", "ttft_ms_mean"), "tpot": ("tpot_norm_mean", "tpot_ms_mean")}
+
+
+def _fig(ncols: int, width: float = 4.2, height: float = 3.2,
+         nrows: int = 1) -> tuple[Figure, np.ndarray]:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, ncols, figsize=(width * ncols, height), squeeze=False)
-    return fig, axes[0]
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False)
+    return fig, axes if nrows > 1 else axes[0]
 
 
 def _need(df: pd.DataFrame, *names: str) -> str:
@@ -35,87 +64,251 @@ def _need(df: pd.DataFrame, *names: str) -> str:
     return c
 
 
+def _num(df: pd.DataFrame, col: str) -> np.ndarray:
+    """``df[col]`` as floats (NaN where missing or not a number, or no such column)."""
+    if col not in df.columns:
+        return np.full(len(df), np.nan)
+    return pd.to_numeric(df[col], errors="coerce").to_numpy(float)
+
+
+def _ci(df: pd.DataFrame, col: str) -> np.ndarray | None:
+    """The 95 % half-widths of ``col`` (None when the summary has none: one seed each)."""
+    err = _num(df, f"{col}_ci95")
+    return None if not np.isfinite(err).any() else np.nan_to_num(err)
+
+
+def latency(df: pd.DataFrame, q: str) -> tuple[str, str]:
+    """(column, axis label) for latency ``q`` (ttft|tpot): normalised when present."""
+    norm, ms = _LATENCY[q]
+    if np.isfinite(_num(df, norm)).any():
+        return norm, f"{q.upper()} / no_offload"
+    return ms, f"{q.upper()} (ms)"
+
+
+def is_lossy(df: pd.DataFrame, sys_c: str | None) -> np.ndarray:
+    """Per row: a lossy system (restricted routing)?"""
+    lossy = np.isfinite(_num(df, "substitution_rate"))
+    if sys_c is not None:
+        lossy |= df[sys_c].astype(str).isin(LOSSY_SYSTEMS).to_numpy()
+    return lossy
+
+
+def _not_applicable(df: pd.DataFrame) -> np.ndarray:
+    if "status" not in df.columns:
+        return np.zeros(len(df), bool)
+    return (df["status"].astype(str) == "not_applicable").to_numpy()
+
+
+def _bars(ax: Axes, df: pd.DataFrame, names: Sequence[str], name_c: str, metric: str,
+          label: str, lossy: np.ndarray, offset: float = 0.0, width: float = 0.8) -> None:
+    """One bar per name (its mean, 95 % error bar), lossy ones hatched, n/a ones written."""
+    x = np.arange(len(names)) + offset
+    first = [int(np.flatnonzero(df[name_c].astype(str).to_numpy() == n)[0]) for n in names]
+    sub = df.iloc[first]
+    vals, err = _num(sub, metric), _ci(sub, metric)
+    colours = [LOSSY if lossy[i] else EXACT for i in first]
+    bars = ax.bar(x, np.nan_to_num(vals), width, yerr=err, capsize=2, color=colours,
+                  error_kw={"lw": 0.8}, edgecolor="black", linewidth=0.3)
+    for bar, i, v in zip(bars, first, vals, strict=True):
+        if lossy[i]:
+            bar.set_hatch("//")
+        if not np.isfinite(v):
+            bar.set_height(0)
+            ax.text(bar.get_x() + bar.get_width() / 2, 0.03, "n/a" if _not_applicable(df)[i]
+                    else "-", ha="center", va="bottom", fontsize=7, rotation=90,
+                    transform=ax.get_xaxis_transform())
+    if metric.endswith("_norm_mean"):
+        ax.axhline(1.0, color="black", lw=0.6, ls=":")
+    ax.set_ylabel(label)
+
+
+def _names_axis(ax: Axes, names: Sequence[str], lossy_names: set[str]) -> None:
+    ax.set_xticks(np.arange(len(names)))
+    ax.set_xticklabels([f"{n} (lossy)" if n in lossy_names else n for n in names],
+                       rotation=45, ha="right", fontsize=8)
+
+
+def _legend_handles(lossy_any: bool, paper: bool) -> list[Any]:
+    from matplotlib.patches import Patch
+
+    handles = [Patch(facecolor=EXACT, edgecolor="black", label="exact system")]
+    if lossy_any:
+        handles.append(Patch(facecolor=LOSSY, edgecolor="black", hatch="//",
+                             label="lossy (restricted routing: another output)"))
+    if paper:
+        handles.append(Patch(facecolor=PAPER, edgecolor="black", label="paper (FineMoE §9)"))
+    return handles
+
+
 def system_bars(df: pd.DataFrame) -> Figure:
-    """FineMoE Fig. 10: TTFT, TPOT, hit rate and prediction recall per system (and dataset)."""
+    """FineMoE Fig. 10: TTFT and TPOT over no_offload's, hit rate and prediction recall per
+    system (first dataset / budget), and FineMoE's paired change against each of its four
+    baselines beside the paper's (second row, when the summary has them)."""
     sys_c = _need(df, "system", "system.name")
-    ds_c = column(df, "dataset", "dataset.name")
-    panels = [("ttft_ms_mean", "TTFT (ms)"), ("tpot_ms_mean", "TPOT (ms)"),
+    df = _first_of_other_keys(df, sys_c)
+    systems = list(dict.fromkeys(df[sys_c].astype(str)))
+    lossy = is_lossy(df, sys_c)
+    lossy_names = {str(s) for s, lo in zip(df[sys_c], lossy, strict=True) if lo}
+    paired = _paired_for(df)
+    fig, axes = _fig(4, width=3.6, height=3.4, nrows=2 if paired is not None else 1)
+    top = axes[0] if paired is not None else axes
+    panels = [latency(df, "ttft"), latency(df, "tpot"),
               ("hit_rate", "cache hit rate"), ("prediction_recall", "prediction recall")]
-    fig, axes = _fig(len(panels))
-    datasets = sorted(df[ds_c].unique()) if ds_c else [None]
-    systems = list(dict.fromkeys(df[sys_c]))
-    width = 0.8 / len(datasets)
-    for ax, (metric, label) in zip(axes, panels, strict=True):
-        for k, ds in enumerate(datasets):
-            sub = df if ds is None else df[df[ds_c] == ds]
-            vals = [sub.loc[sub[sys_c] == s, metric].mean() if metric in sub else np.nan
-                    for s in systems]
-            ax.bar(np.arange(len(systems)) + k * width, vals, width, label=str(ds or ""))
-        ax.set_xticks(np.arange(len(systems)) + width * (len(datasets) - 1) / 2)
-        ax.set_xticklabels(systems, rotation=45, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-    if ds_c:
-        axes[0].legend(title="dataset", fontsize=7)
-    fig.tight_layout()
+    for ax, (metric, label) in zip(top, panels, strict=True):
+        _bars(ax, df, systems, sys_c, metric, label, lossy)
+        _names_axis(ax, systems, lossy_names)
+        if not np.isfinite(_num(df, metric)).any():
+            ax.text(0.5, 0.5, "not measured\n(no prefill routing)" if metric.startswith("ttft")
+                    else "not measured", transform=ax.transAxes, ha="center", fontsize=8)
+    n = sorted({int(v) for v in _num(df, "n") if np.isfinite(v)}) if "n" in df else []
+    top[0].set_title(f"mean, 95 % CI over {'/'.join(map(str, n))} seeds" if n and n != [1]
+                     else "one prompt sample", fontsize=8, loc="left")
+    if paired is not None:
+        _paired_row(axes[1], paired)
+    fig.legend(handles=_legend_handles(bool(lossy.any()), paired is not None),
+               loc="lower center", ncol=3, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
+def _first_of_other_keys(df: pd.DataFrame, sys_c: str) -> pd.DataFrame:
+    """Rows at the first value of each other swept label (dataset, budget): one bar per
+    system. A sweep over those has its own figure (cache_size, ...)."""
+    for c in ("dataset", "dataset.name", "cache.capacity", "cache_capacity"):
+        if c in df.columns and df[c].astype(str).nunique() > 1:
+            df = df[df[c].astype(str) == str(df[c].iloc[0])]
+    return df
+
+
+def _paired_for(df: pd.DataFrame) -> pd.DataFrame | None:
+    """FineMoE's paired changes: the summary's ``summary_paired.csv`` (``df.attrs``), else
+    computed from the rows themselves (no interval); None without FineMoE or a baseline."""
+    paired = df.attrs.get("paired")
+    if paired is None or not len(paired):
+        paired = paired_changes(df) if "system" in df.columns else pd.DataFrame()
+    return paired if len(paired) else None
+
+
+def _paired_row(axes: np.ndarray, paired: pd.DataFrame) -> None:
+    """FineMoE's change (%) against each baseline, ours with its interval beside the paper's."""
+    paired = paired.drop_duplicates("baseline")
+    names = [b for b in PAPER_BASELINES if b in set(paired["baseline"])]
+    by = paired.set_index("baseline").loc[names]
+    x = np.arange(len(names))
+    for ax, q, title in zip(axes, ("ttft", "tpot", "recall"),
+                            ("TTFT", "TPOT", "prediction recall (paper: \"hit rate\")"),
+                            strict=False):
+        ok = (by["status"] == "ok").to_numpy()
+        ours = np.where(ok, _num(by, f"{q}_pct"), np.nan)  # NaN: n/a, or undefined (recall 0)
+        err = np.where(ok, np.nan_to_num(_num(by, f"{q}_pct_ci95")), 0)
+        paper = np.array([PAPER_CHANGES[q].get(b) or np.nan for b in names], float)
+        ax.bar(x - 0.2, np.nan_to_num(ours), 0.4, yerr=err, capsize=2, color=EXACT,
+               edgecolor="black", linewidth=0.3, error_kw={"lw": 0.8})
+        ax.bar(x + 0.2, np.nan_to_num(paper), 0.4, color=PAPER, edgecolor="black", linewidth=0.3)
+        for i in range(len(names)):
+            where = {"ha": "center", "va": "bottom", "rotation": 90,
+                     "transform": ax.get_xaxis_transform()}
+            if not np.isfinite(ours[i]):
+                ax.text(x[i] - 0.2, 0.03, "-" if ok[i] else "n/a", fontsize=7, **where)
+            if not np.isfinite(paper[i]):
+                ax.text(x[i] + 0.2, 0.03, "none", fontsize=6, color="0.4", **where)
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_xticks(x)
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel(f"FineMoE's change in {title.split(' (')[0]} (%)", fontsize=8)
+        ax.set_title(f"vs each baseline: {title}", fontsize=8)
+    axes[3].axis("off")
+    axes[3].text(0, 0.5, "blue: ours, paired over the same\nprompts (mean, 95 % CI)\n"
+                 "grey: FineMoE paper (Mixtral,\nRTX 3090); negative = faster",
+                 fontsize=8, va="center")
+
+
+def _line(ax: Axes, x: Any, y: Any, err: np.ndarray | None, **kw: Any) -> None:
+    """A labelled line, and its 95 % error bars in the same colour when there are any."""
+    (ln,) = ax.plot(x, y, marker="o", ms=3, lw=1, **kw)
+    if err is not None:
+        ax.errorbar(x, y, yerr=err, fmt="none", ecolor=ln.get_color(), capsize=2, lw=0.8)
+
+
 def _lines(df: pd.DataFrame, x: str, xlabel: str, panels: list[tuple[str, str]],
-           group: tuple[str, ...] = ("system", "system.name")) -> Figure:
+           group: tuple[str, ...] = ("system", "system.name"), note: str = "") -> Figure:
+    """One line per group over ``x`` with 95 % error bars; lossy groups dashed."""
     x_c = _need(df, x)
     g_c = column(df, *group)
     fig, axes = _fig(len(panels))
     groups = list(dict.fromkeys(df[g_c])) if g_c else [None]
+    lossy = is_lossy(df, g_c if g_c and g_c.split(".")[0] == "system" else None)
     for ax, (metric, label) in zip(axes, panels, strict=True):
         for g in groups:
-            sub = df if g is None else df[df[g_c] == g]
-            sub = sub.groupby(x_c, as_index=False)[metric].mean().sort_values(x_c)
-            ax.plot(sub[x_c], sub[metric], marker="o", label=str(g or metric))
+            mask = np.ones(len(df), bool) if g is None else (df[g_c] == g).to_numpy()
+            sub = df[mask].copy()
+            sub["_x"] = pd.to_numeric(sub[x_c], errors="coerce")
+            sub = sub.sort_values("_x")
+            err = _ci(sub, metric)
+            dashed = bool(lossy[mask].any())
+            _line(ax, sub["_x"], _num(sub, metric), err, ls="--" if dashed else "-",
+                  label=f"{g} (lossy)" if dashed and g is not None else str(g or metric))
+        if metric.endswith("_norm_mean"):
+            ax.axhline(1.0, color="black", lw=0.6, ls=":")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
-    axes[0].legend(fontsize=7)
+    if note:
+        fig.suptitle(note, fontsize=8)
+    axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
 
+def _seed_note(df: pd.DataFrame) -> str:
+    n = sorted({int(v) for v in _num(df, "n") if np.isfinite(v)})
+    return f"mean and 95 % CI over {'/'.join(map(str, n))} prompt samples" if n and n != [1] \
+        else ""
+
+
 def cache_size(df: pd.DataFrame) -> Figure:
-    """FineMoE Fig. 12: TPOT and hit rate against the expert-cache budget."""
+    """FineMoE Fig. 12: TPOT over no_offload's and hit rate against the expert-cache budget."""
     return _lines(df, "capacity", "expert cache (fraction of all expert bytes)",
-                  [("tpot_ms_mean", "TPOT (ms)"), ("hit_rate", "cache hit rate")])
+                  [latency(df, "tpot"), ("hit_rate", "cache hit rate")], note=_seed_note(df))
 
 
 def prefetch_distance(df: pd.DataFrame) -> Figure:
     """FineMoE Fig. 4: prediction recall and hit rate against the prefetch distance d."""
     return _lines(df, "prefetch_distance", "prefetch distance d (layers)",
-                  [("prediction_recall", "prediction recall"), ("hit_rate", "cache hit rate")])
+                  [("prediction_recall", "prediction recall"), ("hit_rate", "cache hit rate")],
+                  note=_seed_note(df))
 
 
-def ablation(df: pd.DataFrame, key: tuple[str, ...], title: str) -> Figure:
-    """FineMoE Fig. 14: one bar per predictor (or cache policy): recall, hit rate, TPOT."""
+def ablation(df: pd.DataFrame, key: tuple[str, ...], title: str,
+             paper_order: Sequence[str] = ()) -> Figure:
+    """FineMoE Fig. 14: one bar per predictor (or cache policy): recall, hit rate, TPOT over
+    no_offload's; the paper's ordering (worst first) under the title."""
     k_c = _need(df, *key)
-    names = list(dict.fromkeys(df[k_c]))
+    names = [str(n) for n in dict.fromkeys(df[k_c])]
+    lossy = is_lossy(df, None)
     panels = [("prediction_recall", "prediction recall"), ("hit_rate", "cache hit rate"),
-              ("tpot_ms_mean", "TPOT (ms)")]
+              latency(df, "tpot")]
     fig, axes = _fig(len(panels))
     for ax, (metric, label) in zip(axes, panels, strict=True):
-        vals = [df.loc[df[k_c] == n, metric].mean() if metric in df else np.nan for n in names]
-        ax.bar(range(len(names)), vals)
-        ax.set_xticks(range(len(names)))
-        ax.set_xticklabels(names, rotation=45, ha="right", fontsize=8)
-        ax.set_ylabel(label)
-    fig.suptitle(title)
+        _bars(ax, df, names, k_c, metric, label, lossy)
+        _names_axis(ax, names, set())
+    sub = " < ".join(p for p in paper_order)
+    note = "; ".join(s for s in (_seed_note(df), f"paper: {sub}" if sub else "") if s)
+    fig.suptitle(f"{title}\n{note}" if note else title, fontsize=9)
     fig.tight_layout()
     return fig
 
 
 def store_capacity(df: pd.DataFrame) -> Figure:
-    """FineMoE Fig. 16a: prediction recall and TPOT against the map-store capacity."""
+    """FineMoE Fig. 16a: prediction recall and TPOT over no_offload's against the map-store
+    capacity."""
     return _lines(df, "store_capacity", "expert-map store capacity (rows)",
-                  [("prediction_recall", "prediction recall"), ("tpot_ms_mean", "TPOT (ms)")])
+                  [("prediction_recall", "prediction recall"), latency(df, "tpot")],
+                  note=_seed_note(df))
 
 
 def emoe_quality(df: pd.DataFrame) -> Figure:
-    """eMoE Fig. 10 / tables: quality against experts kept per layer and reuse period p."""
+    """eMoE Fig. 10 / tables: quality against experts kept per layer and reuse period p
+    (every line is lossy by design: restricted routing)."""
     panels = []
     for metric, label in (("perplexity", "perplexity"), ("greedy_agreement", "greedy agreement"),
                           ("substitution_rate", "substitution rate")):
@@ -126,7 +319,8 @@ def emoe_quality(df: pd.DataFrame) -> Figure:
         raise KeyError("summary lacks quality columns (perplexity, greedy_agreement, ...)")
     x_c = _need(df, "experts_per_layer", "period")
     return _lines(df, x_c, x_c.split(".")[-1].replace("_", " "), panels,
-                  group=("period", "variant") if x_c.endswith("experts_per_layer") else ("variant",))
+                  group=("period", "variant") if x_c.endswith("experts_per_layer") else ("variant",),
+                  note=_seed_note(df))
 
 
 def sim_vs_engine(df: pd.DataFrame) -> Figure:
@@ -149,24 +343,24 @@ def sim_vs_engine(df: pd.DataFrame) -> Figure:
 
 def regime_map(df: pd.DataFrame) -> Figure:
     """The regime map (issue 11): TPOT over no_offload's and the cache hit rate against the
-    copy-to-compute ratio (log axes), one line per system, one pair of panels per budget.
-    Rows reported not applicable (no TPOT) are left out."""
+    copy-to-compute ratio (log axes), one line per system (95 % error bars over the seeds),
+    one pair of panels per budget. Rows reported not applicable (no TPOT) are left out."""
     sys_c = _need(df, "system", "system.name")
     cap_c = _need(df, "cache_capacity", "cache.capacity")
     ratio_c = _need(df, "copy_to_compute")
-    df = df[np.isfinite(pd.to_numeric(df.get("tpot_norm_mean"), errors="coerce"))]
+    df = df[np.isfinite(_num(df, "tpot_norm_mean"))]
     caps = sorted(df[cap_c].astype(float).unique())
     fig, axes = _fig(2 * len(caps), width=3.8)
     for i, cap in enumerate(caps):
         sub = df[df[cap_c].astype(float) == cap]
         for s in dict.fromkeys(sub[sys_c]):
             pts = sub[sub[sys_c] == s].sort_values(ratio_c)
-            axes[2 * i].plot(pts[ratio_c], pts["tpot_norm_mean"], marker="o", ms=3, label=s)
-            axes[2 * i + 1].plot(pts[ratio_c], pts["hit_rate"], marker="o", ms=3, label=s)
+            for ax, m in ((axes[2 * i], "tpot_norm_mean"), (axes[2 * i + 1], "hit_rate")):
+                _line(ax, pts[ratio_c], pts[m], _ci(pts, m), label=s)
         axes[2 * i].set(xscale="log", yscale="log", xlabel="copy / decode-layer compute",
                         ylabel="TPOT / no_offload", title=f"budget {cap:.0%}")
         axes[2 * i + 1].set(xscale="log", xlabel="copy / decode-layer compute",
                             ylabel="cache hit rate", title=f"budget {cap:.0%}")
-    axes[-1].legend(fontsize=6, loc="best")
+    axes[-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.tight_layout()
     return fig

@@ -55,3 +55,90 @@ def test_regime_map_draws_one_line_per_system_and_skips_not_applicable_rows():
     lines = fig.axes[0].get_lines()
     assert [ln.get_label() for ln in lines] == ["a", "b"]
     assert list(lines[1].get_xdata()) == [0.3, 3.0, 30.0]
+
+
+def _seeded_sweep(root):
+    """A sweep dataset.seed=0,1,2 x five systems as the experiments write it: emoe lossy
+    (substitution_rate), mixtral_offloading not applicable; summarised by the callback."""
+    from omegaconf import OmegaConf
+
+    from moeexp.tracking.run_dir import write_done, write_metrics
+    from moeexp.tracking.summary import summarize_dir
+
+    tpot = {"no_offload": 1.0, "deepspeed": 1.5, "promoe": 1.3, "moe_infinity": 1.4,
+            "finemoe": 1.2, "emoe": 1.0}
+    job = 0
+    for seed in range(3):
+        for system in ["mixtral_offloading", *tpot]:
+            d = root / f"{job}_{system}"
+            (d / ".hydra").mkdir(parents=True)
+            (d / ".hydra" / "overrides.yaml").write_text(
+                OmegaConf.to_yaml([f"dataset.seed={seed}", f"system={system}"]))
+            if system == "mixtral_offloading":
+                m = {"status": "not_applicable", "system": system}
+            else:
+                t = tpot[system] * (1 + 0.02 * seed)
+                m = {"status": "ok", "system": system, "tpot_ms_mean": t, "ttft_ms_mean": 3 * t,
+                     "tpot_norm_mean": t / (1 + 0.02 * seed), "ttft_norm_mean": t,
+                     "hit_rate": 0.5 + 0.01 * seed, "prediction_recall": 0.6 - 0.01 * seed}
+                if system == "emoe":
+                    m["substitution_rate"] = 0.3
+            write_metrics(d, m)
+            write_done(d, {}, outputs=["metrics.json"])
+            job += 1
+    return summarize_dir(root, show=False)
+
+
+def test_system_bars_error_bars_lossy_na_and_the_papers_numbers(tmp_path):
+    """Fig. 10 from a 3-seed summary: latency over no_offload's with 95 % error bars, the
+    lossy eMoE bar hatched and labelled, the not-applicable system written n/a (no bar),
+    and a second row with FineMoE's paired change beside the paper's (-74/-67/-56/-53 %
+    TTFT), ours n/a against the not-applicable baseline."""
+    from matplotlib.container import BarContainer
+
+    from moeexp.figures import plots
+    from moeexp.figures.load import read_summary
+
+    def bar_groups(ax):
+        return [c for c in ax.containers if isinstance(c, BarContainer)]
+
+    df = read_summary(_seeded_sweep(tmp_path))
+    assert "paired" in df.attrs and (df["n"] == 3).all()
+    fig = plots.system_bars(df)
+    axes = fig.axes
+    assert len(axes) == 8
+    assert axes[1].get_ylabel() == "TPOT / no_offload"
+    bars = bar_groups(axes[1])[0]
+    assert bars.errorbar is not None
+    labels = [t.get_text() for t in axes[1].get_xticklabels()]
+    assert labels[0] == "mixtral_offloading" and "emoe (lossy)" in labels
+    hatched = [b.get_hatch() for b in bars.patches]
+    assert hatched[labels.index("emoe (lossy)")] == "//" and hatched[1] is None
+    assert bars.patches[0].get_height() == 0
+    assert "n/a" in [t.get_text() for t in axes[1].texts]
+    paper = [b.get_height() for b in bar_groups(axes[4])[1].patches]
+    assert paper == [-74.0, -67.0, -56.0, -53.0]
+    ours = bar_groups(axes[4])[0].patches
+    assert ours[1].get_height() == 0 and "n/a" in [t.get_text() for t in axes[4].texts]
+    assert ours[0].get_height() < 0  # FineMoE faster than deepspeed
+    assert fig.legends  # outside the axes, not over the data
+
+
+def test_line_figures_draw_error_bars_and_the_papers_ordering(tmp_path):
+    """cache_size: TPOT over no_offload's with error bars when the summary has intervals;
+    the cache ablation names the paper's ordering under its title."""
+    from moeexp.figures import plots
+
+    df = pd.DataFrame({"system": ["deepspeed"] * 3, "cache.capacity": [0.25, 0.5, 1.0],
+                       "n": 3, "tpot_norm_mean": [1.3, 1.1, 1.0],
+                       "tpot_norm_mean_ci95": [0.05, 0.02, 0.0], "hit_rate": [0.3, 0.6, 1.0],
+                       "hit_rate_ci95": [0.01, 0.01, 0.0]})
+    fig = plots.cache_size(df)
+    assert fig.axes[0].get_ylabel() == "TPOT / no_offload"
+    assert fig.axes[0].collections  # the error bars
+    assert "3 prompt samples" in fig._suptitle.get_text()
+    abl = pd.DataFrame({"cache": ["lru", "lfu", "finemoe"], "n": 3,
+                        "prediction_recall": [0.7] * 3, "hit_rate": [0.5, 0.6, 0.7],
+                        "hit_rate_ci95": [0.01] * 3, "tpot_norm_mean": [1.2, 1.1, 1.05]})
+    fig = plots.ablation(abl, ("cache",), "cache ablation", plots.PAPER_ORDER_CACHES)
+    assert "paper: lru < lfu < finemoe" in fig._suptitle.get_text()
