@@ -1,11 +1,13 @@
 """``lirs``: LIRS (Jiang & Zhang, SIGMETRICS 2002) over all layers' experts, written from
 the paper's description, with the mechanism's protection rule.
 
-Why it is here: the eviction landscape (experiments/eviction_landscape) found libCacheSim's
-LIRS the best online policy on demand at small and middle budgets on the embedded model's,
-a synthetic and the real gpt-oss-20b trace. An MoE decode pass touches every layer in turn,
-a loop over more experts than a small cache holds, on which LRU evicts exactly the experts
-the next pass needs; LIRS keeps the experts whose reuse distance is short resident instead.
+Why it is here: in the eviction landscape (experiments/eviction_landscape) LIRS and
+W-TinyLFU were the online policies above LRU at nearly every budget on demand, on the
+embedded model's, a synthetic and the real gpt-oss-20b trace, and above FineMoE's p·freq
+nearly everywhere; LIRS is the simpler (no frequency sketch) and deterministic one. An MoE
+decode pass touches every layer in turn, a loop over more experts than a small cache holds,
+on which LRU evicts exactly the experts the next pass needs; LIRS keeps the experts whose
+reuse distance is short resident instead.
 
 The algorithm. Each expert is LIR (low inter-reference recency, always resident) or HIR.
 The cache has ``capacity - h`` LIR slots and ``h`` slots for resident HIR experts, with
