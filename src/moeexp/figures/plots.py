@@ -231,7 +231,8 @@ def _line(ax: Axes, x: Any, y: Any, err: np.ndarray | None, **kw: Any) -> None:
 
 
 def _lines(df: pd.DataFrame, x: str, xlabel: str, panels: list[tuple[str, str]],
-           group: tuple[str, ...] = ("system", "system.name"), note: str = "") -> Figure:
+           group: tuple[str, ...] = ("system", "system.name"), note: str = "",
+           xlog: bool = False) -> Figure:
     """One line per group over ``x`` with 95 % error bars; lossy groups dashed."""
     x_c = _need(df, x)
     g_c = column(df, *group)
@@ -252,6 +253,8 @@ def _lines(df: pd.DataFrame, x: str, xlabel: str, panels: list[tuple[str, str]],
             ax.axhline(1.0, color="black", lw=0.6, ls=":")
         ax.set_xlabel(xlabel)
         ax.set_ylabel(label)
+        if xlog:
+            ax.set_xscale("log")
     if note:
         fig.suptitle(note, fontsize=8)
     axes[-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
@@ -303,7 +306,7 @@ def store_capacity(df: pd.DataFrame) -> Figure:
     capacity."""
     return _lines(df, "store_capacity", "expert-map store capacity (rows)",
                   [("prediction_recall", "prediction recall"), latency(df, "tpot")],
-                  note=_seed_note(df))
+                  note=_seed_note(df), xlog=True)
 
 
 def emoe_quality(df: pd.DataFrame) -> Figure:
