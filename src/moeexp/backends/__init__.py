@@ -13,60 +13,17 @@ cache, cost model, seed); a new backend registers a class here and gets the same
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from moeexp.backends.base import BACKENDS, Backend, BackendContext, BackendResult
 from moeexp.costmodel.fitted import load_cost_model
 from moeexp.errors import ConfigError
-from moeexp.registry import Registry
 from moeexp.simulator import simulate
-from moeexp.traces.schema import Trace
 
+__all__ = ["BACKENDS", "Backend", "BackendContext", "BackendResult"]
 
-@dataclass(frozen=True)
-class BackendContext:
-    """Everything a backend may need for one run.
-
-    Attributes:
-        loaded: the LoadedModel (model, tokenizer, adapter, name).
-        prompts: the test-split prompts (moeexp.data.prompts.Prompt), in request order.
-        trace: the test split of the routing trace.
-        predictor: fitted on the store split.
-        cache: fitted on the store split; ``capacity_slots`` is the budget.
-        cost: the cost model (simulated hardware profile).
-        seed: the run's seed (``trace.seed``).
-        store: the store split of the trace (what predictor and cache were fitted on);
-            backends that build more policies (``sim_vs_engine``) fit them on it.
-        run_dir: the run's results directory (backends that write files of their own).
-    """
-
-    loaded: Any
-    prompts: list[Any]
-    trace: Trace
-    predictor: Any
-    cache: Any
-    cost: Any
-    seed: int
-    store: Trace | None = None
-    run_dir: Path | None = None
-
-
-@dataclass
-class BackendResult:
-    """``metrics``: flat scalars (moeexp.metrics.CORE_KEYS + extras); ``series``: per-step lists."""
-
-    metrics: dict[str, Any]
-    series: dict[str, list[Any]] = field(default_factory=dict)
-
-
-class Backend(Protocol):
-    """Serves the test split with a predictor and a cache policy."""
-
-    def run(self, ctx: BackendContext) -> BackendResult: ...
-
-
-BACKENDS: Registry[Backend] = Registry("backend")
 
 
 @BACKENDS.register("sim")
@@ -165,3 +122,19 @@ class SimVsEngineBackend:
 
         metrics, series = run_sim_vs_engine(ctx, self.settings)
         return BackendResult(metrics, series)
+
+
+@BACKENDS.register("eviction_landscape")
+class EvictionLandscapeBackend:
+    """``+experiment=eviction_landscape`` (issue 16): every cache policy x capacity x routing
+    source on demand, moeexp's and libCacheSim's (:mod:`moeexp.landscape.backend`). Keys:
+    those of :class:`moeexp.landscape.backend.LandscapeSettings` (conf/backend/
+    eviction_landscape.yaml). libcachesim is the optional extra ``moeexp[cachesim]``."""
+
+    def __init__(self, **settings: Any) -> None:
+        from moeexp.landscape.backend import LandscapeBackend  # pandas, libcachesim: lazily
+
+        self.impl = LandscapeBackend(**settings)
+
+    def run(self, ctx: BackendContext) -> BackendResult:
+        return self.impl.run(ctx)

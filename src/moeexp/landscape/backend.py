@@ -14,11 +14,9 @@ run directory:
   against libCacheSim's LRU under the protection rule, moeexp's ``belady`` against
   libCacheSim's Belady) and the protection gain of libCacheSim's LRU.
 
-Registration: :mod:`moeexp.backends` has no plug-in discovery, so this module registers
-the backend when imported; the experiment imports it through :class:`RegisterBackend`, a
-no-op Hydra callback (``hydra.callbacks`` of conf/experiment/eviction_landscape.yaml).
-That is also why the backend is a block of the experiment file and not a ``conf/backend``
-option: ``backend=eviction_landscape`` alone would name a backend nothing has imported.
+Registration: :class:`moeexp.backends.EvictionLandscapeBackend` wraps
+:class:`LandscapeBackend` lazily (pandas and the optional libcachesim load only when the
+backend is chosen); its settings are ``conf/backend/eviction_landscape.yaml``.
 """
 
 from __future__ import annotations
@@ -31,10 +29,9 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from hydra.experimental.callback import Callback
 
 from moeexp.atomic import write_text
-from moeexp.backends import BACKENDS, BackendContext, BackendResult
+from moeexp.backends.base import BackendContext, BackendResult
 from moeexp.errors import ConfigError
 from moeexp.landscape.cachesim import (
     EXCLUDED,
@@ -56,7 +53,7 @@ OFFLINE = ("belady", "lcs.Belady")
 
 @dataclass(frozen=True)
 class LandscapeSettings:
-    """The ``backend`` block of conf/experiment/eviction_landscape.yaml."""
+    """The ``backend`` group of conf/backend/eviction_landscape.yaml."""
 
     capacities: tuple[float, ...]
     sources: tuple[SourceSpec, ...]
@@ -107,8 +104,7 @@ class LandscapeSettings:
         return out
 
 
-@BACKENDS.register("eviction_landscape")
-class EvictionLandscapeBackend:
+class LandscapeBackend:
     """Every policy x capacity x routing source, on demand; see the module docstring.
 
     Raises ConfigError at construction (so before any model load) for a bad setting, an
@@ -223,8 +219,3 @@ def summary_markdown(df: pd.DataFrame, described: Mapping[str, str] | None = Non
     out.append("\nExcluded libCacheSim policies: "
                + "; ".join(f"{k} ({v})" for k, v in EXCLUDED.items()) + ".\n")
     return "".join(out)
-
-
-class RegisterBackend(Callback):
-    """A Hydra callback that does nothing: Hydra imports this module to instantiate it
-    at app start, which registers ``backend=eviction_landscape`` before the job runs."""

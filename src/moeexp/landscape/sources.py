@@ -153,30 +153,14 @@ def _origin(trace: Trace) -> str:
 
 
 def _imported(spec: ImportedSourceSpec) -> Trace:
-    """The whole imported trace (both splits) on the preset's arch dims."""
-    from omegaconf import OmegaConf
+    """The whole imported trace (both splits) on the preset's arch dims (the one loader the
+    pipeline uses too: :func:`moeexp.traces.importers.load_imported`)."""
+    from moeexp.paths import load_group_yaml
+    from moeexp.traces.importers import load_imported
 
-    from moeexp.models.arch import arch_dims  # torch (meta device only)
-    from moeexp.paths import CONF_DIR
-    from moeexp.traces.importers import resolve_source
-    from moeexp.traces.interchange import read, split_labels, to_trace
-
-    preset = CONF_DIR / "model" / f"{spec.model}.yaml"
-    if not preset.is_file():
-        raise ConfigError(f"source {spec.name!r}: model={spec.model!r} has no preset "
-                          f"({preset} is missing)")
-    model = OmegaConf.to_container(OmegaConf.load(preset), resolve=False)
-    assert isinstance(model, dict)
-    if not model.get("arch"):
-        raise ConfigError(f"source {spec.name!r}: model preset {spec.model!r} has no arch "
-                          "block, so the trace has no dims")
-    ext = read(resolve_source(spec.source))
-    if spec.request_filter == "non_repetitive":
-        ext = ext.select([i for i, r in enumerate(ext.requests)
-                          if not r.get("has_repetition", False)])
-    dims = arch_dims(model["arch"], dtype=str(model.get("dtype", "bfloat16")),
-                     expert_format=str(model.get("expert_format", "dense")), spec_depth=0,
-                     where=f"source {spec.name!r}")
-    trace = to_trace(ext, dims, split_labels(ext.num_requests, spec.store_fraction, spec.seed))
-    trace.meta["trace_source"] = spec.source
-    return trace
+    model = load_group_yaml("model", spec.model)
+    return load_imported(spec.source, model.get("arch"), model=spec.model,
+                         dtype=str(model.get("dtype", "bfloat16")),
+                         expert_format=str(model.get("expert_format", "dense")),
+                         request_filter=spec.request_filter,
+                         store_fraction=spec.store_fraction, seed=spec.seed)

@@ -11,11 +11,11 @@ import pandas as pd
 import pytest
 from hydra import compose, initialize_config_dir
 
-from moeexp.backends import BACKENDS, BackendContext
+from moeexp.backends import BACKENDS, BackendContext, EvictionLandscapeBackend
 from moeexp.config import validate
 from moeexp.costmodel import CostModel, load_profile
 from moeexp.errors import ConfigError
-from moeexp.landscape.backend import EvictionLandscapeBackend, LandscapeSettings
+from moeexp.landscape.backend import LandscapeSettings
 from moeexp.landscape.cachesim import POLICIES, CacheSimMissing
 from moeexp.paths import CONF_DIR, REPO_DIR
 from moeexp.traces.synthetic import random_trace
@@ -80,15 +80,14 @@ def test_the_app_exits_with_the_install_command_when_libcachesim_is_missing(
 
 
 def test_experiment_composes_and_validates() -> None:
-    """+experiment=eviction_landscape picks the backend, names the sources (the run's is
-    the model's name), registers the backend through its Hydra callback and validates."""
+    """+experiment=eviction_landscape picks the backend group (conf/backend), names the
+    sources (the run's is the model's name) and validates; backend=eviction_landscape alone
+    composes too (the backend is registered by moeexp.backends, wrapped lazily)."""
     pytest.importorskip("libcachesim", reason=INSTALL)
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        full = compose(config_name="config", overrides=["+experiment=eviction_landscape"],
-                       return_hydra_config=True)
         cfg = compose(config_name="config", overrides=["+experiment=eviction_landscape"])
-    assert full.hydra.callbacks.eviction_landscape._target_ == \
-        "moeexp.landscape.backend.RegisterBackend"
+        alone = compose(config_name="config", overrides=["backend=eviction_landscape"])
+    assert validate(alone).backend.name == "eviction_landscape"
     spec = validate(cfg)
     assert spec.backend.name == "eviction_landscape" and spec.system.name == "eviction_landscape"
     s = LandscapeSettings.from_mapping(spec.backend.kwargs)

@@ -66,6 +66,6 @@ def test_imported_gpt_oss_source() -> None:
     assert src.store is not None
     assert not {r.request_id for r in src.test.requests} & {r.request_id
                                                             for r in src.store.requests}
-    with pytest.raises(ConfigError, match="no preset"):
+    with pytest.raises(ConfigError, match="unknown model 'nope'. Valid model names"):
         build_source(source_spec({"name": "g", "kind": "imported", "source": "gpt_oss_20b",
                                   "model": "nope"}))
