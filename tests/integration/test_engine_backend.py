@@ -39,12 +39,14 @@ def runs(tmp_path_factory, model_overrides, trace_dir, run_app):
 
 def test_engine_writes_the_sim_layout(runs):
     """metrics.json: every CORE_KEY and every key backend=sim writes except its own wall
-    clock (sim_wall_s), ttft/tpot norms >= 0; series.parquet: the sim's series, 2 per-request
+    clock (sim_wall_s) and what only a replay of the whole trace can compute (the latency
+    floor bound_* and the makespan it is held against), ttft/tpot norms >= 0; series.parquet: the sim's series, 2 per-request
     values (2 test requests) and 12 per-pass values (2 requests x 6 passes); env.json."""
     sim = json.loads((runs["sim"] / "metrics.json").read_text())
     eng = json.loads((runs["engine"] / "metrics.json").read_text())
     assert set(CORE_KEYS) <= set(eng)
-    assert set(sim) - {"sim_wall_s"} <= set(eng), sorted(set(sim) - set(eng))
+    sim_only = {"sim_wall_s", "makespan_ms"} | {k for k in sim if k.startswith("bound_")}
+    assert set(sim) - sim_only <= set(eng), sorted(set(sim) - sim_only - set(eng))
     assert eng["backend"] == "engine" and eng["requests_total"] == 2
     assert eng["ttft_norm_mean"] > 0 and eng["tpot_norm_mean"] > 0
     s_sim, s_eng = read_series(runs["sim"]), read_series(runs["engine"])
