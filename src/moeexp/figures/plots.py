@@ -114,6 +114,7 @@ def _bars(ax: Axes, df: pd.DataFrame, names: Sequence[str], name_c: str, metric:
             bar.set_hatch("//")
         if not np.isfinite(v):
             bar.set_height(0)
+            bar.set_linewidth(0)
             ax.text(bar.get_x() + bar.get_width() / 2, 0.03, "n/a" if _not_applicable(df)[i]
                     else "-", ha="center", va="bottom", fontsize=7, rotation=90,
                     transform=ax.get_xaxis_transform())
@@ -145,7 +146,7 @@ def system_bars(df: pd.DataFrame) -> Figure:
     system (first dataset / budget), and FineMoE's paired change against each of its four
     baselines beside the paper's (second row, when the summary has them)."""
     sys_c = _need(df, "system", "system.name")
-    df = _first_of_other_keys(df, sys_c)
+    df, where = _first_of_other_keys(df)
     systems = list(dict.fromkeys(df[sys_c].astype(str)))
     lossy = is_lossy(df, sys_c)
     lossy_names = {str(s) for s, lo in zip(df[sys_c], lossy, strict=True) if lo}
@@ -160,9 +161,10 @@ def system_bars(df: pd.DataFrame) -> Figure:
         if not np.isfinite(_num(df, metric)).any():
             ax.text(0.5, 0.5, "not measured\n(no prefill routing)" if metric.startswith("ttft")
                     else "not measured", transform=ax.transAxes, ha="center", fontsize=8)
+            ax.set_yticks([])
     n = sorted({int(v) for v in _num(df, "n") if np.isfinite(v)}) if "n" in df else []
-    top[0].set_title(f"mean, 95 % CI over {'/'.join(map(str, n))} seeds" if n and n != [1]
-                     else "one prompt sample", fontsize=8, loc="left")
+    top[0].set_title((f"mean, 95 % CI over {'/'.join(map(str, n))} seeds" if n and n != [1]
+                      else "one prompt sample") + where, fontsize=8, loc="left")
     if paired is not None:
         _paired_row(axes[1], paired)
     fig.legend(handles=_legend_handles(bool(lossy.any()), paired is not None),
@@ -171,13 +173,17 @@ def system_bars(df: pd.DataFrame) -> Figure:
     return fig
 
 
-def _first_of_other_keys(df: pd.DataFrame, sys_c: str) -> pd.DataFrame:
+def _first_of_other_keys(df: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """Rows at the first value of each other swept label (dataset, budget): one bar per
-    system. A sweep over those has its own figure (cache_size, ...)."""
+    system (a sweep over those has its own figure: cache_size, ...); and ``"; key=value"``
+    naming the values kept ("" when nothing was swept)."""
+    kept = []
     for c in ("dataset", "dataset.name", "cache.capacity", "cache_capacity"):
         if c in df.columns and df[c].astype(str).nunique() > 1:
-            df = df[df[c].astype(str) == str(df[c].iloc[0])]
-    return df
+            value = str(df[c].iloc[0])
+            df = df[df[c].astype(str) == value]
+            kept.append(f"{c.split('.')[0]}={value}")
+    return df, "".join(f"; {k}" for k in kept)
 
 
 def _paired_for(df: pd.DataFrame) -> pd.DataFrame | None:
