@@ -134,7 +134,8 @@ def baseline_changes(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELINE
     present baseline (module docstring).
 
     A row's baseline is the row of system ``b`` with the same :func:`match_keys` values;
-    without one the cells are NaN.
+    without one the cells are NaN. ``_na_<b>`` (bool) says the baseline row was reported
+    not applicable (read by :func:`paired_changes`).
     """
     present = baselines_present(df, baselines)
     if not present:
@@ -241,9 +242,9 @@ def _systems_table(df: pd.DataFrame, present: Sequence[str], keys: Sequence[str]
     rows = [[*(row[k] for k in group), row["n"],
              *(row[c] if not not_applicable(row) else "n/a" for c, _ in cols)]
             for _, row in rows_df.iterrows()]
-    note = " (mean over the n seeds of the change on the same prompts)" \
+    note = "; mean over the n seeds of the change on the same prompts" \
         if (rows_df["n"] > 1).any() else ""
-    return (f"\n### Change against FineMoE's baselines (negative TTFT/TPOT = faster){note}"
+    return (f"\n### Change against FineMoE's baselines (negative TTFT/TPOT = faster{note})"
             "\n\n" + _count_table([*group, "n", *(h for _, h in cols)], rows))
 
 
