@@ -53,13 +53,13 @@ def test_option_composes_validates_builds(group, option):
     if group == "experiment":
         assert cfg.experiment_name == option
         # the app instantiates an experiment's Hydra callbacks before the job, compose()
-        # does not: eviction_landscape registers its backend so (and needs the extra)
+        # does not
         for cb in (_compose([choice], hydra=True).hydra.callbacks or {}).values():
             importlib.import_module(str(cb._target_).rsplit(".", 1)[0])
-        if option == "eviction_landscape":
-            pytest.importorskip("libcachesim", reason="optional: pip install -e '.[cachesim]'")
     else:
         assert cfg[group].name == option
+    if option == "eviction_landscape":  # the experiment and its backend need the extra
+        pytest.importorskip("libcachesim", reason="optional: pip install -e '.[cachesim]'")
     spec = validate(cfg)
     assert spec.system.name == cfg.system.name
     predictor = build_predictor(cfg.predictor, DIMS)
