@@ -9,8 +9,12 @@
                                         the load): capacity errors before any weight is read
       load_model(spec.model)            LoadedModel(model, tokenizer, adapter, name)
       sample_prompts(spec.dataset)      seeded, 70/30 store/test
-      get_or_record(...)                the routing trace (cached by content hash)
-      build predictor + cache; fit(store)   once, with the trace's dims
+      get_or_record(...)                the routing trace (cached by content hash), or
+                                        trace.source=<imported>: no model, no prompts; the
+                                        trace on the preset's arch dims, split by request
+      build predictor + cache           once, with the trace's dims; a predictor needing
+                                        what the trace lacks ends the job "not_applicable"
+      fit(store); cost model            the hardware profile, projected by ``cost``
       backend.run(BackendContext)       sim: simulator + cost model; engine; sim_vs_engine
       run_eval(spec.eval, EvalInputs)   eval=lm_eval: quality + lm-eval on copies of the
                                         fitted policies (moeexp.eval.stage)
