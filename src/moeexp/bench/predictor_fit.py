@@ -48,6 +48,7 @@ from sklearn.neighbors import NearestNeighbors
 from sklearn.neural_network import MLPClassifier
 from threadpoolctl import threadpool_limits
 
+from moeexp.bench import best_of
 from moeexp.predictors import PREDICTORS
 from moeexp.predictors.emoe import EMoE
 from moeexp.predictors.emoe_model import store_histories, training_pairs
@@ -91,14 +92,6 @@ def synthetic_trace(seed: int = 0) -> Trace:
     tr.prompt_embed = (pooled @ proj).astype(np.float32)
     return tr
 
-
-def _best(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, result
 
 
 def _per_call_us(fn: Callable[[int], Any], calls: int, repeats: int) -> float:
@@ -155,7 +148,7 @@ def bench_learned_mlp(store: Trace, test: Trace, distance: int, repeats: int,
         p.fit(store)
         return p
 
-    fit_s, pred = _best(fit_ours, repeats)
+    fit_s, pred = best_of(fit_ours, repeats)
     train, held = pred.split_rows(store, np.random.default_rng(seed))
 
     def fit_theirs() -> list[Any]:
@@ -165,7 +158,7 @@ def bench_learned_mlp(store: Trace, test: Trace, distance: int, repeats: int,
                             int(rng.integers(2**31 - 1)))
                 for layer in range(L - distance)]
 
-    sk_fit_s, sk = _best(fit_theirs, repeats)
+    sk_fit_s, sk = best_of(fit_theirs, repeats)
 
     def recalls(score: Callable[[int, np.ndarray], np.ndarray]) -> tuple[float, float]:
         h, t = [], []
@@ -206,10 +199,10 @@ def bench_semantic_knn(store: Trace, test: Trace, k: int, repeats: int) -> dict[
         p.fit(store)
         return p
 
-    fit_s, pred = _best(fit_ours, repeats)
+    fit_s, pred = best_of(fit_ours, repeats)
     keys = np.asarray(store.prompt_embed, dtype=np.float64)
     _, profiles = request_profiles(store)
-    nn_fit_s, nn = _best(lambda: NearestNeighbors(n_neighbors=min(k, len(keys)),
+    nn_fit_s, nn = best_of(lambda: NearestNeighbors(n_neighbors=min(k, len(keys)),
                                                   metric="cosine", algorithm="brute").fit(keys),
                          repeats)
     queries = np.asarray(test.prompt_embed, dtype=np.float64)
@@ -269,11 +262,11 @@ def bench_emoe(store: Trace, test: Trace, variant: str, repeats: int) -> dict[st
         p.fit(store)
         return p
 
-    fit_s, pred = _best(fit_ours, repeats)
+    fit_s, pred = best_of(fit_ours, repeats)
     L = store.dims.num_layers
     full, prefill = store_histories(store)
     pairs = [training_pairs(full, prefill, variant, layer) for layer in range(L)]
-    sk_fit_s, sk = _best(lambda: [sklearn_soft_logistic(x, y, steps=pred.steps, l2=pred.l2)
+    sk_fit_s, sk = best_of(lambda: [sklearn_soft_logistic(x, y, steps=pred.steps, l2=pred.l2)
                                   for x, y in pairs], repeats)
     tfull, tprefill = store_histories(test)
     tests = [training_pairs(tfull, tprefill, variant, layer) for layer in range(L)]

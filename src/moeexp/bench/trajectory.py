@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from moeexp.bench import best_of
 from moeexp.predictors.base import IterationStart, LayerObservation
 from moeexp.predictors.expert_map import ExpertMapPredictor
 from moeexp.traces.schema import TraceDims
@@ -60,14 +61,6 @@ def _naive(flat: np.ndarray, queries: np.ndarray) -> np.ndarray:
             out[qi, layer] = int(np.argmax(cos))
     return out
 
-
-def _best(fn: Any, repeats: int) -> tuple[float, Any]:
-    best, result = float("inf"), None
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        result = fn()
-        best = min(best, time.perf_counter() - t0)
-    return best, result
 
 
 def _layer_seconds(dims: TraceDims, hardware: str, context: int) -> float | None:
@@ -110,9 +103,9 @@ def measure(capacity: int = 1000, num_layers: int = 32, num_experts: int = 8, hi
     store = pred.store
     queries = rng.dirichlet(np.full(J, 0.3), size=(iterations, L))  # [Q, L, J]
     flat = np.ascontiguousarray(maps.reshape(C, L * J))
-    t_inc, rows_inc = _best(lambda: _incremental(store.maps, store.inv_prefix_norm, queries),
+    t_inc, rows_inc = best_of(lambda: _incremental(store.maps, store.inv_prefix_norm, queries),
                             repeats)
-    t_naive, rows_naive = _best(lambda: _naive(flat, queries), repeats)
+    t_naive, rows_naive = best_of(lambda: _naive(flat, queries), repeats)
     agree = float(np.mean(rows_inc == rows_naive))
 
     # fresh keys per run: the predictor memoises semantic results of repeated keys
