@@ -59,5 +59,9 @@ tiny-model: $(STAMP) ## retrain the embedded tiny model + tokenizer deterministi
 figures: $(STAMP) ## paper figures from results/ into results/figures/
 	$(PY) -m moeexp.figures
 
+.PHONY: reproduction
+reproduction: $(STAMP) ## FineMoE's claims vs ours: SWEEPS="sweep dirs" -> the table in experiments/README.md
+	$(PY) -m moeexp.tracking.reproduction $(SWEEPS) --out experiments/README.md
+
 clean: ## remove caches (keeps .venv and results/)
 	rm -rf .pytest_cache .mypy_cache .ruff_cache

@@ -487,9 +487,9 @@ def render(rows: Sequence[Row], data: dict[tuple[str, Regime], Setting],
         "right one is better with 95 % confidence (paired), `≈` the paired interval holds 0, "
         "`>` it is worse; **holds** = every step `<`, **partly** = some `≈`, **differs** = "
         f"some `>`. {_regime_line(data)}\n")
+    dirs = " ".join(dict.fromkeys(d for s in data.values() for d in s.dirs))
     return (f"{BEGIN}\n\n" + "\n".join(lines) + "\n" + legend + "\n**Sources** (regenerate "
-            "with `python -m moeexp.tracking.reproduction <these dirs> --out "
-            "experiments/README.md`):\n\n" + sources(data) + f"\n{END}\n")
+            f"with `make reproduction SWEEPS=\"{dirs}\"`):\n\n" + sources(data) + f"\n{END}\n")
 
 
 def splice(text: str, block: str) -> str:
