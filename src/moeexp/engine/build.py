@@ -12,7 +12,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -28,7 +28,10 @@ from moeexp.predictors import PREDICTORS
 from moeexp.registry import unknown_keys
 from moeexp.systems import resolve_system
 from moeexp.traces.recorder import trace_dims
-from moeexp.traces.schema import Trace, TraceDims
+from moeexp.traces.schema import Trace, TraceDims, missing_for
+
+if TYPE_CHECKING:
+    from moeexp.engine.routing_replay import RoutingReplay
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +139,8 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
 def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache: Any,
                     settings: EngineSettings, *,
                     device: str | torch.device | None = None, system: str = "custom",
-                    record: bool = False, future: Trace | None = None) -> OffloadedModel:
+                    record: bool = False, future: Trace | None = None,
+                    routing: RoutingReplay | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
     The device gets exactly the slots the cache policy manages (``cache.capacity_slots``,
@@ -144,9 +148,20 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     may widen it: ``resident`` holds every expert whatever the capacity says), so engine
     and simulator hold the same number of experts. This is the path of the app's
     ``backend=engine`` (the pipeline builds and fits the policies itself).
+
+    ``routing``: force every router to a trace's routing (:mod:`moeexp.engine.routing_replay`;
+    serve with its ``replay_requests``); a predictor needing what that trace lacks (e.g.
+    speculative gates of a routing-only trace) is refused: not applicable.
     """
+    if routing is not None:
+        lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
+        if lacks:
+            raise ConfigError(f"routing replay: {predictor.name} is not applicable: the trace "
+                              f"lacks {', and '.join(lacks)}")
     budget: Budget = budget_of(cache.capacity_slots, trace_dims(adapter, 0))
     wants_future = "future" in predictor.needs or cache.needs_future
+    if wants_future and future is None and routing is not None:
+        future = routing.trace  # routing replay serves exactly the trace's passes
     if wants_future and future is None:
         raise ConfigError(f"{predictor.name}/{cache.name} need the future accesses (oracle, "
                           f"Belady): pass future=<trace of the very passes to be served> "
@@ -165,8 +180,9 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     except BaseException:
         runner.close()
         raise
+    engine.replay = routing
     om = OffloadedModel(model, adapter, engine, system=system, record=record,
-                        dims=trace_dims(adapter, 0))
+                        dims=trace_dims(adapter, 0), routing=routing)
     try:
         if wants_future and future is not None:
             engine.set_future(future)

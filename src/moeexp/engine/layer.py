@@ -7,7 +7,7 @@ is a method of :class:`~moeexp.engine.runtime.Engine`. The order of policy calls
 on-demand loads in expert order, with ``now = pos0 + rank``::
 
     experts = sorted unique(idx); check the future (oracle); observe_layer -> predictor
-    with the lock: [settle copies]; pos0 = begin_layer(...)
+    with the lock: [settle copies: restricted_wait, prefetch_wait]; pos0 = begin_layer(...)
         exact:      accesses by state_of (hits, waits), demand loads, streamed chunks
         restricted: [settle copies]; substitute non-ready experts (nothing loads)
     compute the remaining rows (lock released); resume_prefetch; sum over top-k
@@ -33,9 +33,17 @@ def _observe(eng: Engine, layer: int, hidden: torch.Tensor, idx: torch.Tensor,
     if not eng.runner.wants("observe_layer"):
         return
     needs = eng.runner.predictor.needs
+    counts = torch.bincount(idx.reshape(-1), minlength=eng.J).cpu().numpy().astype(np.int64)
+    if eng.replay is not None:  # routing replay: the trace's arrays, as the simulator's
+        rep = eng.replay
+        obs = LayerObservation(
+            layer=layer, probs=rep.probs(layer), experts=np.asarray(experts, np.int64),
+            counts=counts, spec_probs=rep.spec(layer) if "spec_probs" in needs else None,
+            hidden=rep.hidden(layer) if "hidden" in needs else None)
+        eng.runner.submit("observe_layer", obs, tag=layer)
+        return
     T = idx.shape[0]
     probs = eng.adapter.router_probs(eng.logits[layer]).reshape(T, -1)
-    counts = torch.bincount(idx.reshape(-1), minlength=eng.J).cpu().numpy().astype(np.int64)
     spec = None
     if "spec_probs" in needs:
         D = eng.settings.spec_depth
@@ -82,13 +90,15 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
 
     all_ready = False
     restricted = eng.settings.restricted_routing
-    settle = restricted and eng.settings.restricted_wait
+    settle = (restricted and eng.settings.restricted_wait) or eng.settings.prefetch_wait
     with eng.lock:
         if settle:  # the copy thread finishes what it started before new work arrives
+            if eng.settings.prefetch_wait:  # this layer's predictions queue first (sync
+                eng.apply_predictions()     # predictor: else only at begin_layer)
             eng.settle_prefetches()
         pos0 = eng.begin_layer(layer, needed)
         if restricted:
-            if settle:
+            if eng.settings.restricted_wait:
                 eng.settle_prefetches()
             chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
             streamed = False

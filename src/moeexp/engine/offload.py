@@ -21,7 +21,9 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from typing import Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -35,6 +37,9 @@ from moeexp.errors import ConfigError
 from moeexp.models.base import MoEAdapter
 from moeexp.predictors.base import IterationStart, RequestStart
 from moeexp.traces.schema import RequestMeta, Trace, TraceDims
+
+if TYPE_CHECKING:
+    from moeexp.engine.routing_replay import RoutingReplay
 
 log = logging.getLogger(__name__)
 _IDS = itertools.count()
@@ -50,8 +55,9 @@ class OffloadedModel:
     """
 
     def __init__(self, model: Any, adapter: MoEAdapter, engine: Engine, *, system: str,
-                 record: bool, dims: TraceDims) -> None:
+                 record: bool, dims: TraceDims, routing: RoutingReplay | None = None) -> None:
         self.model = model
+        self.routing = routing
         self.adapter = adapter
         self.engine = engine
         self.system = system
@@ -88,6 +94,8 @@ class OffloadedModel:
         ExpertsInterface.register(self._impl, experts_forward)
         self.model.set_experts_implementation(self._impl)
         m = self.model
+        if self.routing is not None:  # first: the router hooks below see the forced routing
+            self._handles.extend(self.routing.install())
         self._handles.append(m.register_forward_pre_hook(self._pre_forward, with_kwargs=True))
         self._handles.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
         self._handles.append(self.adapter.embedding().register_forward_hook(self._on_embed))
@@ -172,9 +180,10 @@ class OffloadedModel:
         runner = self.engine.runner
         if runner.wants("start_iteration"):
             rows = np.asarray(self._active, dtype=np.int64)
+            embed = (self.routing.embed() if self.routing is not None  # the trace's, as simulated
+                     else output.detach().reshape(-1, output.shape[-1]).float().cpu().numpy())
             ctx = IterationStart(
-                request_ids=rows, step=self._step,
-                embed=output.detach().reshape(-1, output.shape[-1]).float().cpu().numpy(),
+                request_ids=rows, step=self._step, embed=embed,
                 token_request=np.repeat(rows, self._seq),
                 future=self.engine.future_of(self.engine.iteration))
             runner.submit("start_iteration", ctx)
@@ -243,10 +252,35 @@ class OffloadedModel:
         self._end_requests(t0)
         return result
 
+    @contextmanager
+    def serving(self, meta: RequestMeta, *, prompt_embed: np.ndarray | None = None
+                ) -> Iterator[None]:
+        """One request served by explicit forward passes (``om(...)`` calls inside the
+        block, e.g. :func:`moeexp.engine.routing_replay.replay_requests`): the predictor
+        sees its start and end, every pass is one of its iterations. No timing is kept
+        (the caller appends to ``timing``).
+
+        Args:
+            meta: the request (its ``request_id`` is renumbered, as in ``generate``).
+            prompt_embed: optional float32[1, E] sentence embedding (``semantic_knn``).
+        """
+        self._check_open()
+        self._begin_requests(1, meta.prompt_len, meta.output_len, [meta], prompt_embed)
+        try:
+            yield
+        except BaseException:
+            self._abort()
+            raise
+        self._end_requests(None)
+
     def metrics(self) -> dict[str, float]:
-        """The metric dict (moeexp.metrics.CORE_KEYS plus engine extras)."""
+        """The metric dict (moeexp.metrics.CORE_KEYS plus engine extras; with routing
+        replay also ``routing_replay: 1.0``: not exact, the routing was forced)."""
         self.engine.runner.flush()
-        return build_metrics(self.engine, self.timing, self._requests_done)
+        out = build_metrics(self.engine, self.timing, self._requests_done)
+        if self.routing is not None:
+            out["routing_replay"] = 1.0
+        return out
 
     def reset_metrics(self) -> None:
         """Zero every counter and timing (residency, policy and predictor state are kept):

@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -69,6 +69,12 @@ class EngineSettings:
             substitutions depend on thread timing and two identical runs can differ; True
             makes them timing-independent (with ``predictor_async=False`` a lossy run is
             then deterministic), at the price of the waits.
+        prefetch_wait: exact mode: before each layer's accesses the engine lets every
+            queued prefetch start and waits until every copy has landed (as
+            ``restricted_wait`` does for the lossy mode): hits then depend only on the
+            decisions, never on thread timing; the simulator's counterpart is a link of
+            zero copy time. For checking decisions (routing replay against the
+            simulator), not for timing: the waits are stalls a real run would overlap.
         bandwidth_bps: CPU only: emulated host-to-device bandwidth (bytes/s); None = memcpy.
         predictor_async: run the predictor on a background thread (default) or inline.
         max_inflight: CUDA: copies in flight on the copy stream.
@@ -78,6 +84,7 @@ class EngineSettings:
     restricted_routing: bool = False
     renormalize: bool = False
     restricted_wait: bool = False
+    prefetch_wait: bool = False
     bandwidth_bps: float | None = None
     predictor_async: bool = True
     max_inflight: int = 2
@@ -156,6 +163,9 @@ class Engine:
         self.record_accesses = False
         self.batched_rows = False  # this pass computes like batched_mm (set per pass by the wrapper)
         self.future: list[tuple[np.ndarray, ...]] | None = None
+        #: routing replay (moeexp.engine.routing_replay.RoutingReplay): observations take
+        #: the trace's probabilities, speculative gates and hidden states; None = the model's
+        self.replay: Any = None
         self.iteration = -1  # forward passes begun so far - 1
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
         try:
@@ -293,6 +303,7 @@ class Engine:
         with self.lock:
             self.iteration += 1
             self.cur_layer = -1
+            self.protected = set()  # no layer runs yet (the simulator's Device.begin_iteration)
             self.psets.clear()
             self.apply_predictions()
 
