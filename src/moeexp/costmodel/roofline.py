@@ -2,7 +2,8 @@
 
 Every GPU operation costs ``max(FLOPs / achieved FLOP/s, bytes / achieved memory B/s)``
 plus a fixed launch overhead; every host-to-device copy costs ``latency + bytes / link
-B/s``. Per MoE layer and iteration the model distinguishes:
+B/s`` (cut in chunks, one latency per chunk: :mod:`moeexp.costmodel.copies`). Per MoE
+layer and iteration the model distinguishes:
 
 * the **dense part** (attention, norms, router, shared experts, and a 1/L share of the
   embedding and LM head): its weights are ``dims.dense_bytes / L`` bytes (or ``4 H^2``
@@ -10,6 +11,14 @@ B/s``. Per MoE layer and iteration the model distinguishes:
   ``2 * tokens * params`` plus ``4 * H * sum(context)`` for the attention scores;
 * one **expert FFN** per active expert: ``2 * 3 * H * I`` FLOPs per token routed to it
   (gate, up, down projections) against reading its ``expert_bytes`` of weights.
+
+**KV cache.** The dense part's bytes include the attention's reads of the KV cache:
+``2 * kv_tokens * H * dtype_bytes`` bytes per layer (K and V of every context entry at the
+hidden width, i.e. multi-head attention; a grouped-query model reads ``kv_heads * head_dim``
+< H per entry, so this over-counts its reads, kept so that every existing number stays).
+What the KV cache *occupies* on the device is :func:`kv_bytes_per_token` (the model's real
+KV heads and head dim, every attention layer), or :meth:`CostModel.kv_bytes_per_token`
+(the same MHA width as the reads) when the model's config is not known.
 
 A decode step of a 47B-parameter Mixtral is therefore memory bound (each active expert
 reads 352 MB), a long prefill compute bound, as on real hardware. The same model gives the
@@ -19,11 +28,13 @@ profile.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from moeexp.costmodel.copies import CopyPlan
 from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import TraceDims
@@ -89,10 +100,17 @@ class CostModel:
 
     # ------------------------------------------------------------------ transfers
     @property
-    def copy_s(self) -> float:
-        """Seconds to copy one expert host->device (latency + bytes / achieved bandwidth)."""
+    def copy_plan(self) -> CopyPlan:
+        """How one expert copy is cut (``profile.copy_chunk_mb``) and what each part costs."""
         p = self.profile
-        return p.copy_latency_us * 1e-6 + self.expert_bytes / p.h2d_bytes_per_s
+        return CopyPlan.build(self.expert_bytes, p.copy_chunk_mb, p.copy_latency_us * 1e-6,
+                              p.h2d_bytes_per_s)
+
+    @property
+    def copy_s(self) -> float:
+        """Seconds to copy one expert host->device: latency + bytes / achieved bandwidth,
+        with n chunks n latencies (:mod:`moeexp.costmodel.copies`)."""
+        return self.copy_plan.copy_s
 
     # ------------------------------------------------------------------ compute
     def _roof(self, flops: float, nbytes: float) -> float:
@@ -121,6 +139,7 @@ class CostModel:
             ctx_tokens: sum over those tokens of the context each attends to.
             kv_tokens: KV-cache entries read (prefill: the prompt; decode: the context).
         """
+        # bytes: the layer's weights + K and V (H elements each) of every KV entry read
         H, b = self.hidden_size, self.dtype_bytes
         params = self.dense_layer_bytes / b
         flops = 2.0 * tokens * params + 4.0 * H * ctx_tokens
@@ -132,6 +151,12 @@ class CostModel:
         return sum(self.expert_s(int(c)) for c in counts if c > 0)
 
     # ------------------------------------------------------------------ memory
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of one token's KV cache at the width :meth:`dense_s` reads: K and V of H
+        elements in each of the L MoE layers (``2 * L * H * dtype_bytes``). The fallback of
+        :func:`kv_bytes_per_token` when the model's config is not known."""
+        return int(2 * self.num_layers * self.hidden_size * self.dtype_bytes)
+
     def gpu_mem_bytes(self, cache_slots: int) -> int:
         """Weights on the device: ``cache_slots`` experts + the always-resident weights."""
         return int(cache_slots * self.expert_bytes + self.dense_bytes)
@@ -144,3 +169,35 @@ class CostModel:
             "expert_1tok_ms": self.expert_s(1) * 1e3,
             "dense_1tok_ms": self.dense_s(1, 1, 1) * 1e3,
         }
+
+
+def kv_bytes_per_token(arch: Mapping[str, Any], dtype_bytes: int) -> int:
+    """Device bytes one token's KV cache occupies, over every attention layer (bytes/token).
+
+    From a hub ``config.json`` mapping (or a preset's ``arch:``): K and V of
+    ``num_key_value_heads * head_dim`` elements per layer (``head_dim`` defaults to
+    ``hidden_size / num_attention_heads``, ``num_key_value_heads`` to the attention heads),
+    times ``num_hidden_layers`` (dense layers included) and ``dtype_bytes``. Multi-head
+    latent attention (DeepSeek-V2, ``kv_lora_rank`` set) caches one compressed latent plus
+    the rope key per layer: ``(kv_lora_rank + qk_rope_head_dim) * dtype_bytes``. Sliding
+    windows are not modelled (every position stays cached).
+
+    Raises:
+        ConfigError: the mapping lacks the layer count or the attention shape.
+    """
+    if dtype_bytes <= 0:
+        raise ConfigError(f"dtype_bytes must be positive, got {dtype_bytes}")
+    layers = arch.get("num_hidden_layers")
+    if not isinstance(layers, int) or layers < 1:
+        raise ConfigError(f"kv_bytes_per_token: the model config has no num_hidden_layers ({layers!r})")
+    if arch.get("kv_lora_rank"):
+        per_layer = int(arch["kv_lora_rank"]) + int(arch.get("qk_rope_head_dim") or 0)
+        return int(layers * per_layer * dtype_bytes)
+    heads = arch.get("num_attention_heads")
+    hidden = arch.get("hidden_size")
+    head_dim = arch.get("head_dim") or (hidden // heads if heads and hidden else None)
+    kv_heads = arch.get("num_key_value_heads") or heads
+    if not head_dim or not kv_heads:
+        raise ConfigError("kv_bytes_per_token: the model config has neither head_dim nor "
+                          "hidden_size and num_attention_heads")
+    return int(layers * 2 * int(kv_heads) * int(head_dim) * dtype_bytes)
