@@ -34,6 +34,10 @@ class HardwareProfile:
         memory_gb: device memory, GB.
         dense_overhead_us: launch overhead of one layer's attention + router part, us.
         expert_overhead_us: launch overhead of one active expert's FFN, us.
+        copy_chunk_mb: copy granularity, MB (1e6 bytes): 0 (default) = an expert crosses
+            the link as one copy, which a demand load cannot overtake; > 0 = in chunks of
+            this size, each paying ``copy_latency_us``, after any of which a demand load
+            may go first (:mod:`moeexp.costmodel.copies`). Optional in a profile file.
     """
 
     name: str
@@ -47,6 +51,7 @@ class HardwareProfile:
     memory_gb: float
     dense_overhead_us: float
     expert_overhead_us: float
+    copy_chunk_mb: float = 0.0
 
     def __post_init__(self) -> None:
         bad = [f.name for f in fields(self) if f.name != "name" and not _finite_nonneg(getattr(self, f.name))]
@@ -85,7 +90,7 @@ class HardwareProfile:
         """
         want = {f.name for f in fields(cls)}
         got = set(cfg)
-        missing, unknown = sorted(want - got), sorted(got - want)
+        missing, unknown = sorted(want - got - _OPTIONAL_KEYS), sorted(got - want)
         if missing or unknown:
             name = cfg.get("name", "?")
             parts = []
@@ -98,7 +103,7 @@ class HardwareProfile:
             )
         kwargs: dict[str, Any] = {"name": str(cfg["name"])}
         for f in fields(cls):
-            if f.name != "name":
+            if f.name != "name" and f.name in cfg:
                 try:
                     kwargs[f.name] = float(cfg[f.name])
                 except (TypeError, ValueError):
@@ -107,6 +112,10 @@ class HardwareProfile:
                         f"got {cfg[f.name]!r}"
                     ) from None
         return cls(**kwargs)
+
+
+#: Profile keys a file may omit (their field default applies): added after the first profiles.
+_OPTIONAL_KEYS: frozenset[str] = frozenset({"copy_chunk_mb"})
 
 
 def _finite_nonneg(v: Any) -> bool:

@@ -1,7 +1,7 @@
 """The simulated device: expert slots, one copy engine, the prefetch queue, layer service.
 
 Time is in seconds on one compute stream; the copy engine moves one expert at a time
-(``cost.copy_s`` each) and overlaps compute. The cache policy decides every eviction; this
+(``cost.copy_s`` each, ``cost.copy_plan`` says how it is cut) and overlaps compute. The cache policy decides every eviction; this
 class only keeps the mechanism honest:
 
 * ``ready[key]`` is the time ``key``'s copy finishes; a key is *resident* from the moment
@@ -12,7 +12,11 @@ class only keeps the mechanism honest:
   order, every queued prefetch whose start time (engine free, not paused, enqueued) falls
   before the next event; one the policy finds no victim for is dropped.
 * A layer's missing experts are loaded on demand: after the copy in flight, before any
-  queued prefetch. Experts compute one after another as soon as they are ready (resident
+  queued prefetch. With chunked copies (``hardware.copy_chunk_mb > 0``,
+  :mod:`moeexp.costmodel.copies`; every copy then costs one latency per chunk) a demand
+  load waits only for the chunk in flight: the prefetch on the link (unless it is for the
+  running layer) stops at that chunk boundary and its remaining chunks resume after the
+  layer's demand loads, its ready time moving by as much. Experts compute one after another as soon as they are ready (resident
   hits first), so a layer's stall is the compute stream's idle time.
 * When a layer needs more experts than fit (a prefill touching every expert), experts
   already computed in this layer are released for eviction and the rest stream through
@@ -51,7 +55,15 @@ class Device:
     def __init__(self, cache: CachePolicy, cost: CostModel, num_layers: int, num_experts: int) -> None:
         self.cache = cache
         self.L, self.J = num_layers, num_experts
-        self.copy_s = cost.copy_s
+        plan = cost.copy_plan
+        # chunked copies (hardware.copy_chunk_mb > 0): a demand load may overtake the
+        # prefetch on the link at its next chunk boundary; 0.0 = whole-expert copies
+        self.chunk_s = plan.chunk_s if plan.chunked else 0.0
+        self.copy_s = plan.copy_s if plan.chunked else cost.copy_s
+        # chunked copies only: the last started prefetch (key, when its current run of
+        # chunks began, when it ends); a demand load may overtake it (:meth:`_overtake`)
+        self._onlink: tuple[Key, float, float] | None = None
+        self.preemptions = 0  # prefetches a demand load overtook (chunked copies only)
         self.expert_bytes = cost.expert_bytes
         self.capacity = cache.capacity_slots
         self.ready: dict[Key, float] = {}
@@ -149,6 +161,8 @@ class Device:
             self._insert(key, done, self.next_access, True)
             self.copy_free = done
             self.prefetches_issued += 1
+            if self.chunk_s:
+                self._onlink = (key, start, done)
 
     def begin_iteration(self) -> None:
         """A new forward pass: no layer has run, nothing is computing."""
@@ -220,6 +234,9 @@ class Device:
         """Load ``absent`` experts on demand, ahead of queued prefetches; stream if needed."""
         cache = self.cache
         copy_t = max(self.copy_free, t)
+        rest = 0.0  # chunked copies: link seconds left of the prefetch this load overtakes
+        if self.chunk_s and copy_t > t:
+            copy_t, rest = self._overtake(t)
         unreleased = set(self.protected)
         released = 0
         for i in absent:
@@ -255,7 +272,45 @@ class Device:
             cache.on_access(k, pos0 + i, False)
             finished.append((comp, k))
         self.copy_free = copy_t
+        if rest:
+            self._resume(copy_t, rest)
         return comp, stall
+
+    def _overtake(self, t: float) -> tuple[float, float]:
+        """Chunked copies: when a demand load issued at ``t`` gets the link, and the link
+        seconds left of the prefetch it overtakes (0.0: none).
+
+        The prefetch on the link (the last one started, still copying at ``t``) stops at
+        its first chunk boundary at or after ``t`` and resumes after the layer's demand
+        loads (:meth:`_resume`). Not overtaken: a prefetch for the running layer (it is
+        one of the layer's own experts: the layer waits for it anyway), or one in its
+        last chunk. Its chunks are full ones first (``chunk_s`` each), so a run of chunks
+        that began at ``began`` has its boundaries at ``began + j * chunk_s``.
+        """
+        onlink, free = self._onlink, self.copy_free
+        if onlink is None:
+            return free, 0.0
+        key, began, done = onlink
+        if done != free or key[0] == self.cur_layer:
+            return free, 0.0
+        cs = self.chunk_s
+        j = -(-(t - began) // cs)  # ceil: chunks begun by t (the one in flight included)
+        boundary = began + j * cs
+        if boundary >= done or done - boundary <= 1e-12 * cs:
+            return free, 0.0
+        self.preemptions += 1
+        return boundary, done - boundary
+
+    def _resume(self, at: float, rest: float) -> None:
+        """The overtaken prefetch's remaining ``rest`` link seconds run from ``at``: its
+        copy (and the link) finish that much later."""
+        assert self._onlink is not None
+        key, _, done = self._onlink
+        end = at + rest
+        if self.ready.get(key) == done:  # still resident with that copy (not evicted)
+            self.ready[key] = end
+        self._onlink = (key, at, end)
+        self.copy_free = end
 
     def serve_restricted(self, layer: int, needed: list[int], topk: np.ndarray, probs: np.ndarray,
                          pos0: int, t: float, expert_s: Callable[[int], float]) -> tuple[float, int, int, int, int]:
