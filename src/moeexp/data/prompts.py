@@ -40,14 +40,23 @@
    ``store`` and the rest ``test`` (disjoint by construction). ``request_id`` is the position
    in that order: store prompts get ids ``0..n_store-1``.
 
-``task`` comes from :func:`classify_task`, a small keyword classifier (eMoE needs task types).
+6. Task types (eMoE needs them): ``task_classifier`` labels every prompt's ``text``
+   (:mod:`moeexp.data.tasks`): ``logreg`` (default: MiniLM embeddings + a softmax
+   regression fitted on the project's seed set, ``other`` below ``task_threshold``),
+   ``centroid`` (nearest centroid, same seed set) or ``keyword`` (:func:`classify_task`,
+   the old regular expressions). The labels are part of the prompts, hence of the trace
+   cache's content hash: changing the classifier records a new trace, never reuses a stale one.
+7. Serving order of the test split (``prompt_order``): ``shuffled`` (default: the split's
+   seeded order) or ``task_clustered``: test prompts grouped by task, the groups in the order
+   their task first appears in the shuffled order, the shuffled order kept within a group.
+   The test ids ``n_store..n-1`` follow the serving order; the store split is not reordered.
+   (eMoE's reuse of a resident expert set depends on consecutive prompts being alike.)
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -56,6 +65,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from moeexp.data.tasks import (
+    CLASSIFIERS,
+    LABELS,
+    check_threshold,
+    classify_task,
+    classify_tasks,
+)
 from moeexp.errors import ConfigError, DataError
 from moeexp.registry import unknown_keys
 
@@ -76,7 +92,7 @@ class Prompt:
         output_len: tokens to generate (>= 1).
         split: ``store`` (builds predictor state) or ``test`` (replayed).
         dataset: ``sharegpt`` | ``lmsys``.
-        task: label from :func:`classify_task`.
+        task: label of ``dataset.task_classifier`` (:mod:`moeexp.data.tasks`).
     """
 
     request_id: int
@@ -87,41 +103,6 @@ class Prompt:
     split: Split
     dataset: str
     task: str = ""
-
-
-# ---------------------------------------------------------------------------- task labels
-#: Ordered rules: the first whose pattern matches the lower-cased prompt wins; else "chat".
-TASK_RULES: tuple[tuple[str, str], ...] = (
-    ("code", r"```|\bdef |\bfunction\b|\bclass\b|\bpython\b|\bjavascript\b|\bjava\b|\bc\+\+|"
-             r"\bsql\b|\bcode\b|\bscript\b|\bbug\b|\berror\b|\bcompile|\bapi\b|\bhtml\b|"
-             r"\bregex\b|\bdatabase\b|\barray\b|\bdjango\b|\breact\b|\bgithub\b"),
-    ("math", r"\bsolve\b|\bequation|\bcalculate\b|\bintegral\b|\bderivative\b|\bprobability\b|"
-             r"\bmath|\bsum of\b|\d\s*[+*/^=]\s*\d"),
-    ("translation", r"\btranslat|翻译|\btradu"),
-    ("writing", r"\bwrite\b|\bessay\b|\bstory\b|\bpoem\b|\barticle\b|\bblog\b|\bletter\b|"
-                r"\bemail\b|\brewrite\b|\bimprove\b|\bedit\b|\bparaphrase\b|\bsummar"),
-    ("qa", r"^(what|why|how|who|when|where|which|is|are|can|does|do)\b|\?\s*$|\bexplain\b|"
-           r"\bquestions?\b"),
-)
-TASKS: tuple[str, ...] = tuple(name for name, _ in TASK_RULES) + ("chat",)
-_TASK_RE = tuple((name, re.compile(pat)) for name, pat in TASK_RULES)
-
-
-def classify_task(text: str) -> str:
-    """Task label of a prompt: one of :data:`TASKS` (first matching rule, default ``chat``).
-
-    ``code`` (code fences, language/framework names, "function", "bug", "error"...) before
-    ``math`` (solve, equation, arithmetic like ``3 + 4``) before ``translation`` before
-    ``writing`` (write, essay, story, email, improve, summarize...) before ``qa`` (starts with
-    a question word, ends with "?", "explain", "question"); anything else is ``chat``.
-    On the 64 default ShareGPT prompts, 40 get a label (code 21, writing 13, qa 5,
-    translation 1) and 24 are ``chat``.
-    """
-    low = text.strip().lower()
-    for name, rx in _TASK_RE:
-        if rx.search(low):
-            return name
-    return "chat"
 
 
 # ---------------------------------------------------------------------------- config
@@ -142,6 +123,9 @@ class DatasetConfig:
     pool: str = "heldout"  # sharegpt only
     language: str | None = None  # lmsys only
     template: str | None = None  # null | chat | a format with one {prompt}
+    task_classifier: str = "logreg"  # logreg | centroid | keyword (moeexp.data.tasks)
+    task_threshold: float | None = None  # null: the classifier's default; below it: other
+    prompt_order: str = "shuffled"  # shuffled | task_clustered (the test split's order)
 
     @property
     def template_parts(self) -> tuple[str, str] | None:
@@ -171,6 +155,10 @@ class DatasetConfig:
         checks = [
             (c.lengths in ("fixed", "natural"), f"lengths={c.lengths!r}; valid: fixed, natural"),
             (c.pool in ("heldout", "all"), f"pool={c.pool!r}; valid: heldout, all"),
+            (c.task_classifier in CLASSIFIERS, f"task_classifier={c.task_classifier!r}; "
+             f"valid: {', '.join(CLASSIFIERS)}"),
+            (c.prompt_order in PROMPT_ORDERS,
+             f"prompt_order={c.prompt_order!r}; valid: {', '.join(PROMPT_ORDERS)}"),
             (c.num_prompts >= 1, f"num_prompts={c.num_prompts} must be >= 1"),
             (c.input_len >= 1 and c.output_len >= 1, "input_len and output_len must be >= 1"),
             (c.max_input_len >= 1 and c.max_output_len >= 1, "max_input/output_len must be >= 1"),
@@ -183,8 +171,22 @@ class DatasetConfig:
         bad = [msg for ok, msg in checks if not ok]
         if bad:
             raise ConfigError(f"dataset={name}: " + "; ".join(bad))
+        if c.task_threshold is not None:
+            if c.task_classifier == "keyword":
+                raise ConfigError(f"dataset={name}: task_threshold={c.task_threshold} has no "
+                                  "meaning for task_classifier=keyword (no scores); set it to "
+                                  "null or use task_classifier=logreg | centroid")
+            check_threshold(c.task_threshold, low=-1.0 if c.task_classifier == "centroid" else 0.0)
         return c
 
+
+#: Every task label a :class:`Prompt` can carry (any ``dataset.task_classifier``).
+TASKS: tuple[str, ...] = LABELS
+__all__ = ["TASKS", "DatasetConfig", "Prompt", "classify_task", "encode_prompt",
+           "sample_prompts", "serving_order"]
+
+#: ``dataset.prompt_order`` values (module docstring, step 7).
+PROMPT_ORDERS: tuple[str, ...] = ("shuffled", "task_clustered")
 
 #: Named prompt templates (``dataset.template``); ``chat`` is the tiny model's training format.
 TEMPLATES: dict[str, str] = {"chat": "User: {prompt}\nAssistant:"}
@@ -383,17 +385,51 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
             f"qualify but num_prompts={c.num_prompts} (rejected: {why}). To fix: {hint}, or pass "
             "a larger dataset.path.")
     _warn_cut(c, ctx, cut, len(chosen))
+    prompts = _split(c, chosen)
+    log.info("sampled %d %s prompts (%d store / %d test, lengths=%s, tasks by %s, test order "
+             "%s) from %d candidates", len(prompts), c.name,
+             sum(p.split == "store" for p in prompts), sum(p.split == "test" for p in prompts),
+             c.lengths, c.task_classifier, c.prompt_order, len(candidates))
+    return prompts
+
+
+def _split(c: DatasetConfig, chosen: Sequence[tuple[str, tuple[int, ...], int]]) -> list[Prompt]:
+    """(text, fed ids, output_len) candidates -> prompts: seeded store/test split, task
+    labels, and the test split in ``c.prompt_order`` (module docstring, steps 5-7)."""
     split_order = np.random.default_rng([c.seed, 1]).permutation(len(chosen))
     n_store = int(round(c.store_fraction * len(chosen)))
+    ordered = [chosen[int(j)] for j in split_order]
+    tasks = classify_tasks([text for text, _, _ in ordered], c.task_classifier,
+                           c.task_threshold)
+    test = serving_order(tasks[n_store:], c.prompt_order)
+    order = list(range(n_store)) + [n_store + i for i in test]
     prompts = []
-    for rid, j in enumerate(split_order):
-        text, fed, n_out = chosen[int(j)]
+    for rid, j in enumerate(order):
+        text, fed, n_out = ordered[j]
         prompts.append(Prompt(
             request_id=rid, text=text, input_ids=fed, prompt_len=len(fed), output_len=n_out,
-            split="store" if rid < n_store else "test", dataset=c.name, task=classify_task(text)))
-    log.info("sampled %d %s prompts (%d store / %d test, lengths=%s) from %d candidates",
-             len(prompts), c.name, n_store, len(prompts) - n_store, c.lengths, len(candidates))
+            split="store" if rid < n_store else "test", dataset=c.name, task=tasks[j]))
     return prompts
+
+
+def serving_order(tasks: Sequence[str], order: str) -> list[int]:
+    """Positions 0..len(tasks)-1 in serving order ``order`` (see :data:`PROMPT_ORDERS`).
+
+    ``shuffled``: as given. ``task_clustered``: grouped by task, groups in the order their
+    task first appears, the given order kept within a group (a stable sort by that rank).
+    E.g. tasks ``[a, b, a, c, b]`` -> ``[0, 2, 1, 4, 3]``.
+
+    Raises:
+        ConfigError: an unknown ``order``.
+    """
+    if order not in PROMPT_ORDERS:
+        raise ConfigError(f"dataset.prompt_order={order!r}; valid: {', '.join(PROMPT_ORDERS)}")
+    if order == "shuffled":
+        return list(range(len(tasks)))
+    rank: dict[str, int] = {}
+    for t in tasks:
+        rank.setdefault(t, len(rank))
+    return sorted(range(len(tasks)), key=lambda i: (rank[tasks[i]], i))
 
 
 def _warn_cut(c: DatasetConfig, ctx: int | None, cut: Counter[str], n: int) -> None:
