@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from moeexp.cache.base import CachePolicy
+from moeexp.costmodel.copies import chunk_bytes_of
 from moeexp.engine.budget import Budget
 from moeexp.engine.kernel import slot_rows
 from moeexp.engine.predict import PredictorRunner
@@ -79,6 +80,9 @@ class EngineSettings:
         predictor_async: run the predictor on a background thread (default) or inline.
         max_inflight: CUDA: copies in flight on the copy stream.
         spec_depth: D of the speculative gate outputs handed to predictors that need them.
+        copy_chunk_mb: copy granularity, MB (``hardware.copy_chunk_mb``): 0 = whole-expert
+            copies; > 0 = chunks after which a demand load may overtake a prefetch
+            (:mod:`moeexp.engine.transfer`, :mod:`moeexp.costmodel.copies`).
     """
 
     restricted_routing: bool = False
@@ -89,6 +93,7 @@ class EngineSettings:
     predictor_async: bool = True
     max_inflight: int = 2
     spec_depth: int = 4
+    copy_chunk_mb: float = 0.0
 
 
 @dataclass
@@ -173,7 +178,9 @@ class Engine:
             self._lut_host: dict[Key, int] = {}  # what pool.lut holds (compute thread)
             self.copier = CopyEngine(self.store, self.pool, prefetch_source=self._start_prefetch,
                                      bandwidth_bps=settings.bandwidth_bps,
-                                     max_inflight=settings.max_inflight)
+                                     max_inflight=settings.max_inflight,
+                                     chunk_bytes=chunk_bytes_of(self.spec.nbytes,
+                                                                settings.copy_chunk_mb))
             runner.on_result = self._on_prediction  # publisher -> subscriber, at once
         except BaseException:
             self.store.restore()

@@ -18,6 +18,19 @@ overwriting a slot the copy stream waits on the slot's last-use event (recorded 
 compute stream after the kernel that read it). The compute stream waits on a slot's event
 with ``wait_event``: the host never synchronises on a copy on the hot path. The worker keeps
 at most ``max_inflight`` copies in flight, synchronising on the oldest *in its own thread*.
+
+Copy granularity (``chunk_bytes``, from ``hardware.copy_chunk_mb``;
+:mod:`moeexp.costmodel.copies`): 0 or at least an expert = whole-expert copies (above).
+Otherwise an expert is copied as byte ranges of its tensors laid end to end (chunks of
+``chunk_bytes``, the rest last), and after each chunk the worker looks at the demand
+queue: when a demand load waits and the copy is a prefetch for another layer than the
+demand's (a prefetch for the demand's own layer is one of that layer's experts: it
+finishes first), the prefetch is set aside and resumes, from its next chunk, once no
+demand load waits (before any new prefetch starts). CPU: each chunk is a ``copy_`` of
+those slices, paced to ``chunk bytes / bandwidth`` under an emulated link. CUDA: each
+chunk is issued on the copy stream and followed by an event; at most ``max_inflight``
+chunks are queued on the stream (the worker synchronises on the oldest), so a demand load
+waits behind at most that many chunks instead of whole copies.
 """
 
 from __future__ import annotations
@@ -56,6 +69,8 @@ class CopyJob:
     started_at: float = 0.0
     #: CUDA: a timing event recorded on the copy stream just before its copy
     start_event: torch.cuda.Event | None = None
+    #: chunked copies: chunks copied (or issued) so far
+    chunks_done: int = 0
 
 
 class CopyEngine:
@@ -67,12 +82,16 @@ class CopyEngine:
         prefetch_source: called by the worker when no demand load waits; returns a started
             prefetch job (slot assigned, state ``copying``) or None.
         bandwidth_bps: CPU only: emulated link bandwidth in bytes/s (None = real memcpy).
-        max_inflight: CUDA only: copies issued on the stream before the worker waits.
+        max_inflight: CUDA only: copies (chunked: chunks) issued on the stream before the
+            worker waits.
+        chunk_bytes: copy granularity in bytes: 0 (or >= one expert) = whole-expert copies;
+            else chunks of this size after which a demand load may go first (module doc).
     """
 
     def __init__(self, store: HostStore, pool: SlotPool, *,
                  prefetch_source: Callable[[], CopyJob | None] | None = None,
-                 bandwidth_bps: float | None = None, max_inflight: int = 2) -> None:
+                 bandwidth_bps: float | None = None, max_inflight: int = 2,
+                 chunk_bytes: int = 0) -> None:
         self.store = store
         self.pool = pool
         self.prefetch_source = prefetch_source
@@ -90,6 +109,16 @@ class CopyEngine:
         self.bytes_copied = 0
         self.copy_seconds = 0.0
         self._thread: threading.Thread | None = None  # started by the first submit/wake
+        nbytes = pool.spec.nbytes
+        if chunk_bytes < 0:
+            raise ValueError(f"chunk_bytes must be >= 0 (0 = whole expert), got {chunk_bytes}")
+        #: chunk byte ranges [lo, hi) of one expert; empty = whole-expert copies
+        self.chunks: list[tuple[int, int]] = (
+            [(lo, min(lo + chunk_bytes, nbytes)) for lo in range(0, nbytes, chunk_bytes)]
+            if 0 < chunk_bytes < nbytes else [])
+        self._held: collections.deque[CopyJob] = collections.deque()  # overtaken prefetches
+        self._chunk_events: collections.deque[torch.cuda.Event] = collections.deque()
+        self.preemptions = 0  # prefetches a demand load overtook
 
     def _ensure_thread(self) -> None:
         """Start the worker (called with ``_cond`` held) once the owner is fully built."""
@@ -209,6 +238,8 @@ class CopyEngine:
                     job.started_at = time.perf_counter()
                     self.bytes_copied += job.nbytes
                     return job
+                if self._held:
+                    return self._held.popleft()  # an overtaken prefetch resumes
                 seen = self._wakeups
             started = self.prefetch_source() if self.prefetch_source is not None else None
             if started is not None or inflight:
@@ -231,7 +262,12 @@ class CopyEngine:
                         self._finish(inflight.popleft())
                         continue
                     return  # stopped
-                if self.cuda:
+                if self.chunks:
+                    if self._copy_chunks(job) and self.cuda:
+                        inflight.append(job)
+                        if len(inflight) >= self.max_inflight:
+                            self._finish(inflight.popleft())
+                elif self.cuda:
                     self._issue_cuda(job)
                     inflight.append(job)
                     if len(inflight) >= self.max_inflight:
@@ -279,6 +315,87 @@ class CopyEngine:
             ev.record(self.stream)
         job.event = ev
         job.issued.set()
+
+    # ---- chunked copies (worker thread) ---------------------------------------------
+    def _overtaken(self, job: CopyJob) -> bool:
+        """A demand load waits and ``job`` is a prefetch for another layer: set it aside."""
+        with self._cond:
+            if job.demand or not self._demand or self._demand[0].key[0] == job.key[0]:
+                return False
+            self._held.append(job)
+            self.preemptions += 1
+            return True
+
+    def _pieces(self, job: CopyJob) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(source bytes, slot bytes) per expert tensor, uint8[nbytes of the tensor] each."""
+        out = []
+        for n, t in self.store.expert(*job.key).items():
+            dst = self.pool.buffers[n][job.slot]
+            if not (dst.is_contiguous() and t.is_contiguous()):
+                raise RuntimeError(f"chunked copies need contiguous expert tensors ({n})")
+            out.append((t.reshape(-1).view(torch.uint8), dst.reshape(-1).view(torch.uint8)))
+        return out
+
+    def _copy_range(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], lo: int, hi: int) -> None:
+        """Copy bytes [lo, hi) of the expert (its tensors laid end to end)."""
+        off = 0
+        for src, dst in pieces:
+            n = src.numel()
+            a, b = max(lo, off), min(hi, off + n)
+            if a < b:
+                dst[a - off:b - off].copy_(src[a - off:b - off], non_blocking=self.cuda)
+            off += n
+
+    def _copy_chunks(self, job: CopyJob) -> bool:
+        """Copy ``job``'s remaining chunks; stop early (False) when a demand load overtakes
+        it. True: every chunk is copied (CPU: landed, job done; CUDA: issued, its event
+        recorded, the caller collects it)."""
+        pieces = self._pieces(job)
+        if self.cuda and job.chunks_done == 0:
+            job.t0 = time.perf_counter()
+        while job.chunks_done < len(self.chunks):
+            lo, hi = self.chunks[job.chunks_done]
+            if self.cuda:
+                self._issue_chunk(job, pieces, lo, hi)
+            else:
+                t0 = time.perf_counter()
+                self._copy_range(pieces, lo, hi)
+                if self.bandwidth_bps:
+                    remaining = (hi - lo) / self.bandwidth_bps - (time.perf_counter() - t0)
+                    if remaining > 0:
+                        time.sleep(remaining)  # emulated link (module docstring)
+                self.copy_seconds += time.perf_counter() - t0
+            job.chunks_done += 1
+            if job.chunks_done < len(self.chunks) and self._overtaken(job):
+                return False
+        if self.cuda:
+            ev = torch.cuda.Event()
+            assert self.stream is not None
+            ev.record(self.stream)
+            job.event = ev
+            job.issued.set()
+        else:
+            self._done(job)
+        return True
+
+    def _issue_chunk(self, job: CopyJob, pieces: list[tuple[torch.Tensor, torch.Tensor]],
+                     lo: int, hi: int) -> None:
+        """CUDA: issue one chunk on the copy stream; keep at most ``max_inflight`` chunks
+        queued there (synchronise on the oldest), so a demand load is never far behind."""
+        assert self.stream is not None
+        with torch.cuda.stream(self.stream):
+            if job.chunks_done == 0:
+                prev = self.last_use[job.slot]
+                if prev is not None:
+                    self.stream.wait_event(prev)
+                job.start_event = torch.cuda.Event(enable_timing=True)
+                job.start_event.record(self.stream)
+            self._copy_range(pieces, lo, hi)
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        self._chunk_events.append(ev)
+        while len(self._chunk_events) > self.max_inflight:
+            self._chunk_events.popleft().synchronize()  # worker thread only
 
     def _finish(self, job: CopyJob) -> None:
         assert job.event is not None

@@ -95,3 +95,58 @@ def test_demand_goes_before_prefetch() -> None:
         assert seen_demand_done == [False, True, True]
     finally:
         ce.close()
+
+
+def _chunked_run(offer_key, demand_key):
+    """A 4-chunk prefetch of ``offer_key`` (25 ms per chunk) starts; 30 ms later a demand
+    for ``demand_key`` is submitted. Returns (the prefetch job, the demand job, the copy
+    engine's preemption count, perf_counter when each job landed)."""
+    _, store, pool, _ = _setup(slots=4)
+    offered = [offer_key]
+    holder: dict[str, object] = {}
+
+    def source() -> CopyJob | None:
+        if not offered:
+            return None
+        key = offered.pop(0)
+        holder["pf"] = job = holder["ce"].started_prefetch(key, pool.assign(key))
+        return job
+
+    ce = CopyEngine(store, pool, prefetch_source=source, bandwidth_bps=72 / 0.1, chunk_bytes=18)
+    holder["ce"] = ce
+    landed: dict[str, float] = {}
+    try:
+        assert ce.chunks == [(0, 18), (18, 36), (36, 54), (54, 72)]
+        ce.wake()
+        time.sleep(0.03)  # the prefetch's second chunk is copying
+        demand = ce.submit(demand_key, pool.assign(demand_key))
+        ce.wait(demand)
+        landed["demand"] = time.perf_counter()
+        pf = holder["pf"]
+        pf.finished.wait(5)
+        landed["prefetch"] = time.perf_counter()
+        ce.drain()
+        for job in (pf, demand):
+            s = pool.slot_of[job.key]
+            for n, t in store.expert(*job.key).items():
+                assert torch.equal(pool.buffers[n][s], t), (job.key, n)
+        return pf, demand, ce.preemptions, landed
+    finally:
+        ce.close()
+
+
+def test_chunked_demand_overtakes_a_prefetch_for_another_layer() -> None:
+    """Layer-1 prefetch in 4 chunks of 25 ms; a layer-0 demand 30 ms in waits only for the
+    chunk in flight (lands ~75 ms in, not ~200 ms), the prefetch resumes after it and
+    lands last; both slots hold their expert's exact bytes."""
+    pf, demand, preempted, landed = _chunked_run((1, 0), (0, 2))
+    assert preempted == 1
+    assert landed["demand"] < landed["prefetch"]
+    assert demand.started_at - pf.started_at < 0.09  # not after the whole 100 ms prefetch
+
+
+def test_chunked_prefetch_for_the_demands_layer_finishes_first() -> None:
+    """The same, but the prefetch is for the demand's own layer: it is not overtaken."""
+    pf, demand, preempted, landed = _chunked_run((0, 0), (0, 2))
+    assert preempted == 0
+    assert demand.started_at - pf.started_at >= 0.095
