@@ -5,8 +5,11 @@ load, no trace recording) and returns a :class:`RunSpec`; anything misspelled ra
 :class:`~moeexp.errors.ConfigError` naming what is valid:
 
 - top-level keys: only the config groups plus ``trace`` and ``experiment_name``;
-- ``predictor`` / ``cache`` / ``logger`` / ``backend``: the name must be registered and
-  every other key must be a keyword of its constructor (:meth:`Registry.build`);
+- ``predictor`` / ``cache`` / ``logger`` / ``backend`` / ``scheduler``: the name must be
+  registered and every other key must be a keyword of its constructor
+  (:meth:`Registry.build`); a continuous ``scheduler`` (``fcfs``, ``emoe``) needs
+  ``backend=sim`` with ``batch_size=1`` and a T_max (``backend.serving.max_batch_tokens``)
+  that holds one fixed-length prompt;
 - ``model`` / ``trace`` / ``system``: typed frozen dataclasses (unknown keys raise);
 - ``dataset``: :class:`moeexp.data.prompts.DatasetConfig` (and ``path`` must exist);
 - ``hardware``: :meth:`moeexp.costmodel.hardware.HardwareProfile.from_mapping` of the
@@ -37,6 +40,7 @@ from moeexp.eval.stage import EvalSpec, eval_spec
 from moeexp.paths import load_group_yaml
 from moeexp.predictors import PREDICTORS, check_predictor
 from moeexp.registry import GroupChoice, group_choice, to_dict, typed
+from moeexp.schedulers import check_scheduler
 from moeexp.traces.importers import resolve_source
 from moeexp.tracking.loggers import LOGGERS
 
@@ -45,11 +49,12 @@ from moeexp.tracking.loggers import LOGGERS
 #: A new config group must be added here, or a run with it fails validation.
 TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger",
-    "trace", "experiment_name", "eval", "resume", "cost",
+    "trace", "experiment_name", "eval", "resume", "cost", "scheduler",
 })
 #: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true,
-#: ``cost`` absent = no projection).
-OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume", "cost"})
+#: ``cost`` absent = no projection, ``scheduler`` absent = ``static``).
+OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume", "cost",
+                                           "scheduler"})
 
 
 # ----------------------------------------------------------------------------- typed groups
@@ -187,6 +192,8 @@ class RunSpec:
     experiment_name: str | None
     resume: bool = True
     cost: CostSpec = CostSpec()
+    #: the ``scheduler`` group: ``static`` (today's batches) or a continuous one (sim only)
+    scheduler: GroupChoice = GroupChoice("static", {})
 
 
 # ----------------------------------------------------------------------------- checks
@@ -214,6 +221,30 @@ def _check_imported(spec: RunSpec) -> None:
     if spec.eval.enabled:
         raise ConfigError(f"trace.source={spec.trace.source}: eval={spec.eval.name} needs the "
                           "model; an imported trace is routing only (use eval=none)")
+
+
+def _check_scheduler(spec: RunSpec) -> None:
+    """A known scheduler with valid keys; a continuous one only with ``backend=sim``, a
+    static batch size of 1 and a T_max that holds one fixed-length prompt."""
+    check_scheduler(spec.scheduler)
+    name = spec.scheduler.name
+    if name == "static":
+        return
+    if spec.backend.name != "sim":
+        raise ConfigError(f"scheduler={name}: continuous batching runs in the simulator only "
+                          f"(backend=sim); backend={spec.backend.name} serves static batches "
+                          "(use scheduler=static)")
+    if spec.backend.kwargs.get("batch_size", 1) != 1:
+        raise ConfigError(f"scheduler={name}: backend.batch_size="
+                          f"{spec.backend.kwargs.get('batch_size')} is static batching's; the "
+                          "continuous batch is bounded by backend.serving.max_running and "
+                          "max_batch_tokens (set batch_size=1)")
+    t_max = (spec.backend.kwargs.get("serving") or {}).get("max_batch_tokens")
+    ds = spec.dataset
+    if isinstance(t_max, int) and ds.lengths == "fixed" and t_max < ds.input_len:
+        raise ConfigError(f"scheduler={name}: backend.serving.max_batch_tokens={t_max} is "
+                          f"below one prompt (dataset.input_len={ds.input_len}); T_max must "
+                          f"be >= {ds.input_len} (no chunked prefill)")
 
 
 def _check_dataset(cfg: Any) -> DatasetConfig:
@@ -254,6 +285,7 @@ def validate(cfg: DictConfig) -> RunSpec:
         experiment_name=cfg.get("experiment_name"),
         resume=bool(cfg.get("resume", True)),
         cost=typed(CostSpec, to_dict(cfg.get("cost") or {}), "cost"),
+        scheduler=group_choice(cfg.get("scheduler") or {"name": "static"}, "scheduler"),
     )
     if spec.cost.as_model is not None and not load_group_yaml("model", spec.cost.as_model).get("arch"):
         raise ConfigError(f"cost.as_model={spec.cost.as_model}: that preset has no arch: block "
@@ -265,6 +297,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     else:
         _check_imported(spec)
     check_cache(spec.cache)
+    _check_scheduler(spec)
     BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
     LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     return spec

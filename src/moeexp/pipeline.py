@@ -54,7 +54,7 @@ from moeexp.backends import BACKENDS, BackendContext
 from moeexp.cache import build_cache
 from moeexp.config import RunSpec, validate
 from moeexp.costmodel.projection import copy_to_compute, project
-from moeexp.costmodel.roofline import CostModel
+from moeexp.costmodel.roofline import CostModel, kv_bytes_per_token
 from moeexp.data.prompts import sample_prompts
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalInputs, run_eval
@@ -236,7 +236,8 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
                          trace=test, predictor=predictor, cache=cache,
                          cost=_cost_model(spec, trace.dims, loaded), seed=spec.trace.seed,
-                         store=store, run_dir=run_dir)
+                         store=store, run_dir=run_dir, scheduler=spec.scheduler,
+                         kv_bytes_per_token=_kv_bytes_per_token(spec, loaded))
     regime = {"cost_as_model": spec.cost.as_model or "", "cost_expert_bytes_scale":
               float(spec.cost.expert_bytes_scale), "cost_expert_bytes": ctx.cost.expert_bytes,
               "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k)}
@@ -311,6 +312,31 @@ def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
                              where=f"cost.as_model={spec.cost.as_model}")
         dims = project(dims, onto, float(spec.cost.expert_bytes_scale))
     return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded))
+
+
+def _kv_bytes_per_token(spec: RunSpec, loaded: Any) -> int | None:
+    """KV-cache bytes per token of the model whose cost dims the run uses (the projection's
+    ``cost.as_model`` preset, else the loaded model's config, else the preset's ``arch``),
+    at the weights' bytes per element; None when neither says (continuous batching then
+    falls back to the cost model's MHA width). Only a continuous scheduler reads it."""
+    from moeexp.paths import load_group_yaml
+
+    if spec.scheduler.name == "static":
+        return None
+    arch: Any = None
+    if spec.cost.as_model is not None:
+        arch = load_group_yaml("model", spec.cost.as_model).get("arch")
+    elif loaded is not None and getattr(loaded.model, "config", None) is not None:
+        arch = loaded.model.config.to_dict()
+    else:
+        arch = spec.model.arch
+    if not arch:
+        return None
+    try:
+        return kv_bytes_per_token(arch, _dtype_bytes(spec, loaded))
+    except ConfigError as err:
+        log.warning("KV bytes per token unknown (%s): using the cost model's MHA width", err)
+        return None
 
 
 def _dtype_bytes(spec: RunSpec, loaded: Any) -> int:

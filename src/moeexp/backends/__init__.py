@@ -13,6 +13,7 @@ cache, cost model, seed); a new backend registers a class here and gets the same
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,11 @@ from typing import Any
 from moeexp.backends.base import BACKENDS, Backend, BackendContext, BackendResult
 from moeexp.costmodel.fitted import load_cost_model
 from moeexp.errors import ConfigError
+from moeexp.registry import typed
+from moeexp.schedulers import build_scheduler
 from moeexp.simulator import simulate
+from moeexp.simulator.continuous import ServingSettings, not_applicable_reason, serve
+from moeexp.simulator.serving_profile import fit_serving_profile
 
 __all__ = ["BACKENDS", "Backend", "BackendContext", "BackendResult"]
 
@@ -42,6 +47,13 @@ class SimBackend:
         cost_profile: path of a calibrated profile (``calibration.json`` of a
             ``sim_vs_engine`` run, :mod:`moeexp.costmodel.fitted`): its fitted cost model
             replaces the ``hardware`` profile's roofline; None = the hardware profile.
+        serving: the batching loop's budgets and SLO targets for a continuous scheduler
+            (``scheduler=fcfs|emoe``; keys of
+            :class:`~moeexp.simulator.continuous.ServingSettings`); ignored by ``static``.
+
+    With ``scheduler=static`` (the default) it runs :func:`moeexp.simulator.simulate` as
+    before; otherwise :func:`moeexp.simulator.continuous.serve` with the scheduler fitted
+    on the store split (:func:`~moeexp.simulator.serving_profile.fit_serving_profile`).
     """
 
     batch_size: int = 1
@@ -50,6 +62,7 @@ class SimBackend:
     restricted_routing: bool = False
     progress: bool = True
     cost_profile: str | None = None
+    serving: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.batch_size < 1:
@@ -62,18 +75,52 @@ class SimBackend:
         if self.cost_profile is not None and not Path(self.cost_profile).expanduser().is_file():
             raise ConfigError(f"backend=sim: cost_profile={self.cost_profile!r} does not exist "
                               "(a calibration.json written by +experiment=sim_vs_engine, or null)")
+        self.settings()
+
+    def settings(self) -> ServingSettings:
+        """The ``serving`` block, typed and checked (ConfigError naming a bad key/value)."""
+        return typed(ServingSettings, dict(self.serving or {}), "backend.serving")
 
     def run(self, ctx: BackendContext) -> BackendResult:
         online = self.arrival_rate is not None
         cost = ctx.cost
         if self.cost_profile is not None:
             cost = load_cost_model(self.cost_profile, ctx.trace.dims, dtype_bytes=cost.dtype_bytes)
+        if ctx.scheduler is not None and ctx.scheduler.name != "static":
+            return self._serve(ctx, cost)
         res = simulate(ctx.trace, ctx.predictor, ctx.cache, cost,
                        batch_size=self.batch_size, arrival_rate=self.arrival_rate,
                        restricted_routing=self.restricted_routing,
                        seed=ctx.seed, progress=self.progress,
                        num_requests=self.num_online_requests if online else None)
         metrics: dict[str, Any] = dict(res.metrics)
+        if self.cost_profile is not None:
+            metrics["cost_profile"] = str(self.cost_profile)
+        return BackendResult(metrics, dict(res.series))
+
+    def _serve(self, ctx: BackendContext, cost: Any) -> BackendResult:
+        """Continuous batching under ``ctx.scheduler`` (a policy needing the whole future
+        access stream is reported not applicable)."""
+        assert ctx.scheduler is not None
+        reason = not_applicable_reason(ctx.cache)
+        if reason is not None:
+            return BackendResult({"status": "not_applicable", "not_applicable_reason": reason,
+                                  "scheduler": ctx.scheduler.name})
+        if ctx.store is None:
+            raise ConfigError(f"scheduler={ctx.scheduler.name}: needs the store split (its "
+                              "serving profile is fitted there)")
+        profile = fit_serving_profile(ctx.store, cost, ctx.cache.capacity_slots)
+        online = self.arrival_rate is not None
+        res = serve(ctx.trace, ctx.predictor, ctx.cache, cost, build_scheduler(ctx.scheduler),
+                    profile, settings=self.settings(), kv_bytes_per_token=ctx.kv_bytes_per_token,
+                    arrival_rate=self.arrival_rate, restricted_routing=self.restricted_routing,
+                    seed=ctx.seed, progress=self.progress,
+                    num_requests=self.num_online_requests if online else None)
+        metrics: dict[str, Any] = {
+            **res.metrics, "serving_token_ms": profile.token_s * 1e3,
+            "serving_expert_load_ms": profile.expert_load_s * 1e3,
+            "serving_output_len_mean": profile.output_len_mean,
+            "kv_bytes_per_token": float(ctx.kv_bytes_per_token or cost.kv_bytes_per_token())}
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
         return BackendResult(metrics, dict(res.series))

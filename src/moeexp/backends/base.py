@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from moeexp.registry import Registry
+from moeexp.registry import GroupChoice, Registry
 from moeexp.traces.schema import Trace
 
 
@@ -29,6 +29,9 @@ class BackendContext:
         store: the store split of the trace (what predictor and cache were fitted on);
             backends that build more policies (``sim_vs_engine``) fit them on it.
         run_dir: the run's results directory (backends that write files of their own).
+        scheduler: the ``scheduler`` group (None = ``static``, today's batches).
+        kv_bytes_per_token: KV-cache bytes per token from the model's config
+            (:func:`moeexp.costmodel.roofline.kv_bytes_per_token`); None = unknown.
     """
 
     loaded: Any
@@ -40,6 +43,8 @@ class BackendContext:
     seed: int
     store: Trace | None = None
     run_dir: Path | None = None
+    scheduler: GroupChoice | None = None
+    kv_bytes_per_token: int | None = None
 
 
 @dataclass
