@@ -1,10 +1,18 @@
-"""Prompt sampling: seeding, split disjointness, fixed/natural lengths, errors, task labels."""
+"""Prompt sampling: seeding, split disjointness, fixed/natural lengths, errors, task labels,
+the test split's serving order."""
 
 from __future__ import annotations
 
 import pytest
 
-from moeexp.data.prompts import TASKS, DatasetConfig, classify_task, encode_prompt, sample_prompts
+from moeexp.data.prompts import (
+    TASKS,
+    DatasetConfig,
+    classify_task,
+    encode_prompt,
+    sample_prompts,
+    serving_order,
+)
 from moeexp.data.sharegpt import first_pair, is_model_heldout, load_sharegpt
 from moeexp.errors import ConfigError, DataError
 
@@ -167,6 +175,60 @@ def test_bad_config_keys_and_values():
         DatasetConfig.from_mapping({"name": "lmsys", "pool": "all"})
     with pytest.raises(ConfigError, match="valid: lmsys, sharegpt"):
         DatasetConfig.from_mapping({"name": "nope"})
+    with pytest.raises(ConfigError, match="task_classifier='bert'; valid: logreg, centroid, keyword"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "task_classifier": "bert"})
+    with pytest.raises(ConfigError, match="prompt_order='sorted'; valid: shuffled, task_clustered"):
+        DatasetConfig.from_mapping({"name": "lmsys", "prompt_order": "sorted"})
+    with pytest.raises(ConfigError, match=r"task_threshold=1.5: a probability in \[0, 1\]"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "task_threshold": 1.5})
+    with pytest.raises(ConfigError, match=r"task_threshold=-2: a cosine similarity in \[-1, 1\]"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "task_classifier": "centroid",
+                                    "task_threshold": -2})
+    with pytest.raises(ConfigError, match="no meaning for task_classifier=keyword"):
+        DatasetConfig.from_mapping({"name": "sharegpt", "task_classifier": "keyword",
+                                    "task_threshold": 0.2})
+
+
+def test_serving_order_by_hand():
+    """[a, b, a, c, b]: task_clustered -> a's (0, 2), then b's (1, 4), then c (3); shuffled
+    keeps the given order; an unknown order names the valid ones."""
+    tasks = ["a", "b", "a", "c", "b"]
+    assert serving_order(tasks, "task_clustered") == [0, 2, 1, 4, 3]
+    assert serving_order(tasks, "shuffled") == [0, 1, 2, 3, 4]
+    assert serving_order([], "task_clustered") == []
+    with pytest.raises(ConfigError, match="valid: shuffled, task_clustered"):
+        serving_order(tasks, "random")
+
+
+def test_task_clustered_reorders_only_the_test_split(tokenizer):
+    """Same prompts as shuffled; store identical (ids 0..13); the test prompts are the
+    same set with ids 14..19 in serving order, each task one contiguous run, the runs in
+    the order of each task's first appearance in the shuffled order, and the shuffled order
+    kept within a run."""
+    cfg = sharegpt_cfg(task_classifier="keyword")
+    a = sample_prompts(cfg, tokenizer)
+    b = sample_prompts({**cfg, "prompt_order": "task_clustered"}, tokenizer)
+    assert [p for p in a if p.split == "store"] == [p for p in b if p.split == "store"]
+    ta = [p for p in a if p.split == "test"]
+    tb = [p for p in b if p.split == "test"]
+    assert [p.request_id for p in tb] == list(range(14, 20))
+    key = lambda p: (p.text, p.task, p.input_ids)  # noqa: E731
+    assert sorted(map(key, ta)) == sorted(map(key, tb))
+    want = [ta[i] for i in serving_order([p.task for p in ta], "task_clustered")]
+    assert [key(p) for p in tb] == [key(p) for p in want]
+    runs = [t for i, t in enumerate(p.task for p in tb) if i == 0 or tb[i - 1].task != t]
+    assert len(runs) == len(set(runs)) >= 2  # contiguous runs, and more than one task
+
+
+def test_default_classifier_is_logreg_and_keyword_keeps_the_old_labels(tokenizer):
+    """The default labels come from logreg (labels in TASKS); task_classifier=keyword gives
+    exactly classify_task's labels of the same texts (the old behaviour)."""
+    a = sample_prompts(sharegpt_cfg(), tokenizer)
+    k = sample_prompts(sharegpt_cfg(task_classifier="keyword"), tokenizer)
+    assert DatasetConfig.from_mapping({"name": "sharegpt"}).task_classifier == "logreg"
+    assert [p.text for p in a] == [p.text for p in k]
+    assert all(p.task in TASKS for p in a)
+    assert [p.task for p in k] == [classify_task(p.text) for p in k]
 
 
 def test_lmsys_sampling_from_fixture(tokenizer, make_lmsys, tmp_path):
@@ -206,3 +268,4 @@ def test_dataset_yaml_builds(name, lens):
     c = DatasetConfig.from_mapping(load_group_yaml("dataset", name))
     assert c.name == name and (c.input_len, c.output_len) == lens
     assert c.num_prompts == 64 and c.store_fraction == 0.7 and c.lengths == "fixed"
+    assert (c.task_classifier, c.task_threshold, c.prompt_order) == ("logreg", None, "shuffled")
