@@ -207,7 +207,7 @@ class ReplaySeries:
     passes: list[int] = field(default_factory=list)
 
 
-def _latencies(start: float, ends: list[float], prefill: bool) -> tuple[float, float, float]:
+def request_latencies(start: float, ends: list[float], prefill: bool) -> tuple[float, float, float]:
     """(ttft, tpot, e2e) seconds of one request as the simulator defines them: with a
     prefill, TPOT = (last end - first end) / decode passes; decode-only, TTFT is undefined
     and TPOT = (last end - start) / passes."""
@@ -253,7 +253,7 @@ def replay_requests(om: OffloadedModel, replay: RoutingReplay, *,
                 finally:
                     replay.end()
                 ends.append(time.perf_counter())
-        ttft, tpot, e2e = _latencies(start, ends, prefill)
+        ttft, tpot, e2e = request_latencies(start, ends, prefill)
         om.timing.ttft.append(ttft)
         om.timing.tpot.append(tpot)
         om.timing.e2e.append(e2e)

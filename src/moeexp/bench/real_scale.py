@@ -1,0 +1,492 @@
+"""Real scale (issue 15): a random-weight gpt-oss-20b in the engine, driven by the real
+trace's routing, and the simulator held to it.
+
+``python -m moeexp.bench.real_scale [--out DIR] [--dry-run]`` (``make bench-real-scale``)::
+
+    model     gpt-oss-20b's arch (conf/model/gpt_oss_20b.yaml), random weights
+              (moeexp.models.random_init): experts in pinned host memory, the rest on the GPU
+    trace     the shipped gpt-oss-20b routing (trace.source=gpt_oss_20b, routing only,
+              decode steps only), split store/test (70/30, seed 0); test requests truncated
+              to their first --passes decode steps, store requests to --store-passes
+    h2d       achieved bandwidth of the engine's copies of real-size experts (every slot
+              loaded back to back) against one plain pinned copy of as many bytes
+    calibrate the simulator's cost model fitted on the engine (moeexp.engine.profile:
+              compute with every expert resident, copies of 0.25-4 experts)
+    overhead  plain forward passes with every expert on the GPU (routing forced the same
+              way) against the engine's no_offload on the same passes
+    systems   at 12.5 / 25 / 50 % of expert memory (no_offload: all of it, where it fits):
+              the engine in routing-replay mode (moeexp.engine.routing_replay) and the
+              simulator with the calibrated cost model on the same test passes: TPOT, hit
+              rate, bytes, the stall decomposition (moeexp.metrics.traffic_metrics), and
+              the simulator's TPOT error per request; a system whose predictor needs what
+              the trace lacks (mixtral_offloading: speculative gates) is not applicable
+
+Everything lands in one folder (atomic writes): ``results.json`` (all numbers, the
+environment, the settings), ``systems.csv`` (one row per system and capacity) and
+``summary.md``. Results say ``routing_source: replay``, ``exact: false``: the model's
+weights are random, its routing the trace's.
+
+``--dry-run``: the same code path on the CPU at a reduced size (gpt-oss's 24 layers, 32
+experts and top-4, hidden size 64, vocabulary 512), a few short requests: a check that the
+script runs, not a result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import logging
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from moeexp.atomic import write_json, write_text
+from moeexp.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+MODEL = "gpt_oss_20b"
+SYSTEMS: tuple[str, ...] = ("no_offload", "deepspeed", "mixtral_offloading", "moe_infinity",
+                            "finemoe", "oracle")
+CAPACITIES: tuple[float, ...] = (0.125, 0.25, 0.5)
+#: The dry run's arch: gpt-oss-20b's L, J, K (the trace's) with everything else shrunk.
+DRY_ARCH = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 512}
+COPY_FACTORS = (0.25, 0.5, 1.0, 2.0, 4.0)
+ROW_KEYS = ("tpot_ms_mean", "hit_rate", "h2d_bytes_total", "stall_ms_total",
+            "stall_demand_ms_total", "stall_late_prefetch_ms_total", "stall_link_ms_total",
+            "h2d_demand_bytes_per_token", "prefetch_used_bytes_per_token",
+            "prefetch_waste_bytes_per_token", "prefetches_issued", "demand_loads_total",
+            "prediction_recall", "accesses_total")
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What one run does (the CLI's flags; :meth:`dry` the dry run's values)."""
+
+    out: Path
+    device: str = "cuda"
+    dry_run: bool = False
+    systems: tuple[str, ...] = SYSTEMS
+    capacities: tuple[float, ...] = CAPACITIES
+    test_requests: int = 4
+    passes: int = 32
+    store_requests: int = 64
+    store_passes: int | None = 128
+    profile_requests: int = 4
+    profile_prompt: int = 32
+    profile_new: int = 16
+    copy_repeats: int = 4
+    seed: int = 0
+
+    @classmethod
+    def dry(cls, out: Path) -> Settings:
+        return cls(out=out, device="cpu", dry_run=True, test_requests=2, passes=3,
+                   store_requests=4, store_passes=8, profile_requests=2, profile_prompt=6,
+                   profile_new=3, copy_repeats=2)
+
+
+def truncate(trace: Any, requests: int, passes: int | None) -> Any:
+    """The first ``requests`` requests of ``trace``, each cut to its first ``passes``
+    iterations (by step; None keeps all)."""
+    from moeexp.engine.routing_replay import ordered
+
+    tr = ordered(trace.select([r.request_id for r in trace.requests[:requests]]))
+    keep = []
+    for r in tr.requests:
+        its = tr.request_iterations(r.request_id)
+        keep.extend(its[:passes].tolist() if passes is not None else its.tolist())
+    rows = np.concatenate([np.arange(tr.iter_offsets[i], tr.iter_offsets[i + 1]) for i in keep])
+    lens = np.diff(tr.iter_offsets)[keep]
+
+    def take(a: Any) -> Any:
+        return None if a is None else a[rows]
+
+    reqs = [dataclasses.replace(r, output_len=int(np.sum(tr.iter_request[keep] == r.request_id)))
+            for r in tr.requests]
+    return dataclasses.replace(
+        tr, requests=reqs, iter_request=tr.iter_request[keep], iter_step=tr.iter_step[keep],
+        iter_offsets=np.concatenate([[0], np.cumsum(lens)]).astype(np.int64),
+        probs=take(tr.probs), topk_idx=tr.topk_idx[rows], topk_weight=tr.topk_weight[rows],
+        embed=take(tr.embed), token_ids=take(tr.token_ids), spec_probs=take(tr.spec_probs),
+        hidden=take(tr.hidden), meta=dict(tr.meta))
+
+
+def _model_and_traces(s: Settings) -> tuple[Any, Any, Any, Any]:
+    """(model, adapter, store trace, test trace) on the model's own dims."""
+    import torch
+
+    from moeexp.models.adapters import adapter_for
+    from moeexp.models.random_init import random_model
+    from moeexp.paths import load_group_yaml
+    from moeexp.traces.importers import load_imported
+    from moeexp.traces.recorder import trace_dims
+
+    arch = dict(load_group_yaml("model", MODEL)["arch"])
+    model = random_model(arch, device=s.device, dtype=torch.bfloat16,
+                         overrides=DRY_ARCH if s.dry_run else None, seed=s.seed, where=MODEL)
+    adapter = adapter_for(model)
+    trace = load_imported(MODEL, arch, model=MODEL, seed=s.seed)
+    trace = dataclasses.replace(trace, dims=trace_dims(adapter, 0))  # this model's bytes
+    store = truncate(trace.split("store"), s.store_requests, s.store_passes)
+    test = truncate(trace.split("test"), s.test_requests, s.passes)
+    return model, adapter, store, test
+
+
+def _h2d_bandwidth(model: Any, adapter: Any, repeats: int) -> dict[str, Any]:
+    """Engine copies (every slot of a 12.5 % budget loaded back to back) against one plain
+    pinned copy of as many bytes (CPU: plain memcpy both ways)."""
+    import torch
+
+    from moeexp.engine import offload
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    with offload(model, system="deepspeed", capacity=0.125) as om:
+        eng = om.engine
+        keys = [(layer, e) for layer in range(eng.L) for e in range(eng.J)][:eng.pool.num_slots]
+        nbytes = len(keys) * eng.spec.nbytes
+        engine_s = []
+        for _ in range(repeats + 1):  # the first round warms the copy path up
+            with eng.lock:
+                for k in list(eng.pool.slot_of):
+                    eng._evict(k)
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            eng.preload(keys)
+            if cuda:
+                torch.cuda.synchronize()
+            engine_s.append(time.perf_counter() - t0)
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda" if cuda else "cpu")
+    plain_s = []
+    for _ in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
+        plain_s.append(time.perf_counter() - t0)
+    e_bw, p_bw = nbytes / min(engine_s[1:]), nbytes / min(plain_s[1:])
+    return {"h2d_engine_gbps": e_bw / 1e9, "h2d_plain_gbps": p_bw / 1e9,
+            "h2d_ratio": e_bw / p_bw, "h2d_bytes": nbytes, "h2d_experts": len(keys),
+            "expert_mib": eng.spec.nbytes / 2**20}
+
+
+def _calibrate(model: Any, adapter: Any, s: Settings) -> tuple[Any, dict[str, float]]:
+    """The simulator's cost model fitted on this engine (compute + copies)."""
+    import types
+
+    import torch
+
+    from moeexp.costmodel.fitted import CalibratedCostModel, fit_profile
+    from moeexp.engine.profile import profile_compute, profile_copy
+    from moeexp.engine.runtime import EngineSettings
+    from moeexp.traces.recorder import trace_dims
+
+    loaded = types.SimpleNamespace(model=model, adapter=adapter, tokenizer=None, name=MODEL)
+    g = torch.Generator().manual_seed(s.seed)
+    vocab = int(model.config.vocab_size)
+    reqs = [(torch.randint(3, vocab, (s.profile_prompt * (1 + i % 2),), generator=g).tolist(),
+             s.profile_new) for i in range(s.profile_requests)]
+    samples = profile_compute(loaded, reqs, settings=EngineSettings(), warmup=1)
+    dims = trace_dims(adapter, 0)
+    device = next(model.parameters()).device
+    profile_copy(device, dims.expert_bytes, repeats=s.copy_repeats, factors=COPY_FACTORS,
+                 dtype=torch.bfloat16, samples=samples)
+    calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
+                        intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
+                        meta={"device": str(device), "model": MODEL})
+    cost = CalibratedCostModel.from_calibration(calib, dims, dtype_bytes=2)
+    fit = {f"calib_{k[:-2]}_us": getattr(calib, k) * 1e6
+           for k in ("layer_s", "dense_token_s", "expert_s", "expert_token_s", "decode_pass_s",
+                     "copy_latency_s")}
+    fit["calib_copy_gbps"] = calib.copy_bytes_per_s / 1e9
+    return cost, fit
+
+
+def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
+    """Mean TPOT (ms) of plain forward passes, every expert on the device, the routers
+    forced to the trace (the same passes as the engine's): the overhead's reference."""
+    import inspect
+
+    import torch
+    from transformers import DynamicCache
+
+    from moeexp.engine.routing_replay import RoutingReplay, request_latencies
+    from moeexp.models.random_init import experts_resident
+
+    device = next(model.parameters()).device
+    replay = RoutingReplay(test, adapter)
+    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    handles = replay.install()
+    tpots = []
+    try:
+        with experts_resident(model, device), torch.no_grad():
+            for req in replay.trace.requests:
+                its = replay.trace.request_iterations(req.request_id)
+                cache, ends = DynamicCache(config=model.config), []
+                start = time.perf_counter()
+                for it in its:
+                    replay.begin(int(it))
+                    model(input_ids=replay.token_ids(int(it)), use_cache=True, **{kv: cache})
+                    replay.end()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    ends.append(time.perf_counter())
+                tpots.append(request_latencies(start, ends, bool(replay.trace.iter_step[its[0]] == 0))[1])
+    finally:
+        for h in handles:
+            h.remove()
+    return float(np.mean(tpots)) * 1e3
+
+
+def _free_device() -> None:
+    """Free a closed engine's slot buffers now (engine and predictor runner refer to each
+    other, so only the cycle collector frees them) and give cached blocks back."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _fits_on_device(model: Any, adapter: Any) -> tuple[bool, str]:
+    """Whether every expert fits on the device next to what is there (no_offload)."""
+    import torch
+
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return True, ""
+    _free_device()
+    free = torch.cuda.mem_get_info(device)[0]
+    need = adapter.total_expert_bytes() + (2 << 30)
+    if need > free:
+        return False, (f"not applicable: every expert needs {need / 2**30:.1f} GiB of device "
+                       f"memory, {free / 2**30:.1f} GiB is free")
+    return True, ""
+
+
+def _fitted(system: str, capacity: float, store: Any, dims: Any, fits: dict[str, Any]
+            ) -> tuple[Any, Any, Any, dict[str, Any], list[str]]:
+    """(predictor, cache for the engine, cache for the simulator, engine settings, what
+    the trace lacks); each system's predictor is fitted on the store once (``fits``)."""
+    from moeexp.cache import build_cache
+    from moeexp.predictors import build_predictor
+    from moeexp.systems import resolve_system
+    from moeexp.traces.schema import missing_for
+
+    pcfg, ccfg, settings = resolve_system(system, cache={"capacity": capacity},
+                                          model={"prefetch_distance": 3})
+    if system not in fits:
+        pred = build_predictor(pcfg, dims)
+        lacks = missing_for(frozenset(pred.needs), store.capabilities)
+        if not lacks:
+            pred.fit(store)
+        fits[system] = (pred, lacks)
+    pred, lacks = fits[system]
+    caches = []
+    for _ in range(2):
+        c = build_cache(ccfg, dims)
+        c.fit(store)
+        caches.append(c)
+    return pred, caches[0], caches[1], settings, lacks
+
+
+def _tpot_error_pct(sim: Sequence[float], eng: Sequence[float]) -> float:
+    """Mean over requests of |sim - engine| / engine TPOT, in % (finite pairs only)."""
+    pairs = [(a, b) for a, b in zip(sim, eng, strict=True)
+             if np.isfinite(a) and np.isfinite(b) and b > 0]
+    return float(np.mean([abs(a - b) / b for a, b in pairs]) * 100) if pairs else float("nan")
+
+
+def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, system: str,
+                capacity: float, fits: dict[str, Any]) -> dict[str, Any]:
+    """The engine (routing replay) and the simulator on one system and capacity."""
+
+    from moeexp.engine.build import build_offloaded, engine_settings
+    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
+    from moeexp.simulator import simulate
+
+    row: dict[str, Any] = {"system": system, "capacity": capacity}
+    if system == "finemoe" and "embed" not in test.capabilities:
+        system = "finemoe_no_semantic"  # its semantic search keys on embedding outputs
+        row.update(system=system, requested="finemoe")
+    pred, pol_e, pol_s, settings, lacks = _fitted(system, capacity, store, test.dims, fits)
+    if lacks:
+        return {**row, "status": "not_applicable",
+                "reason": f"not applicable: the trace lacks {', and '.join(lacks)}"}
+    if system == "no_offload":
+        ok, why = _fits_on_device(model, adapter)
+        if not ok:
+            return {**row, "status": "not_applicable", "reason": why}
+    replay = RoutingReplay(test, adapter)
+    t0 = time.perf_counter()
+    with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, engine_settings(settings),
+                         system=system, routing=replay) as om:
+        series = replay_requests(om, replay)
+        em = om.metrics()
+    wall = time.perf_counter() - t0
+    del om
+    _free_device()
+    sim = simulate(test, copy.deepcopy(pred), pol_s, cost, progress=False)
+    sm = sim.metrics
+    by_id = dict(zip(sim.series["request_id"], sim.series["tpot_ms"], strict=True))
+    row.update(status="ok", reason="", slots=int(pol_e.capacity_slots), engine_wall_s=wall,
+               tpot_error_pct=_tpot_error_pct([by_id[r] for r in series.request_id],
+                                              series.tpot_ms))
+    for k in ROW_KEYS:
+        row[f"engine_{k}"], row[f"sim_{k}"] = float(em[k]), float(sm[k])
+    row["hit_rate_diff"] = row["sim_hit_rate"] - row["engine_hit_rate"]
+    log.info("%-20s %5.1f%%  TPOT engine %.2f sim %.2f ms (err %.1f%%)  hit engine %.3f sim "
+             "%.3f  h2d %.2f GB", system, capacity * 100, row["engine_tpot_ms_mean"],
+             row["sim_tpot_ms_mean"], row["tpot_error_pct"], row["engine_hit_rate"],
+             row["sim_hit_rate"], row["engine_h2d_bytes_total"] / 1e9)
+    return row
+
+
+def _systems(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
+             s: Settings) -> list[dict[str, Any]]:
+    """Every system at every capacity (no_offload once, at all of expert memory)."""
+    fits: dict[str, Any] = {}
+    rows = []
+    for system in s.systems:
+        for cap in ((1.0,) if system == "no_offload" else s.capacities):
+            try:
+                rows.append(_one_system(model, adapter, store, test, cost, system, cap, fits))
+            except ConfigError as exc:  # e.g. a capacity below top-k experts
+                rows.append({"system": system, "capacity": cap, "status": "not_applicable",
+                             "reason": str(exc)})
+    return rows
+
+
+def _environment(device: str) -> dict[str, Any]:
+    import platform
+
+    import torch
+
+    env: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda,
+                           "python": platform.python_version(), "device": device,
+                           "torch_threads": torch.get_num_threads()}
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, gpu_mem_gib=p.total_memory / 2**30)
+    from moeexp.models.random_init import host_available_bytes
+
+    env["host_available_gib"] = host_available_bytes() / 2**30
+    return env
+
+
+def _summary_md(res: dict[str, Any]) -> str:
+    """A short markdown summary: the measurements, then one line per system."""
+    head = ("CPU dry run at reduced size (not a result)" if res["settings"]["dry_run"]
+            else f"GPU run: {res['environment'].get('gpu', res['environment']['device'])}")
+    lines = [f"# real_scale: {head}", "", f"routing_source: replay, exact: false; "
+             f"{res['test_requests']} test requests x {res['passes']} decode passes", ""]
+    for k in ("h2d", "calibration", "overhead"):
+        lines.append(f"- {k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
+                                            for a, b in res[k].items()))
+    lines += ["", "| system | capacity | engine TPOT ms | sim TPOT ms | TPOT err % | engine hit | "
+              "sim hit | engine H2D GB | stall demand/late/link ms | status |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["systems"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['system']} | {r['capacity']:.3f} | | | | | | | | {r['reason']} |")
+            continue
+        lines.append(
+            f"| {r['system']} | {r['capacity']:.3f} | {r['engine_tpot_ms_mean']:.2f} | "
+            f"{r['sim_tpot_ms_mean']:.2f} | {r['tpot_error_pct']:.1f} | "
+            f"{r['engine_hit_rate']:.3f} | {r['sim_hit_rate']:.3f} | "
+            f"{r['engine_h2d_bytes_total'] / 1e9:.3f} | {r['engine_stall_demand_ms_total']:.1f}/"
+            f"{r['engine_stall_late_prefetch_ms_total']:.1f}/{r['engine_stall_link_ms_total']:.1f}"
+            f" | ok |")
+    lines += ["", f"simulator TPOT error, mean over systems: {res['tpot_error_pct_mean']:.1f} %",
+              ""]
+    return "\n".join(lines)
+
+
+def run_real_scale(s: Settings) -> dict[str, Any]:
+    """Everything of the module docstring; writes ``s.out`` and returns results.json's dict."""
+    import torch
+
+    from moeexp.engine.routing_replay import replay_labels
+
+    if s.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"real_scale: device={s.device} but CUDA is not available (torch "
+                          f"{torch.__version__}); use --dry-run for the CPU check")
+    t0 = time.perf_counter()
+    model, adapter, store, test = _model_and_traces(s)
+    built = time.perf_counter() - t0
+    res: dict[str, Any] = {**replay_labels(test), "settings": {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
+        "environment": _environment(s.device), "model_build_s": built,
+        "model": adapter.describe(), "test_requests": len(test.requests), "passes": s.passes,
+        "store_requests": len(store.requests)}
+    res["h2d"] = _h2d_bandwidth(model, adapter, s.copy_repeats)
+    _free_device()
+    cost, res["calibration"] = _calibrate(model, adapter, s)
+    _free_device()
+    rows = _systems(model, adapter, store, test, cost, s)
+    plain = _plain_tpot_ms(model, adapter, test) if _fits_on_device(model, adapter)[0] \
+        else float("nan")
+    ref = next((r for r in rows if r["system"] == "no_offload" and r["status"] == "ok"), None)
+    eng = ref["engine_tpot_ms_mean"] if ref else float("nan")
+    res["overhead"] = {"plain_tpot_ms": plain, "engine_no_offload_tpot_ms": eng,
+                       "engine_over_plain": eng / plain if plain > 0 else float("nan")}
+    res["systems"] = rows
+    ok = [r["tpot_error_pct"] for r in rows if r["status"] == "ok"]
+    res["tpot_error_pct_mean"] = float(np.nanmean(ok)) if ok else float("nan")
+    res["wall_s"] = time.perf_counter() - t0
+    _write(res, s.out)
+    return res
+
+
+def _write(res: dict[str, Any], out: Path) -> None:
+    import pandas as pd
+
+    write_json(out / "results.json", res)
+    write_text(out / "systems.csv", pd.DataFrame(res["systems"]).to_csv(index=False))
+    write_text(out / "summary.md", _summary_md(res))
+
+
+def run() -> dict[str, Any]:
+    """``make bench`` (every bench module's ``run``) does not run this one: it is the GPU
+    script of issue 15, ~10 minutes on an H200."""
+    from moeexp.bench import BenchSkipped
+
+    raise BenchSkipped("real_scale is a GPU script: make bench-real-scale (or python -m "
+                       "moeexp.bench.real_scale --dry-run for its CPU check)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m moeexp.bench.real_scale",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--out", type=Path, default=None,
+                    help="output folder (default: results/real_scale/<time>)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, reduced size, a few requests: the same code path")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--test-requests", type=int, default=None)
+    ap.add_argument("--passes", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    out = args.out or Path("results/real_scale") / time.strftime("%Y-%m-%d_%H-%M-%S")
+    s = Settings.dry(out) if args.dry_run else Settings(out=out, device=args.device)
+    over = {k: v for k, v in (("test_requests", args.test_requests), ("passes", args.passes))
+            if v is not None}
+    s = dataclasses.replace(s, **over)
+    res = run_real_scale(s)
+    sys.stdout.write(_summary_md(res) + f"\noutputs in {out}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The real-scale GPU script's CPU dry run (the same code path at a reduced size)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from moeexp.bench import real_scale
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+    out = tmp_path_factory.mktemp("real_scale")
+    assert real_scale.main(["--dry-run", "--out", str(out)]) == 0
+    return out, json.loads((out / "results.json").read_text())
+
+
+def test_dry_run_writes_one_folder_labelled_not_exact(dry) -> None:
+    """results.json, systems.csv and summary.md; the run says it replayed routing (not
+    exact), ran on the CPU at reduced size, and had no prompt in the KV cache."""
+    out, res = dry
+    assert {p.name for p in out.iterdir()} == {"results.json", "systems.csv", "summary.md"}
+    assert res["routing_source"] == "replay" and res["exact"] is False
+    assert res["replay_prompt_in_kv"] is False
+    assert res["settings"]["dry_run"] is True and res["settings"]["device"] == "cpu"
+    assert res["model"]["num_moe_layers"] == 24 and res["model"]["num_experts"] == 32
+    assert (out / "summary.md").read_text().startswith("# real_scale: CPU dry run")
+    assert len(pd.read_csv(out / "systems.csv")) == len(res["systems"])
+
+
+def test_dry_run_rows(dry) -> None:
+    """Every system at every capacity (no_offload once); mixtral_offloading is not
+    applicable (no speculative gates), finemoe runs without its semantic search; the
+    timing-free deepspeed has the simulator's hit rate and bytes; no_offload moves no
+    byte and always hits."""
+    _, res = dry
+    rows = {(r["system"], r["capacity"]): r for r in res["systems"]}
+    assert len(rows) == 1 + 5 * 3
+    for cap in real_scale.CAPACITIES:
+        na = rows[("mixtral_offloading", cap)]
+        assert na["status"] == "not_applicable" and "speculative" in na["reason"]
+        assert rows[("finemoe_no_semantic", cap)]["status"] == "ok"
+        ds = rows[("deepspeed", cap)]
+        assert ds["engine_hit_rate"] == ds["sim_hit_rate"]
+        assert ds["engine_h2d_bytes_total"] == ds["sim_h2d_bytes_total"] > 0
+        for system in ("deepspeed", "moe_infinity", "finemoe_no_semantic", "oracle"):
+            r = rows[(system, cap)]
+            assert np.isfinite(r["engine_tpot_ms_mean"]) and np.isfinite(r["tpot_error_pct"])
+            parts = (r["engine_stall_demand_ms_total"] + r["engine_stall_late_prefetch_ms_total"]
+                     + r["engine_stall_link_ms_total"])
+            assert parts == pytest.approx(r["engine_stall_ms_total"], rel=1e-6, abs=1e-9)
+    ref = rows[("no_offload", 1.0)]
+    assert ref["engine_hit_rate"] == 1.0 and ref["engine_h2d_bytes_total"] == 0.0
+    assert res["h2d"]["h2d_engine_gbps"] > 0 and res["h2d"]["h2d_plain_gbps"] > 0
+    assert res["overhead"]["engine_over_plain"] > 0
+    assert np.isfinite(res["tpot_error_pct_mean"])
+
+
+def test_truncate_keeps_the_first_passes() -> None:
+    """truncate: the first n requests, each cut to its first passes, output_len updated."""
+    from moeexp.paths import load_group_yaml
+    from moeexp.traces.importers import load_imported
+
+    arch = load_group_yaml("model", "gpt_oss_20b")["arch"]
+    trace = load_imported("gpt_oss_20b", arch, model="gpt_oss_20b").split("test")
+    cut = real_scale.truncate(trace, 3, 5)
+    cut.validate()
+    assert [r.request_id for r in cut.requests] == [r.request_id for r in trace.requests[:3]]
+    assert cut.num_iterations == 15 and all(r.output_len == 5 for r in cut.requests)
+    first = trace.request_iterations(trace.requests[0].request_id)[:5]
+    rows = np.concatenate([np.arange(trace.iter_offsets[i], trace.iter_offsets[i + 1])
+                           for i in first])
+    assert np.array_equal(cut.topk_idx[:5], trace.topk_idx[rows])
