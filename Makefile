@@ -49,6 +49,10 @@ bench: $(STAMP) ## benchmarks: writes results/bench/*.json and prints a table
 bench-gpu: $(STAMP) ## CUDA checks in one pass: GPU tests, sim_vs_engine on CUDA, engine benchmarks (outputs in GPU_CHECK_DIR=dir or results/gpu_check/<time>)
 	PY=$(PY) bash scripts/gpu_check.sh
 
+.PHONY: bench-real-scale
+bench-real-scale: $(STAMP) ## issue 15 on a GPU (<=10 min, H200): random-weight gpt-oss-20b driven by the real trace's routing, engine vs simulator (REAL_SCALE_DIR=dir or results/real_scale/<time>; DRY_RUN=1: CPU check)
+	OMP_NUM_THREADS=$(if $(DRY_RUN),$(THREADS),8) $(PY) -m moeexp.bench.real_scale $(if $(DRY_RUN),--dry-run) $(if $(REAL_SCALE_DIR),--out $(REAL_SCALE_DIR))
+
 lint: $(STAMP) ## ruff + mypy on src/
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/mypy src/moeexp
