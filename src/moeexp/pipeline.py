@@ -350,7 +350,8 @@ def _dtype_bytes(spec: RunSpec, loaded: Any) -> int:
 
 
 def _identity(spec: RunSpec, trace: Trace) -> dict[str, Any]:
-    """The run's identity as strings, plus the split sizes."""
+    """The run's identity as strings, plus the split sizes and the test split's task count."""
+    recorded = spec.trace.source == "record"
     return {
         "system": spec.system.name,
         "predictor": spec.predictor.name,
@@ -364,6 +365,11 @@ def _identity(spec: RunSpec, trace: Trace) -> dict[str, Any]:
         "trace_hash": str(trace.meta.get("content_hash", trace.meta.get("hash", ""))),
         "requests_store": sum(r.split == "store" for r in trace.requests),
         "requests_test": sum(r.split == "test" for r in trace.requests),
+        # task labels and test order: dataset.* for a recorded trace; an imported one keeps
+        # its own (its category labels, its source order)
+        "task_classifier": spec.dataset.task_classifier if recorded else "trace",
+        "prompt_order": spec.dataset.prompt_order if recorded else "trace",
+        "tasks_test": len({r.task for r in trace.requests if r.split == "test"}),
     }
 
 

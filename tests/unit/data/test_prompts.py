@@ -269,3 +269,27 @@ def test_dataset_yaml_builds(name, lens):
     assert c.name == name and (c.input_len, c.output_len) == lens
     assert c.num_prompts == 64 and c.store_fraction == 0.7 and c.lengths == "fixed"
     assert (c.task_classifier, c.task_threshold, c.prompt_order) == ("logreg", None, "shuffled")
+
+
+def test_classifier_and_order_change_the_trace_cache_key(tokenizer):
+    """The trace store's content hash covers each prompt's task and request id, so another
+    classifier (other labels) or another test order names another trace: a cached trace
+    recorded with the old labels or order is never reused."""
+    import torch
+
+    from moeexp.traces.store import content_hash
+
+    class Loaded:
+        model = torch.nn.Linear(2, 2)
+
+    loaded = Loaded()
+    loaded.tokenizer = tokenizer
+    cfg = sharegpt_cfg(task_classifier="keyword")
+    kw = sample_prompts(cfg, tokenizer)
+    lr = sample_prompts({**cfg, "task_classifier": "logreg"}, tokenizer)
+    cl = sample_prompts({**cfg, "prompt_order": "task_clustered"}, tokenizer)
+    assert [p.task for p in kw] != [p.task for p in lr]
+    assert [p.text for p in kw] != [p.text for p in cl]
+    hashes = {content_hash(loaded, ps, {}) for ps in (kw, lr, cl)}
+    assert len(hashes) == 3
+    assert content_hash(loaded, kw, {}) == content_hash(loaded, sample_prompts(cfg, tokenizer), {})
