@@ -96,7 +96,7 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
         conf_dir: config root (default: the repository's ``conf/``).
         **overrides: mechanism settings (EngineSettings fields: ``bandwidth_bps``,
             ``restricted_routing``, ``renormalize``, ``predictor_async``, ``max_inflight``,
-            ``spec_depth``).
+            ``spec_depth``, ``copy_chunk_mb``).
 
     Raises:
         ConfigError / ModelLoadError: before any weight moves, for an unknown system,
