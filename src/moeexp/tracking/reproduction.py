@@ -91,6 +91,7 @@ class Stat:
         """``0.326±0.012`` (or the mean alone without an interval; ``–`` when empty)."""
         if not self.ok():
             return "–"
+        digits = 1 if abs(self.mean) >= 10 else digits  # milliseconds of a projected TPOT
         pm = f"±{self.half:.{digits}f}" if math.isfinite(self.half) else ""
         return f"{self.mean:.{digits}f}{pm}{unit}"
 
@@ -335,6 +336,24 @@ def chain_cell(runs: pd.DataFrame, col: str, labels: Sequence[object], metric: s
     return f"{verdict}: " + " ".join(parts) + tail
 
 
+def copies_line(runs: pd.DataFrame, col: str, labels: Sequence[object],
+                names: dict[str, str] | None = None) -> str:
+    """``<br>`` line: each label's expert copies (thousands, ``h2d_bytes_total`` over one
+    expert's bytes) and the wasted share of its prefetched bytes, means over the seeds."""
+    names = names or {}
+    parts = []
+    for x in labels:
+        part = ok_rows(runs, col, x)
+        if part.empty or "cost_expert_bytes" not in part:
+            continue
+        copies = (part["h2d_bytes_total"] / part["cost_expert_bytes"]).mean() / 1e3
+        pre = part["h2d_prefetch_bytes_total"].mean()
+        waste = f"{100 * part['prefetch_waste_bytes'].mean() / pre:.0f} %" if pre > 0 else "–"
+        parts.append(f"{names.get(str(x), str(x))} {copies:.1f}k ({waste})")
+    return "<br><sub>copies (wasted share of prefetch): " + ", ".join(parts) + "</sub>" \
+        if parts else ""
+
+
 def _chain_rows(data: dict[tuple[str, Regime], Setting], claim: str, rid: str, title: str,
                 paper: str, col: str, labels: Sequence[object] | None,
                 metrics: Sequence[tuple[str, str, bool, int]]) -> list[Row]:
@@ -350,7 +369,8 @@ def _chain_rows(data: dict[tuple[str, Regime], Setting], claim: str, rid: str, t
             labs = labels if labels is not None else sorted(
                 pd.to_numeric(s.runs[col], errors="coerce").dropna().unique().tolist())
             labs = [int(x) if isinstance(x, float) and x.is_integer() else x for x in labs]
-            cells[regime] = chain_cell(s.runs, col, labs, metric, hb, digits=digits)
+            cells[regime] = chain_cell(s.runs, col, labs, metric, hb, digits=digits) + (
+                copies_line(s.runs, col, labs) if metric.startswith("tpot") else "")
         rows.append(Row(f"{rid}-{name.split()[0].lower()}", f"{title}: {name}", paper, cells))
     return rows
 
