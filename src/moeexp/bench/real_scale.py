@@ -83,12 +83,16 @@ class Settings:
     profile_new: int = 16
     copy_repeats: int = 4
     seed: int = 0
+    max_wall_s: float = 480.0  # no new system run starts after this (the lease is 10 min)
+    #: CPU only: the engine's emulated host-to-device link (bytes/s), also in the profile;
+    #: a CPU memcpy of a small expert is all noise, its fitted bandwidth undefined
+    emulated_bps: float | None = None
 
     @classmethod
     def dry(cls, out: Path) -> Settings:
         return cls(out=out, device="cpu", dry_run=True, test_requests=2, passes=3,
                    store_requests=4, store_passes=8, profile_requests=2, profile_prompt=6,
-                   profile_new=3, copy_repeats=2)
+                   profile_new=3, copy_repeats=2, emulated_bps=2e8)
 
 
 def truncate(trace: Any, requests: int, passes: int | None) -> Any:
@@ -138,15 +142,16 @@ def _model_and_traces(s: Settings) -> tuple[Any, Any, Any, Any]:
     return model, adapter, store, test
 
 
-def _h2d_bandwidth(model: Any, adapter: Any, repeats: int) -> dict[str, Any]:
+def _h2d_bandwidth(model: Any, adapter: Any, s: Settings) -> dict[str, Any]:
     """Engine copies (every slot of a 12.5 % budget loaded back to back) against one plain
-    pinned copy of as many bytes (CPU: plain memcpy both ways)."""
+    pinned copy of as many bytes (CPU: the emulated link against a plain memcpy)."""
     import torch
 
     from moeexp.engine import offload
 
+    repeats = s.copy_repeats
     cuda = next(model.parameters()).device.type == "cuda"
-    with offload(model, system="deepspeed", capacity=0.125) as om:
+    with offload(model, system="deepspeed", capacity=0.125, bandwidth_bps=s.emulated_bps) as om:
         eng = om.engine
         keys = [(layer, e) for layer in range(eng.L) for e in range(eng.J)][:eng.pool.num_slots]
         nbytes = len(keys) * eng.spec.nbytes
@@ -195,11 +200,12 @@ def _calibrate(model: Any, adapter: Any, s: Settings) -> tuple[Any, dict[str, fl
     vocab = int(model.config.vocab_size)
     reqs = [(torch.randint(3, vocab, (s.profile_prompt * (1 + i % 2),), generator=g).tolist(),
              s.profile_new) for i in range(s.profile_requests)]
-    samples = profile_compute(loaded, reqs, settings=EngineSettings(), warmup=1)
+    samples = profile_compute(loaded, reqs, settings=EngineSettings(bandwidth_bps=s.emulated_bps),
+                              warmup=1)
     dims = trace_dims(adapter, 0)
     device = next(model.parameters()).device
-    profile_copy(device, dims.expert_bytes, repeats=s.copy_repeats, factors=COPY_FACTORS,
-                 dtype=torch.bfloat16, samples=samples)
+    profile_copy(device, dims.expert_bytes, bandwidth_bps=s.emulated_bps, repeats=s.copy_repeats,
+                 factors=COPY_FACTORS, dtype=torch.bfloat16, samples=samples)
     calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
                         intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
                         meta={"device": str(device), "model": MODEL})
@@ -227,6 +233,9 @@ def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
     kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     handles = replay.install()
     tpots = []
+    impl = model.config._experts_implementation
+    if device.type == "cuda":  # what generate switches a grouped_mm model to for decoding
+        model.set_experts_implementation("batched_mm")
     try:
         with experts_resident(model, device), torch.no_grad():
             for req in replay.trace.requests:
@@ -244,6 +253,7 @@ def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
     finally:
         for h in handles:
             h.remove()
+        model.set_experts_implementation(impl)
     return float(np.mean(tpots)) * 1e3
 
 
@@ -309,7 +319,8 @@ def _tpot_error_pct(sim: Sequence[float], eng: Sequence[float]) -> float:
 
 
 def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, system: str,
-                capacity: float, fits: dict[str, Any]) -> dict[str, Any]:
+                capacity: float, fits: dict[str, Any], emulated_bps: float | None
+                ) -> dict[str, Any]:
     """The engine (routing replay) and the simulator on one system and capacity."""
 
     from moeexp.engine.build import build_offloaded, engine_settings
@@ -330,8 +341,9 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
             return {**row, "status": "not_applicable", "reason": why}
     replay = RoutingReplay(test, adapter)
     t0 = time.perf_counter()
-    with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, engine_settings(settings),
-                         system=system, routing=replay) as om:
+    est = engine_settings(settings, bandwidth_bps=emulated_bps)
+    with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, est, system=system,
+                         routing=replay) as om:
         series = replay_requests(om, replay)
         em = om.metrics()
     wall = time.perf_counter() - t0
@@ -354,14 +366,20 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
 
 
 def _systems(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
-             s: Settings) -> list[dict[str, Any]]:
-    """Every system at every capacity (no_offload once, at all of expert memory)."""
+             s: Settings, t0: float) -> list[dict[str, Any]]:
+    """Every system at every capacity (no_offload once, at all of expert memory); runs
+    that would start after ``s.max_wall_s`` seconds since ``t0`` are skipped (said so)."""
     fits: dict[str, Any] = {}
     rows = []
     for system in s.systems:
         for cap in ((1.0,) if system == "no_offload" else s.capacities):
+            if time.perf_counter() - t0 > s.max_wall_s:
+                rows.append({"system": system, "capacity": cap, "status": "skipped",
+                             "reason": f"skipped: past the time budget of {s.max_wall_s:.0f} s"})
+                continue
             try:
-                rows.append(_one_system(model, adapter, store, test, cost, system, cap, fits))
+                rows.append(_one_system(model, adapter, store, test, cost, system, cap, fits,
+                                        s.emulated_bps))
             except ConfigError as exc:  # e.g. a capacity below top-k experts
                 rows.append({"system": system, "capacity": cap, "status": "not_applicable",
                              "reason": str(exc)})
@@ -430,11 +448,11 @@ def run_real_scale(s: Settings) -> dict[str, Any]:
         "environment": _environment(s.device), "model_build_s": built,
         "model": adapter.describe(), "test_requests": len(test.requests), "passes": s.passes,
         "store_requests": len(store.requests)}
-    res["h2d"] = _h2d_bandwidth(model, adapter, s.copy_repeats)
+    res["h2d"] = _h2d_bandwidth(model, adapter, s)
     _free_device()
     cost, res["calibration"] = _calibrate(model, adapter, s)
     _free_device()
-    rows = _systems(model, adapter, store, test, cost, s)
+    rows = _systems(model, adapter, store, test, cost, s, t0)
     plain = _plain_tpot_ms(model, adapter, test) if _fits_on_device(model, adapter)[0] \
         else float("nan")
     ref = next((r for r in rows if r["system"] == "no_offload" and r["status"] == "ok"), None)

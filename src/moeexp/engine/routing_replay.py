@@ -94,7 +94,7 @@ class _Pass:
     idx: torch.Tensor
     weights: torch.Tensor
     probs: np.ndarray
-    logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    logits: torch.Tensor  # float32[T, L, J] log probs on the device (one copy per pass)
 
 
 class RoutingReplay:
@@ -129,7 +129,8 @@ class RoutingReplay:
         idx = torch.from_numpy(tr.topk_idx[rows].astype(np.int64)).to(self.device)
         w = torch.from_numpy(tr.topk_weight[rows].astype(np.float32)).to(self.device)
         probs = tr.router_probs(rows).astype(np.float32)
-        self._cur = _Pass(iteration, rows, idx, w, probs)
+        logits = torch.log(torch.from_numpy(probs).clamp_min(1e-30)).to(self.device)
+        self._cur = _Pass(iteration, rows, idx, w, probs, logits)
         return rows.stop - rows.start
 
     def end(self) -> None:
@@ -172,13 +173,8 @@ class RoutingReplay:
                 raise RuntimeError(
                     f"routing replay, pass {cur.iteration}, MoE layer {layer}: the model ran "
                     f"{logits.shape[0]} token rows, the trace recorded {T}")
-            forced = cur.logits.get(layer)
-            if forced is None:
-                p = torch.from_numpy(cur.probs[:, layer]).to(logits.device)
-                forced = torch.log(p.clamp_min(1e-30)).to(logits.dtype)
-                cur.logits[layer] = forced
-            return (forced, cur.weights[:, layer].to(weights.dtype), cur.idx[:, layer],
-                    *tuple(output[3:]))
+            return (cur.logits[:, layer].to(logits.dtype), cur.weights[:, layer].to(weights.dtype),
+                    cur.idx[:, layer], *tuple(output[3:]))
         return hook
 
     def install(self) -> list[Any]:
