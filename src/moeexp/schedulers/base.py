@@ -39,7 +39,11 @@ class ServingProfile:
         output_len_mean: mean output length over every store request (tasks not seen).
         token_s: c, seconds per token (prompt or generated) of a request served alone with
             every expert resident: sum of the store requests' unloaded latencies over the
-            sum of their prompt + output tokens.
+            sum of the tokens their passes processed.
+        token_s_batched: c with the store split served as one batch (every request
+            together, every expert resident): that batch's duration over the same tokens.
+            Smaller where passes are memory bound (a decode pass of n tokens costs about
+            what one token costs).
         expert_load_s: ΔE, expected seconds of expert loading one admitted request causes
             (``copy_s`` x mean experts its first pass needs beyond the previous request's).
     """
@@ -48,6 +52,7 @@ class ServingProfile:
     output_len_mean: float
     token_s: float
     expert_load_s: float
+    token_s_batched: float = float("nan")
 
     def output_len(self, task: str) -> float:
         """The profiled mean output length (tokens) of ``task`` (overall mean if unseen)."""

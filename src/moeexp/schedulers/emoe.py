@@ -11,7 +11,11 @@ admitted, G_i i's remaining generation length, n_i the members of S that finish 
 (``G_j >= G_i``, i itself included: its own token is in each of its remaining passes), c
 the profiled per-token cost and r_i its runtime so far (now - arrival, queueing included).
 ΔE, c and the output lengths come fitted (:class:`~moeexp.schedulers.base.ServingProfile`),
-never typed in.
+never typed in. Which fitted c (``token_cost``): ``alone`` (a request served by itself) or
+``batched`` (the store split served as one batch). Eq. 3 is linear in tokens while a
+memory-bound decode pass of n tokens costs about what one token costs, so no single c is
+right at every batch size: ``alone`` over-estimates t_i in a large batch (refuses early),
+``batched`` is exact near the store's batch size and under-estimates small batches.
 
 **G.** At admission G_i = the task's profiled mean output length; every forward pass i takes
 part in decrements it by one; if it reaches 0 before i finishes it is reset to
@@ -52,7 +56,7 @@ from moeexp.schedulers.base import (
 
 
 def expected_latency(now_s: float, arrival_s: Sequence[float], remaining: Sequence[float],
-                     new_tokens: int, num_new: int, profile: ServingProfile) -> np.ndarray:
+                     new_tokens: int, num_new: int, load_s: float, token_s: float) -> np.ndarray:
     """Eq. 3 for every member of a scheduled set.
 
     Args:
@@ -61,7 +65,7 @@ def expected_latency(now_s: float, arrival_s: Sequence[float], remaining: Sequen
         remaining: float[M] G_i, remaining generation length of each member, tokens.
         new_tokens: W, input tokens of the requests being admitted (0: none).
         num_new: k, requests being admitted (k·ΔE of expert loading).
-        profile: ΔE (``expert_load_s``) and c (``token_s``).
+        load_s: ΔE, s per admitted request; token_s: c, s per token.
 
     Returns:
         float[M] t_i, s.
@@ -69,7 +73,11 @@ def expected_latency(now_s: float, arrival_s: Sequence[float], remaining: Sequen
     g = np.asarray(remaining, dtype=np.float64)
     n = (g[None, :] >= g[:, None]).sum(axis=1)  # n_i = #{j : G_j >= G_i}, i included
     r = now_s - np.asarray(arrival_s, dtype=np.float64)
-    return num_new * profile.expert_load_s + (new_tokens + n * g) * profile.token_s + r
+    return num_new * load_s + (new_tokens + n * g) * token_s + r
+
+
+#: The fitted per-token costs Eq. 3 may use (ServingProfile.token_s / token_s_batched).
+TOKEN_COSTS: tuple[str, ...] = ("batched", "alone")
 
 
 def _stringency(w: WaitingRequest) -> tuple[float, float, int]:
@@ -84,16 +92,22 @@ class EMoEScheduler(Scheduler):
     Args:
         restart_fraction: G is reset to this fraction of its start when it reaches 0 before
             the request finished (paper: ~5 %), in (0, 1].
+        token_cost: which fitted c Eq. 3 uses: ``batched`` (default) or ``alone`` (module
+            docstring).
     """
 
     event_driven = True
 
-    def __init__(self, restart_fraction: float = 0.05) -> None:
+    def __init__(self, restart_fraction: float = 0.05, token_cost: str = "batched") -> None:
         super().__init__()
         if not 0.0 < restart_fraction <= 1.0:
             raise ConfigError(f"scheduler=emoe: restart_fraction must be in (0, 1], got "
                               f"{restart_fraction!r}")
+        if token_cost not in TOKEN_COSTS:
+            raise ConfigError(f"scheduler=emoe: token_cost={token_cost!r}; valid: "
+                              f"{', '.join(TOKEN_COSTS)}")
         self.restart_fraction = float(restart_fraction)
+        self.token_cost = token_cost
         self.g: dict[int, float] = {}  # unit -> G_i, remaining generation length (tokens)
         self.g0: dict[int, float] = {}  # unit -> G_i at admission
 
@@ -102,9 +116,19 @@ class EMoEScheduler(Scheduler):
             raise RuntimeError("scheduler=emoe: fit(profile) was not called before serving")
         return self.profile
 
+    @property
+    def token_s(self) -> float:
+        """c, s per token: the fitted cost ``token_cost`` names."""
+        p = self._profile()
+        c = p.token_s_batched if self.token_cost == "batched" else p.token_s
+        if not np.isfinite(c):
+            raise RuntimeError(f"scheduler=emoe: the profile has no {self.token_cost} token cost")
+        return float(c)
+
     def admit(self, view: SchedulerView) -> list[int]:
         """Greedy admission in SLO-stringency order (module docstring)."""
-        prof = self._profile()
+        prof, c = self._profile(), self.token_s
+        load = prof.expert_load_s
         arr = [r.arrival_s for r in view.running]
         g = [self.g[r.unit] for r in view.running]
         slo = [r.slo_e2e_s for r in view.running]
@@ -114,9 +138,9 @@ class EMoEScheduler(Scheduler):
             why = fits(w, tokens, places, kv)
             if why is None and arr:
                 g_w = prof.output_len(w.task)
-                before = expected_latency(view.now_s, arr, g, w_sum, len(out), prof)
+                before = expected_latency(view.now_s, arr, g, w_sum, len(out), load, c)
                 after = expected_latency(view.now_s, [*arr, w.arrival_s], [*g, g_w],
-                                         w_sum + w.first_tokens, len(out) + 1, prof)[:-1]
+                                         w_sum + w.first_tokens, len(out) + 1, load, c)[:-1]
                 lim = np.asarray(slo)
                 if np.any((before <= lim) & (after > lim)):
                     why = "slo"

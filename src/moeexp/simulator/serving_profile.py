@@ -9,7 +9,9 @@ typed in:
   (:meth:`Plan.no_offload_times`), c = sum of their latencies / sum of the tokens their
   forward passes processed (prefill prompt + one per decode step). So Eq. 3 with one
   running request and nothing admitted, ``(prompt + G)·c``, gives the store's unloaded
-  latencies on average;
+  latencies on average. ``token_s_batched``: the same ratio with the store split served as
+  one static batch (all requests together, every expert resident): its duration over the
+  same tokens, the per-token cost at a full batch;
 * **ΔE**, the expert-loading latency of one admitted request: ``cost.copy_s`` times the mean
   number of (layer, expert) pairs a store request's first forward pass uses that the
   previous store request's first pass did not (what a new prompt brings that its
@@ -62,8 +64,12 @@ def fit_serving_profile(store: Trace, cost: CostModel, capacity_slots: int) -> S
         [len(s) for s in first_sets[:1]]
     all_experts = cost.num_layers * cost.num_experts
     load = 0.0 if capacity_slots >= all_experts else cost.copy_s * float(np.mean(new))
+    whole = Plan(store, cost, batch_size=len(plan.batches), arrival_rate=None,
+                 num_requests=None, seed=0)
+    duration = max(whole.no_offload_times()[2].values())
     return ServingProfile(
         output_len_by_task={t: float(np.mean(v)) for t, v in sorted(by_task.items())},
         output_len_mean=float(np.mean([r.output_len for r in store.requests])),
         token_s=seconds / tokens if tokens > 0 else 0.0,
-        expert_load_s=load)
+        expert_load_s=load,
+        token_s_batched=duration / tokens if tokens > 0 else 0.0)

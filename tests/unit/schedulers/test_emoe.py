@@ -15,7 +15,8 @@ from moeexp.schedulers.emoe import EMoEScheduler, expected_latency
 
 #: c = 0.01 s/token, ΔE = 0.5 s; task "a" outputs 10 tokens, "b" 4, "n" 8.
 PROFILE = ServingProfile(output_len_by_task={"a": 10.0, "b": 4.0, "n": 8.0},
-                         output_len_mean=6.0, token_s=0.01, expert_load_s=0.5)
+                         output_len_mean=6.0, token_s=0.02, expert_load_s=0.5,
+                         token_s_batched=0.01)
 
 
 def test_eq3_by_hand() -> None:
@@ -23,10 +24,10 @@ def test_eq3_by_hand() -> None:
     W = 5: n_A = 1, n_B = 3, n_N = 2, so
     t_A = 0.5 + (5 + 10)·0.01 + 2 = 2.65, t_B = 0.5 + (5 + 12)·0.01 + 1 = 1.67,
     t_N = 0.5 + (5 + 16)·0.01 + 0.5 = 1.21."""
-    t = expected_latency(2.0, [0.0, 1.0, 1.5], [10.0, 4.0, 8.0], 5, 1, PROFILE)
+    t = expected_latency(2.0, [0.0, 1.0, 1.5], [10.0, 4.0, 8.0], 5, 1, 0.5, 0.01)
     assert t == pytest.approx([2.65, 1.67, 1.21])
     # nothing admitted: no loading, no prompt; n_A = 1, n_B = 2
-    t0 = expected_latency(2.0, [0.0, 1.0], [10.0, 4.0], 0, 0, PROFILE)
+    t0 = expected_latency(2.0, [0.0, 1.0], [10.0, 4.0], 0, 0, 0.5, 0.01)
     assert t0 == pytest.approx([2.1, 1.08])
 
 
@@ -126,7 +127,7 @@ def test_two_admissions_in_one_call_add_their_prompts_and_loads() -> None:
                        start_s=0.0, passes_done=1, next_tokens=1)
     got = s.admit(_view([a], [_waiting(1, "b", ttft=0.1), _waiting(2, "b", ttft=0.2)]))
     assert got == [1]
-    assert expected_latency(2.0, [0.0, 1.5, 1.5], [10.0, 4.0, 4.0], 10, 2, PROFILE)[0] == \
+    assert expected_latency(2.0, [0.0, 1.5, 1.5], [10.0, 4.0, 4.0], 10, 2, 0.5, 0.01)[0] == \
         pytest.approx(3.2)
 
 
@@ -159,6 +160,19 @@ def test_restart_fraction_scales_the_reset() -> None:
 def test_bad_restart_fraction(bad: float) -> None:
     with pytest.raises(ConfigError, match=r"restart_fraction must be in \(0, 1\]"):
         build_scheduler({"name": "emoe", "restart_fraction": bad})
+
+
+def test_token_cost_picks_the_fitted_c() -> None:
+    """``batched`` (default) uses token_s_batched = 0.01, ``alone`` token_s = 0.02; with
+    c = 0.02, B's SLO 1.7 s no longer holds N (t_B = 0.5 + 17·0.02 + 1 = 1.84 s)."""
+    assert _sched().token_s == 0.01
+    s = build_scheduler({"name": "emoe", "token_cost": "alone"})
+    s.fit(PROFILE)
+    assert s.token_s == 0.02  # type: ignore[attr-defined]
+    run = _with_running(s, slo_b=1.7)  # type: ignore[arg-type]
+    assert s.admit(_view(run, [_waiting(2)])) == []
+    with pytest.raises(ConfigError, match="token_cost='bogus'; valid: batched, alone"):
+        build_scheduler({"name": "emoe", "token_cost": "bogus"})
 
 
 def test_unfitted_scheduler_says_so() -> None:
