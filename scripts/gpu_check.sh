@@ -5,6 +5,9 @@
 #   2. the calibration on CUDA  python -m moeexp +experiment=sim_vs_engine backend.device=cuda
 #   3. the engine benchmarks    python -m moeexp.bench engine       (overhead, capacity 50%,
 #                                                                   achieved H2D bandwidth)
+#   4. REAL_SCALE=1 only:       python -m moeexp.bench.real_scale   (issue 15: random-weight
+#                               gpt-oss-20b, real routing; <= 10 min on an H200, so it is
+#                               off by default; `make bench-real-scale` runs it alone)
 # Outputs go to results/gpu_check/<timestamp>/ (GPU_CHECK_DIR overrides): logs, junit XML,
 # nvidia-smi, the experiment's run dir (summary.csv, calibration.json) and the benchmark
 # JSON. When $OUT is set (a device runner's output folder, which takes few files), the key
@@ -75,6 +78,10 @@ if [ -n "$summary" ]; then
     cp "$(dirname "$summary")/calibration.json" "$DEST/sim_vs_engine_calibration.json"
 fi
 step bench_engine "$PY" -m moeexp.bench engine --out "$DEST/bench"
+if [ "${REAL_SCALE:-0}" = 1 ]; then
+    STEP_TIMEOUT=600 step real_scale env OMP_NUM_THREADS=8 "$PY" -m moeexp.bench.real_scale \
+        --out "$DEST/real_scale"
+fi
 
 if [ -n "${OUT:-}" ]; then  # a device runner: few files come back, two folders deep at most
     for f in gpu_tests.log sim_vs_engine.log bench_engine.log sim_vs_engine_summary.csv \
@@ -82,6 +89,9 @@ if [ -n "${OUT:-}" ]; then  # a device runner: few files come back, two folders 
         [ -f "$DEST/$f" ] && cp "$DEST/$f" "$OUT/"
     done
     [ -f "$DEST/bench/engine.json" ] && cp "$DEST/bench/engine.json" "$OUT/bench_engine.json"
+    for f in results.json systems.csv summary.md; do
+        [ -f "$DEST/real_scale/$f" ] && cp "$DEST/real_scale/$f" "$OUT/real_scale_$f"
+    done
     tar czf "$OUT/gpu_check.tgz" --exclude='*.npz' -C "$DEST" . || true
 fi
 
