@@ -17,6 +17,7 @@ flight). Capacity is in expert slots; the mechanism converts bytes to slots.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import ClassVar
 
 import numpy as np
@@ -49,6 +50,8 @@ class CachePolicy:
         self.num_experts = num_experts
         self.resident: set[Key] = set()
         self.resident_mask = np.zeros((num_layers, num_experts), dtype=bool)  # = resident
+        # 0 where resident, +inf elsewhere: lowest_priority's mask in one addition
+        self._absent = np.full((num_layers, num_experts), np.inf)
 
     # ---- learning -------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -91,6 +94,7 @@ class CachePolicy:
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         self.resident.add(key)
         self.resident_mask[key] = True
+        self._absent[key] = 0.0
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         """A layer used ``key`` (resident by now)."""
@@ -98,27 +102,34 @@ class CachePolicy:
     def on_evict(self, key: Key) -> None:
         self.resident.discard(key)
         self.resident_mask[key] = False
+        self._absent[key] = np.inf
 
     def lowest_priority(self, incoming: Key, protected: set[Key], prio: np.ndarray,
-                        avoid: set[Key] | None = None) -> Key:
-        """The unprotected resident key of lowest ``prio`` (float[L, J]); ties go to the
-        lowest (layer, expert), as ``choose`` over the sorted candidates does. Keys in
-        ``avoid`` are taken only when nothing else is left. For policies that rank by a
-        matrix (finemoe, moe_infinity): the simulator's hottest decision, done at once."""
-        allowed = self.resident_mask.copy()
+                        avoid: Collection[Key] | None = None) -> Key:
+        """The unprotected resident key of lowest ``prio`` (float[L, J], no NaN or -inf);
+        ties go to the lowest (layer, expert), as ``choose`` over the sorted candidates
+        does. Keys in ``avoid`` are taken only when nothing else is left. For policies
+        that rank by a matrix (finemoe, moe_infinity): the simulator's hottest decision,
+        done with one addition and one argmin (protected and avoided keys are masked one
+        by one: they are few)."""
+        resident, inf = self.resident, np.inf
+        work = prio + self._absent  # +inf outside the resident set
+        blocked = 0
         for k in protected:
-            allowed[k] = False
-        if not allowed.any():
+            if k in resident:
+                work[k] = inf
+                blocked += 1
+        allowed = len(resident) - blocked
+        if allowed <= 0:
             raise ConfigError(
                 f"{self.name}: no evictable expert for {incoming} (capacity "
                 f"{self.capacity_slots} slots, {len(protected)} protected)")
         if avoid:
-            preferred = allowed.copy()
-            for k in avoid:
-                preferred[k] = False
-            if preferred.any():
-                allowed = preferred
-        flat = int(np.argmin(np.where(allowed, prio, np.inf)))
+            shun = [k for k in avoid if k in resident and k not in protected]
+            if len(shun) < allowed:
+                for k in shun:
+                    work[k] = inf
+        flat = int(work.argmin())
         return (flat // self.num_experts, flat % self.num_experts)
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:

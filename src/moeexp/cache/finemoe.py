@@ -27,6 +27,9 @@ import numpy as np
 from moeexp.cache.base import CACHES, CachePolicy, Key
 from moeexp.errors import ConfigError
 
+#: Read-only score rows remembered as checked (cleared when full).
+CHECKED_ROWS = 1 << 16
+
 
 @CACHES.register("finemoe")
 class FineMoECache(CachePolicy):
@@ -45,21 +48,51 @@ class FineMoECache(CachePolicy):
         self.frequency = frequency
         self.p = np.full((num_layers, num_experts), 1.0 / num_experts)
         self.freq = np.zeros((num_layers, num_experts), dtype=np.int64)
+        # p · freq kept up to date entry by entry (victim reads it; priorities() recomputes)
+        self._prio = self.p * self.freq
+        self._checked: dict[int, np.ndarray] = {}  # id -> read-only score rows already checked
         self._accesses = 0  # accesses seen so far (an event counter, not a clock)
         self._layer_ran = np.zeros(num_layers, dtype=np.int64)  # access number of latest use
         self._pending: dict[Key, int] = {}  # prefetched, not used yet -> accesses at insert
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
-        """Set ``p`` of the given layers (float[J] each; values outside [0, 1] are an error)."""
+        """Set ``p`` of the given layers (float[J] each; values outside [0, 1] are an error).
+
+        A read-only array that owns its data and passed the check once is not checked
+        again (the ``expert_map`` predictor resends the same memoised rows: one check per
+        row instead of one per layer of every pass)."""
         if not scores:
+            return
+        if len(scores) == 1:  # one layer (each trajectory step): no stacking
+            (layer, row), = scores.items()
+            if self._checked.get(id(row)) is not row:
+                self._check_row(row)
+            self.p[layer] = row
+            np.multiply(row, self.freq[layer], out=self._prio[layer])
             return
         layers = list(scores)
         rows = np.asarray([scores[i] for i in layers], dtype=np.float64)
-        if (rows.shape != (len(layers), self.num_experts) or (rows < 0).any()
-                or (rows > 1 + 1e-6).any()):
+        if rows.shape != (len(layers), self.num_experts) or not self._in_unit(rows):
             raise ValueError(f"finemoe cache: scores must be {self.num_experts} probabilities "
                              f"per layer, got {rows.shape} for layers {layers}: {rows}")
         self.p[layers] = rows
+        self._prio[layers] = rows * self.freq[layers]
+
+    @staticmethod
+    def _in_unit(rows: np.ndarray) -> bool:
+        """Every value in [0, 1 + 1e-6] (NaN fails)."""
+        return bool(0.0 <= rows.min() and rows.max() <= 1 + 1e-6)
+
+    def _check_row(self, row: np.ndarray) -> None:
+        """Validate one layer's scores; remember the array when it cannot change."""
+        a = np.asarray(row, dtype=np.float64)
+        if a.shape != (self.num_experts,) or not self._in_unit(a):
+            raise ValueError(f"finemoe cache: scores must be {self.num_experts} probabilities "
+                             f"per layer, got {a.shape}: {a}")
+        if a is row and not row.flags.writeable and row.base is None:
+            if len(self._checked) >= CHECKED_ROWS:
+                self._checked.clear()
+            self._checked[id(row)] = row  # the reference keeps the id from being reused
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
@@ -70,6 +103,7 @@ class FineMoECache(CachePolicy):
         self._accesses += 1
         self._layer_ran[key[0]] = self._accesses
         self.freq[key] += 1
+        self._prio[key] = self.p[key] * self.freq[key]
         self._pending.pop(key, None)
 
     def on_evict(self, key: Key) -> None:
@@ -77,6 +111,7 @@ class FineMoECache(CachePolicy):
         self._pending.pop(key, None)
         if self.frequency == "in_cache":
             self.freq[key] = 0
+            self._prio[key] = self.p[key] * 0
 
     def priorities(self) -> np.ndarray:
         """float[L, J]: ``p · freq`` of every (layer, expert), the eviction order."""
@@ -86,25 +121,26 @@ class FineMoECache(CachePolicy):
         """``p · freq`` of a key (float)."""
         return float(self.priorities()[key])
 
-    def _waiting(self) -> set[Key]:
+    def _waiting(self) -> dict[Key, int]:
         """Prefetched, unused keys whose layer has not run since they arrived (expired
-        entries are dropped: they are ordinary ``freq = 0`` residents from now on)."""
+        entries are dropped: they are ordinary ``freq = 0`` residents from now on); the
+        live dict, keyed by those keys (read it, never keep it)."""
         ran = self._layer_ran
         expired = [k for k, at in self._pending.items() if ran[k[0]] > at]
         for k in expired:
             del self._pending[k]
-        return set(self._pending)
+        return self._pending
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
         if self.has_room(incoming):
             return None
         waiting = self._waiting() if self._pending else None
-        return self.lowest_priority(incoming, protected, self.priorities(), waiting)
+        return self.lowest_priority(incoming, protected, self._prio, waiting or None)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         """The same rule on an explicit candidate list (the base class's path)."""
-        waiting = self._waiting() if self._pending else set()
+        waiting = self._waiting()
         pool = [k for k in candidates if k not in waiting] or candidates
         prio = self.priorities()
         return min(pool, key=lambda k: (prio[k], k))

@@ -39,24 +39,31 @@ class MoEInfinityCache(CachePolicy):
         self.peam = np.full((num_layers, num_experts), 1.0 / num_experts)
         self.visits = np.zeros((num_layers, num_experts), dtype=np.int64)
         self._decay = 1.0 - np.arange(num_layers) / num_layers
+        # what victim() ranks by, kept current: oss the visit counts as floats (updated per
+        # access), paper Algorithm 1's matrix (recomputed lazily after new scores)
+        self._visits_f = np.zeros((num_layers, num_experts))
+        self._prio: np.ndarray | None = None
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         if not scores:
             return
         layers = list(scores)
         rows = np.asarray([scores[i] for i in layers], dtype=np.float64)
-        if rows.shape != (len(layers), self.num_experts) or (rows < 0).any():
+        if rows.shape != (len(layers), self.num_experts) or not rows.min() >= 0:  # NaN fails
             raise ValueError(f"moe_infinity cache: scores must be {self.num_experts} "
                              f"non-negative values per layer, got {rows.shape} for {layers}")
         rows[rows.sum(axis=1) <= 0] = 1.0 / self.num_experts
         self.peam[layers] = rows
+        self._prio = None
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         self.visits[key] += 1
+        self._visits_f[key] += 1.0
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
         self.visits[key] = 0
+        self._visits_f[key] = 0.0
 
     def priorities(self) -> np.ndarray:
         """float[L, J]: Algorithm 1's priority (paper: (PEAM + ε) / row sum × layer decay)
@@ -74,7 +81,13 @@ class MoEInfinityCache(CachePolicy):
         """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
         if self.has_room(incoming):
             return None
-        return self.lowest_priority(incoming, protected, self.priorities())
+        if self.variant == "oss":
+            prio = self._visits_f
+        else:
+            if self._prio is None:
+                self._prio = self.priorities()
+            prio = self._prio
+        return self.lowest_priority(incoming, protected, prio)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         """The same rule on an explicit candidate list (the base class's path)."""

@@ -60,6 +60,8 @@ log = logging.getLogger(__name__)
 
 Variant = Literal["paper", "oss"]
 DEFAULT_CAPACITY = {"paper": 120, "oss": 1000}
+#: Memoised one-request predictions kept (the memo is cleared when it reaches this).
+MEMO_ENTRIES = 1 << 16
 
 
 def normalize_rows(m: np.ndarray) -> np.ndarray:
@@ -168,6 +170,9 @@ class EAMPredictor(Predictor):
         self._phase = phases[0]
         self._iter = np.zeros((0, L, J))
         self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
+        # one-request hooks: (phase, collection version, matched rows, layer) -> the hints
+        # and the Prediction's parts, a function of those alone (cleared as versions move)
+        self._memo: dict[tuple[object, ...], tuple[dict[int, np.ndarray], Prediction]] = {}
         # _decay[now + 1][i - now - 1] = decay of future layer i seen from layer now (-1..L-1)
         span = float(L) if variant == "paper" else float(L + 1)
         self._decay = [(1.0 - (np.arange(now + 1, L) - now) / span)[:, None]
@@ -248,22 +253,17 @@ class EAMPredictor(Predictor):
         L = self.dims.num_layers
         if not self.prefetch_enabled or coll.size == 0 or layer >= L - 1:
             return Prediction()
-        decay = self._decay[layer + 1]  # [L - layer - 1, 1]
+        if len(self._units) == 1:
+            return self._predict_one(layer, coll)
         peams, scores, matched = [], [], []
         for b, r in enumerate(self._units):
             query = self._req[int(r)][self._phase] + self._iter[b]
             if not query.any():
                 continue
-            if self.variant == "paper":
-                rows = coll.match_flat(query, self.top_n)
-                peam = normalize_rows(coll.eams[rows].sum(axis=0))
-                scores.append(peam[layer + 1 :] * decay)
-            else:
-                rows = np.array([coll.match_layer_mean(query, layer + 1)])
-                raw = coll.eams[rows[0]]
-                peam = normalize_rows(raw)
-                scores.append(raw[layer + 1 :] * decay)
+            rows = self._match(coll, query, layer)
+            peam, score = self._matched_parts(coll, rows, layer)
             peams.append(peam)
+            scores.append(score)
             matched.append(tuple(rows.tolist()))
         if not peams:
             return Prediction()
@@ -271,6 +271,47 @@ class EAMPredictor(Predictor):
         sent = (self._phase, coll.version, tuple(matched))
         hints, self._sent = sent != self._sent, sent
         return self._prediction(layer, peams, scores, hints)
+
+    def _match(self, coll: EAMCollection, query: np.ndarray, layer: int) -> np.ndarray:
+        """Matched rows of ``query`` (float64[L, J]) seen from layer ``layer``."""
+        if self.variant == "paper":
+            return coll.match_flat(query, self.top_n)
+        return np.array([coll.match_layer_mean(query, layer + 1)])
+
+    def _matched_parts(self, coll: EAMCollection, rows: np.ndarray,
+                       layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(the pEAM [L, J], the future layers' scores [L - layer - 1, J]) of ``rows``."""
+        decay = self._decay[layer + 1]
+        if self.variant == "paper":
+            peam = normalize_rows(coll.eams[rows].sum(axis=0))
+            return peam, peam[layer + 1 :] * decay
+        raw = coll.eams[rows[0]]
+        return normalize_rows(raw), raw[layer + 1 :] * decay
+
+    def _predict_one(self, layer: int, coll: EAMCollection) -> Prediction:
+        """:meth:`_predict` for a batch of one request: the match is searched at every
+        hook, what it implies is memoised per (phase, collection version, rows, layer)."""
+        query = self._req[int(self._units[0])][self._phase] + self._iter[0]
+        if not query.any():
+            return Prediction()
+        rows = self._match(coll, query, layer)
+        matched = tuple(rows.tolist())
+        sent = (self._phase, coll.version, (matched,))
+        hints, self._sent = sent != self._sent, sent
+        key = (self._phase, coll.version, matched, layer)
+        got = self._memo.get(key)
+        if got is None:
+            if len(self._memo) >= MEMO_ENTRIES:  # stale versions' entries go too
+                self._memo.clear()
+            peam, score = self._matched_parts(coll, rows, layer)
+            peam.setflags(write=False)
+            full = self._prediction(layer, [peam], [score], True)
+            for a in full.predicted.values():
+                a.setflags(write=False)
+            got = self._memo[key] = (full.scores, full)
+        rows_of, full = got
+        return Prediction(prefetch=list(full.prefetch), scores=dict(rows_of) if hints else {},
+                          predicted=dict(full.predicted))
 
     def _prediction(self, layer: int, peams: list[np.ndarray], scores: list[np.ndarray],
                     hints: bool) -> Prediction:

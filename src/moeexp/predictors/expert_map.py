@@ -44,8 +44,11 @@ Choices where the paper is silent (config keys where useful):
 from __future__ import annotations
 
 import logging
+import math
 import time
-from typing import Literal
+from bisect import bisect_left
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
 
 import numpy as np
 
@@ -97,6 +100,42 @@ def select_experts(probs: np.ndarray, score: float, k: int, use_delta: bool = Tr
     # a float16-stored row summing to 0.99991 takes them all when δ = 1.
     n = min(n, int(np.count_nonzero(probs > 0)))
     return order[: min(max(n, k), len(probs))]
+
+
+class RowSelection(NamedTuple):
+    """What δ selection needs of one stored map row at one layer, computed once.
+
+    Attributes:
+        p: read-only float64[J] the row's probabilities (the ``scores`` hint).
+        order: experts in descending probability (stable), as :func:`select_experts`.
+        csum: cumulative probabilities along ``order`` (float64, as there).
+        nonzero: experts of non-zero probability.
+    """
+
+    p: np.ndarray
+    order: np.ndarray
+    csum: list[float]
+    nonzero: int
+
+    @classmethod
+    def of(cls, probs: np.ndarray) -> RowSelection:
+        """The selection data of ``probs`` (float64[J], copied)."""
+        p = np.array(probs, dtype=np.float64)
+        p.setflags(write=False)
+        order = np.argsort(-p, kind="stable")
+        order.setflags(write=False)
+        return cls(p, order, np.cumsum(p[order], dtype=np.float64).tolist(),
+                   int(np.count_nonzero(p > 0)))
+
+    def count(self, score: float, k: int, use_delta: bool) -> int:
+        """How many experts :func:`select_experts` takes for match ``score`` (same rule:
+        the running sums are non-decreasing, so counting those below δ is a bisection)."""
+        J = len(self.csum)
+        if not use_delta:
+            return min(k, J)
+        delta = min(max(1.0 - float(score), 0.0), 1.0)
+        n = min(bisect_left(self.csum, delta - DELTA_TOL) + 1, self.nonzero)
+        return min(max(n, k), J)
 
 
 def pool_keys(embed: np.ndarray, groups: list[np.ndarray], pooling: Pooling) -> np.ndarray:
@@ -186,6 +225,11 @@ class ExpertMapPredictor(Predictor):
         self._layer = -1
         self._memo: dict[bytes, tuple[int, float]] = {}
         self._memo_version = -1
+        # single-query emits, per store version: (layer, row) -> its selection data, and
+        # (layer, row, experts taken, distance) -> (sorted experts, prefetch requests)
+        self._sel: dict[tuple[int, int], RowSelection] = {}
+        self._out: dict[tuple[int, int, int, int], tuple[np.ndarray, list[Prefetch]]] = {}
+        self._sel_version = -1
         self._buf_embed: np.ndarray | None = None
         self._buf_probs: list[np.ndarray] = []
         self._buf_token_request = np.zeros(0, dtype=np.int64)
@@ -306,32 +350,42 @@ class ExpertMapPredictor(Predictor):
         t0 = time.perf_counter()
         pred = Prediction()
         if self.use_trajectory:
-            if len(self._groups) == 1:
+            if len(probs) == 1:  # one token: its row is its mean, exactly
+                q = probs.astype(np.float64)
+            elif len(self._groups) == 1:
                 q = probs.astype(np.float64).mean(axis=0, keepdims=True)
             else:
                 q = np.stack([probs[g].astype(np.float64).mean(axis=0) for g in self._groups])
-            rows, score = self._update_trajectory(layer, q)
-            if want:
-                self._emit(pred, target, rows, score, distance=self.d)
+            found = self._update_trajectory(layer, q, search=want)
+            if found is not None:
+                self._emit(pred, target, found[0], found[1], distance=self.d)
         elif want:  # semantic only: its match keeps speaking for later layers
             self._emit(pred, target, self._sem_rows, self._sem_score, distance=self.d)
         self._t_traj.append(time.perf_counter() - t0)
         return pred
 
-    def _update_trajectory(self, layer: int, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _update_trajectory(self, layer: int, q: np.ndarray, search: bool = True
+                           ) -> tuple[np.ndarray, Sequence[float]] | None:
         """Fold layer ``layer``'s query rows q (float64[B, J]) into the running prefix dots.
 
         Incremental: ``dots[b, c] += q[b] · maps[layer, c]`` and ``|prefix_b|² += |q[b]|²``;
         the stored prefix norms are precomputed, so this is O(B·C·J) per layer.
 
-        Returns (int64[B] argmax rows, float64[B] their cosines).
+        Returns (int64[B] argmax rows, float64[B] their cosines), or None when ``search``
+        is false (a layer whose target ``layer + d`` does not exist: nothing to emit).
         """
-        self._dots += q @ self.store.maps[layer, : self._n].T
+        n = self._n
+        self._dots += q @ self.store.maps[layer, :n].T
         self._qsq += np.einsum("bj,bj->b", q, q)
         self._layer = layer
+        if not search:
+            return None
         # cos = dots / (|q| · |stored prefix|); |q| is one constant per query row
-        sims = self._dots * self.store.inv_prefix_norm[layer, : self._n]
+        sims = self._dots * self.store.inv_prefix_norm[layer, :n]
         rows = sims.argmax(axis=1)
+        if len(rows) == 1:  # the same IEEE operations on Python floats
+            r = int(rows[0])
+            return rows, (float(sims[0, r]) / max(math.sqrt(float(self._qsq[0])), 1e-300),)
         score = sims[np.arange(len(rows)), rows] / np.maximum(np.sqrt(self._qsq), 1e-300)
         return rows, score
 
@@ -342,17 +396,43 @@ class ExpertMapPredictor(Predictor):
         inv = self.store.inv_prefix_norm[self._layer, : self._n]
         return self._dots * inv / np.maximum(np.sqrt(self._qsq), 1e-300)[:, None]
 
-    def _emit(self, pred: Prediction, layer: int, rows: np.ndarray, score: np.ndarray,
-              distance: int) -> None:
+    def _emit(self, pred: Prediction, layer: int, rows: np.ndarray,
+              score: np.ndarray | Sequence[float], distance: int) -> None:
         """Add the matched maps' layer ``layer`` (one matched row per query) to ``pred``."""
+        if len(rows) == 1:
+            self._emit_one(pred, layer, int(rows[0]), float(score[0]), distance)
+            return
         maps = self.store.maps[layer, rows]  # [B, J]
         chosen = [select_experts(maps[b], float(score[b]), self.k, self.use_delta)
                   for b in range(len(rows))]
         p = maps.max(axis=0)
-        experts = chosen[0] if len(chosen) == 1 else np.unique(np.concatenate(chosen))
+        experts = np.unique(np.concatenate(chosen))
         pred.scores[layer] = p
         pred.predicted[layer] = np.sort(experts)
         pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e)) for e in experts)
+
+    def _emit_one(self, pred: Prediction, layer: int, row: int, score: float,
+                  distance: int) -> None:
+        """:meth:`_emit` for one query, from per-store-version memos: the same experts, in
+        the same order, the same hint and priorities, without re-sorting the row."""
+        if self._sel_version != self.store.version:
+            self._sel, self._out, self._sel_version = {}, {}, self.store.version
+        sel = self._sel.get((layer, row))
+        if sel is None:
+            sel = self._sel[(layer, row)] = RowSelection.of(self.store.maps[layer, row])
+        n = sel.count(score, self.k, self.use_delta)
+        key = (layer, row, n, distance)
+        out = self._out.get(key)
+        if out is None:
+            experts = sel.order[:n]  # descending probability: the prefetch order
+            chosen = np.sort(experts)
+            chosen.setflags(write=False)
+            p = sel.p
+            out = self._out[key] = (chosen, [Prefetch(float(p[e]) / distance, layer, int(e))
+                                             for e in experts])
+        pred.scores[layer] = sel.p
+        pred.predicted[layer] = out[0]
+        pred.prefetch.extend(out[1])
 
     def end_iteration(self) -> None:
         """Online mode: add this iteration's rows to the store."""

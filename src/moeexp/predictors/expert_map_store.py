@@ -28,7 +28,12 @@ _EPS = 1e-12
 
 def unit(x: np.ndarray) -> np.ndarray:
     """Rows of ``x`` (float[N, D]) scaled to unit L2 norm; all-zero rows stay zero."""
-    norm = np.linalg.norm(x, axis=1, keepdims=True)
+    x = np.asarray(x)
+    if not np.issubdtype(x.dtype, np.inexact):
+        x = x.astype(np.float64)
+    # np.linalg.norm(x, axis=1)'s own arithmetic (sqrt of the reduced squares), without
+    # its dispatch: the same bits, a few microseconds less per query
+    norm = np.sqrt(np.add.reduce(x * x, axis=1, keepdims=True))
     return x / np.maximum(norm, _EPS)
 
 

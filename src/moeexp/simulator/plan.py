@@ -51,6 +51,7 @@ class GroupData:
     request_ids: np.ndarray
     token_request: np.ndarray
     _future: tuple[np.ndarray, ...] | None = None
+    _arrays: list[np.ndarray] | None = None
 
     @property
     def num_accesses(self) -> int:
@@ -61,6 +62,15 @@ class GroupData:
         if self._future is None:
             self._future = tuple(np.asarray(e, dtype=np.int64) for e in self.experts)
         return self._future
+
+    def expert_arrays(self) -> list[np.ndarray]:
+        """L read-only int64 arrays: ``experts`` of each layer (what ``observe_layer`` sees)."""
+        if self._arrays is None:
+            flat = np.asarray([e for es in self.experts for e in es], dtype=np.int64)
+            flat.setflags(write=False)
+            bounds = np.cumsum([0, *(len(es) for es in self.experts)]).tolist()
+            self._arrays = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+        return self._arrays
 
 
 @dataclass

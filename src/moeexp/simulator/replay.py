@@ -241,12 +241,14 @@ class _Replay:
     def layers(self, gd: GroupData, t: float) -> tuple[float, int, int, float]:
         """Every MoE layer of pass ``gd`` from time ``t``: dense part, ``observe_layer``,
         the layer's experts. Returns (end s, hits, misses, stall s). The hot loop: what it
-        uses is bound to locals first."""
+        uses is bound to locals first, and what the observations carry is cast to float32
+        once per pass (layer-major, so each layer's slice is contiguous)."""
         dev, timed, take, observe = self.dev, self.timed, self.take, self.predictor.observe_layer
         for_layer, account = self.psets.for_layer, self.tally.pred.add
         experts, ce, counts, rows = gd.experts, gd.ce, gd.counts, gd.rows
-        probs, spec, hidden, pos = self.tr.probs, self.spec, self.hidden, self.pos
-        router = self.tr.router_probs  # a routing-only trace: the scattered top-k weights
+        arrays = gd.expert_arrays()
+        probs, spec, hidden = self._pass_arrays(rows)
+        restricted, serve, pos = self.restricted, dev.serve_layer, self.pos
         dense = gd.dense_s + self.feed_s
         hits = misses = 0
         stall = 0.0
@@ -255,23 +257,33 @@ class _Replay:
             t += dense
             dev.advance(t)
             obs = LayerObservation(
-                layer=layer, probs=(probs[rows, layer] if probs is not None
-                                    else router(rows, layer)).astype(np.float32),
-                experts=np.asarray(needed, dtype=np.int64), counts=counts[layer],
-                spec_probs=spec[rows, layer].astype(np.float32) if spec is not None else None,
-                hidden=hidden[rows, layer].astype(np.float32) if hidden is not None else None)
+                layer=layer, probs=probs[layer], experts=arrays[layer], counts=counts[layer],
+                spec_probs=None if spec is None else spec[layer],
+                hidden=None if hidden is None else hidden[layer])
             take(timed(observe, obs), t, layer)
             account(for_layer(layer), needed)
-            if self.restricted:
+            if restricted:
                 t, h, m, s = self.serve_restricted(gd, layer, pos, t)
             else:
-                t, h, m, s = dev.serve_layer(layer, needed, ce[layer], pos, t)
+                t, h, m, s = serve(layer, needed, ce[layer], pos, t)
             pos += len(needed)
             hits += h
             misses += m
             stall += s
         self.pos = pos
         return t, hits, misses, stall
+
+    def _pass_arrays(self, rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray | None,
+                                                              np.ndarray | None]:
+        """Layer-major float32 copies of one pass's token ``rows``: router probabilities
+        [L, T, J], speculative gates [L, T, D, J] and hidden states [L, T, H] (the last two
+        None unless the predictor needs them)."""
+        def major(a: np.ndarray) -> np.ndarray:
+            return np.ascontiguousarray(np.swapaxes(a, 0, 1), dtype=np.float32)
+
+        probs = self.tr.router_probs(rows)  # a routing-only trace: the scattered weights
+        return (major(probs), None if self.spec is None else major(self.spec[rows]),
+                None if self.hidden is None else major(self.hidden[rows]))
 
     def take(self, pred: Prediction, t: float, hook_layer: int) -> None:
         """Apply ``pred``, made at time ``t`` by a hook at ``hook_layer`` (-1: request or
