@@ -29,12 +29,15 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from moeexp.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +82,8 @@ def host_available_bytes(meminfo: str | Path = "/proc/meminfo") -> int:
 
 
 def meta_model(arch: Mapping[str, Any], *, dtype: torch.dtype = torch.bfloat16,
-               overrides: Mapping[str, Any] | None = None, where: str = "model") -> nn.Module:
+               overrides: Mapping[str, Any] | None = None, where: str = "model"
+               ) -> PreTrainedModel:
     """The model ``arch`` (``model_type`` + config keys, ``overrides`` applied) on the meta
     device, in eval mode: shapes only, no memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -209,7 +213,7 @@ def _materialise_buffers(model: nn.Module, device: torch.device) -> None:
 def random_model(arch: Mapping[str, Any], *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.bfloat16, overrides: Mapping[str, Any] | None = None,
                  seed: int = 0, std: float = 0.02, margin: int = MARGIN_BYTES,
-                 where: str = "model") -> nn.Module:
+                 where: str = "model") -> PreTrainedModel:
     """A random-weight model of ``arch`` ready for the engine (see the module docstring).
 
     Args:
@@ -228,7 +232,8 @@ def random_model(arch: Mapping[str, Any], *, device: str | torch.device = "cpu",
     t0 = time.perf_counter()
     model = meta_model(arch, dtype=dtype, overrides=overrides, where=where)
     needs = memory_needs(model, dev)
-    check_memory(needs, margin=margin, what=f"{model.config.model_type} model")
+    model_type = str(model.config.model_type)
+    check_memory(needs, margin=margin, what=f"{model_type} model")
     filler = _Filler(std, seed, dev, dtype)
     with torch.no_grad():
         _materialise_params(model, dev, dev.type == "cuda", filler)
@@ -236,7 +241,7 @@ def random_model(arch: Mapping[str, Any], *, device: str | torch.device = "cpu",
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     log.info("random %s: %.1f GiB of experts on the host%s, %.1f GiB on %s, in %.1f s",
-             model.config.model_type, needs.host_bytes / 2**30,
+             model_type, needs.host_bytes / 2**30,
              " (pinned)" if dev.type == "cuda" else "", needs.device_bytes / 2**30, dev,
              time.perf_counter() - t0)
     return model
