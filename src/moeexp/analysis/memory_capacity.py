@@ -33,7 +33,8 @@ The model, for one system on one model (all sizes in bytes; GB = 10^9 bytes)::
 
 The longest prompt is the largest P with memory(1, P, O) <= device; the largest batch the
 largest B with memory(B, P, O) <= device (both 0 when the weights alone do not fit). Neither
-is capped at the model's context length: they are memory bounds.
+is capped at the model's context length: they are memory bounds. An offloading system's
+bound says what fits beside its cache, not how fast it serves (every miss crosses the bus).
 
 Check against eMoE's Mixtral row (96 -> 59 GB at 512 tokens with 60 % of the experts
 loaded; 40x longer prompts; batch 4 -> 18, 4.5x). Here (bf16, 512 prompt tokens, prefill
