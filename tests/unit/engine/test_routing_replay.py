@@ -69,8 +69,8 @@ def _instant_link(dims) -> CostModel:
 
 
 def _engine(trace: Trace, system: str, slots: int, store: Trace | None, seed: int = 1,
-            model_type: str = "mixtral") -> tuple[dict[str, float], list]:
-    model = toy_model(model_type, seed=seed)  # other weights: its own routing differs
+            model_type: str = "mixtral", device: str = "cpu") -> tuple[dict[str, float], list]:
+    model = toy_model(model_type, seed=seed).to(device)  # other weights: other routing
     ad = adapter_for(model)
     pred, pol = _policies(system, trace.dims, slots, store)
     replay = RoutingReplay(trace, ad)
@@ -181,3 +181,16 @@ def test_serve_order_groups_requests_by_step() -> None:
     assert serve_order(trace).tolist() == list(range(6))
     assert shuffled.iter_request.tolist() == sorted(trace.iter_request.tolist())
     assert torch.equal(torch.from_numpy(ordered(trace).topk_idx), torch.from_numpy(trace.topk_idx))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("system", ["deepspeed", "oracle"])
+def test_replay_on_cuda_takes_the_simulators_decisions(system: str) -> None:
+    """The same on CUDA (pinned host store, copy stream, batched decode kernel)."""
+    trace = _recorded()
+    m, tpot = _engine(trace, system, 6, None, device="cuda")
+    pred, pol = _policies(system, trace.dims, 6, None)
+    sim = simulate(trace, pred, pol, _instant_link(trace.dims), progress=False).metrics
+    for key in KEYS:
+        assert m[key] == sim[key], key
+    assert all(np.isfinite(tpot))
