@@ -118,6 +118,7 @@ class SimBackend:
                     num_requests=self.num_online_requests if online else None)
         metrics: dict[str, Any] = {
             **res.metrics, "serving_token_ms": profile.token_s * 1e3,
+            "serving_token_batched_ms": profile.token_s_batched * 1e3,
             "serving_expert_load_ms": profile.expert_load_s * 1e3,
             "serving_output_len_mean": profile.output_len_mean,
             "kv_bytes_per_token": float(ctx.kv_bytes_per_token or cost.kv_bytes_per_token())}
