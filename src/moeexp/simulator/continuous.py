@@ -32,7 +32,11 @@ whole future access stream (``cache.needs_future``: Belady) are **not applicable
 continuous batching the stream depends on the schedule, which depends on the timing, which
 depends on the policy; :func:`not_applicable_reason` says so and :func:`serve` refuses them.
 A predictor needing ``future`` (oracle) gets the current pass's true accesses, which are
-known once its members are, so it runs honestly. Metrics: :mod:`moeexp.simulator.serving_report`.
+known once its members are, so it runs honestly. A mixed pass (``mix_prefill``) reports the step of its
+first member to ``IterationStart.step``: a decode step, as running requests come first, so
+a predictor keyed on the step (moe_infinity's prefill / decode EAM phases) files the
+joining prompts' prefill tokens under decode; ``mix_prefill=false`` keeps every pass one
+phase. Metrics: :mod:`moeexp.simulator.serving_report`.
 """
 
 from __future__ import annotations
@@ -78,6 +82,11 @@ class ServingSettings:
         slo_e2e_scale: end-to-end target = this x its unloaded end-to-end latency (> 0).
         slo_task_scales: task -> {"ttft": x, "e2e": y}, per-task scales replacing the two
             above for that task's requests (each task must exist in the trace).
+        mix_prefill: True: joining prompts share a pass with the decoding requests
+            (Orca / FastGen-style mixed passes; T_max covers both). False: requests admitted
+            at a boundary run their prefill in a pass of their own first, the decoding
+            requests wait for it (vLLM's default without chunked prefill); every pass is
+            then one phase, prefill or decode.
     """
 
     max_batch_tokens: int = 2048
@@ -86,6 +95,7 @@ class ServingSettings:
     slo_ttft_scale: float = 5.0
     slo_e2e_scale: float = 5.0
     slo_task_scales: Mapping[str, Mapping[str, float]] = field(default_factory=dict)
+    mix_prefill: bool = True
 
     def __post_init__(self) -> None:
         bad = []
@@ -209,6 +219,7 @@ class _Loop:
         self.done_tokens = [0] * units.n
         self.waiting: list[int] = []
         self.running: list[int] = []
+        self.fresh: list[int] = []  # admitted since the last pass (their prefill is next)
         self.preds: list[Prediction] = []
         self.bar = tqdm(total=units.n, desc=f"serve ({scheduler.name})", unit="req",
                         disable=not progress)
@@ -257,7 +268,8 @@ class _Loop:
         reserved = sum(u.kv_bytes[r] for r in self.running)
         return SchedulerView(
             now_s=t, waiting=waiting, running=running, remaining=remaining,
-            tokens_left=self.set.max_batch_tokens - sum(r.next_tokens for r in running),
+            tokens_left=self.set.max_batch_tokens - (sum(r.next_tokens for r in running)
+                                                     if self.set.mix_prefill else 0),
             running_left=self.set.max_running - len(running),
             kv_left_bytes=self.pool - reserved)
 
@@ -274,6 +286,7 @@ class _Loop:
         for w in chosen:
             self.waiting.remove(w)
             self.running.append(w)
+            self.fresh.append(w)
             self.run.start[w] = t
             if np.isnan(self.run.arrival[w]):
                 self.run.arrival[w] = t
@@ -308,7 +321,9 @@ class _Loop:
 
     def _pass(self, t0: float) -> tuple[float, list[int]]:
         """One forward pass of the running batch from ``t0``; returns (end s, finished)."""
-        u, run, members = self.u, self.run, list(self.running)
+        u, run = self.u, self.run
+        members = list(self.fresh if self.fresh and not self.set.mix_prefill else self.running)
+        self.fresh = []
         iters = tuple(u.iters[r][self.pos[r]] for r in members)
         gd = self.plan.group(iters)
         if self.replay is None:
@@ -326,7 +341,7 @@ class _Loop:
                 finished.append(r)
         kv_used = sum(self.kv_per_token * (self.done_tokens[r] + (0 if u.prefill[r]
                                                                   else u.prompt[r]))
-                      for r in members)
+                      for r in self.running)  # every running request's cache
         run.note_pass(len(members), gd.token_request.size, kv_used)
         self.sched.on_pass(members, finished)
         for r in finished:

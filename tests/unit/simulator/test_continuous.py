@@ -99,27 +99,46 @@ def test_fcfs_batches_when_requests_overlap() -> None:
 
 
 class _Log(Predictor):
-    """Records the request ids of every pass."""
+    """Records the request ids and the embedding rows of every pass."""
 
     def __init__(self, *, dims) -> None:  # type: ignore[no-untyped-def]
         super().__init__(dims=dims)
         self.passes: list[list[int]] = []
+        self.embeds: list[np.ndarray] = []
 
     def start_iteration(self, ctx: IterationStart) -> Prediction:
         self.passes.append(ctx.request_ids.tolist())
+        self.embeds.append(np.asarray(ctx.embed))
         return Prediction()
 
 
-def test_every_request_and_token_is_served_once() -> None:
-    """Under Poisson arrivals each request takes part in exactly as many passes as it has
-    iterations, the passes' tokens add up to the trace's, and latencies are ordered."""
+def _logged(scheduler: str = "fcfs", **kw):  # type: ignore[no-untyped-def]
     tr = _trace(3, num_requests=16)
     test = tr.split("test")
     pred = _Log(dims=tr.dims)
     _, pol, cost = _parts(tr)
     prof = fit_serving_profile(tr.split("store"), cost, pol.capacity_slots)
-    res = serve(test, pred, pol, cost, build_scheduler({"name": "fcfs"}), prof,
-                arrival_rate=400.0, progress=False)
+    settings = kw.pop("settings", None)
+    res = serve(test, pred, pol, cost, build_scheduler({"name": scheduler}), prof,
+                arrival_rate=400.0, progress=False, settings=settings, **kw)
+    return test, pred, res
+
+
+def _steps(passes: list[list[int]]) -> list[list[int]]:
+    """The step of each member of each pass, counting a request's appearances."""
+    seen: dict[int, int] = {}
+    out = []
+    for p in passes:
+        out.append([seen.get(r, 0) for r in p])
+        for r in p:
+            seen[r] = seen.get(r, 0) + 1
+    return out
+
+
+def test_every_request_and_token_is_served_once() -> None:
+    """Under Poisson arrivals each request takes part in exactly as many passes as it has
+    iterations, the passes' tokens add up to the trace's, and latencies are ordered."""
+    test, pred, res = _logged()
     counts: dict[int, int] = {}
     for p in pred.passes:
         assert len(set(p)) == len(p)
@@ -129,9 +148,26 @@ def test_every_request_and_token_is_served_once() -> None:
     assert counts == want
     assert sum(res.series["iter_tokens"]) == int(test.iter_offsets[-1])
     assert max(res.series["iter_requests"]) > 1
+    # in order: the k-th pass of request r carries the token rows of r's step k
+    for ids, steps, emb in zip(pred.passes, _steps(pred.passes), pred.embeds, strict=True):
+        rows = [np.arange(test.iter_offsets[i], test.iter_offsets[i + 1])
+                for r, k in zip(ids, steps, strict=True)
+                for i in np.flatnonzero((test.iter_request == r) & (test.iter_step == k))]
+        assert np.array_equal(emb, test.embed[np.concatenate(rows)].astype(np.float32))
     s = res.series
     for q, t, e in zip(s["queue_ms"], s["ttft_ms"], s["e2e_ms"], strict=True):
         assert q >= 0.0 and t >= q and e >= t
+
+
+def test_mix_prefill_false_keeps_each_pass_one_phase() -> None:
+    """Under Poisson arrivals mixed passes occur by default (a joining prompt beside decode
+    steps); with mix_prefill=false every pass is all prefill or all decode, and the same
+    requests and tokens are served."""
+    _, mixed, a = _logged()
+    assert any(0 in st and max(st) > 0 for st in _steps(mixed.passes))
+    _, split, b = _logged(settings=ServingSettings(mix_prefill=False))
+    assert all(max(st) == 0 or min(st) > 0 for st in _steps(split.passes))
+    assert sum(a.series["iter_tokens"]) == sum(b.series["iter_tokens"])
 
 
 def test_token_budget_is_honoured() -> None:
