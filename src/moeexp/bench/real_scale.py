@@ -220,17 +220,19 @@ def _calibrate(model: Any, adapter: Any, s: Settings) -> tuple[Any, dict[str, fl
 def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
     """Mean TPOT (ms) of plain forward passes, every expert on the device, the routers
     forced to the trace (the same passes as the engine's): the overhead's reference."""
-    import inspect
-
     import torch
-    from transformers import DynamicCache
 
-    from moeexp.engine.routing_replay import RoutingReplay, request_latencies
+    from moeexp.engine.routing_replay import (
+        RoutingReplay,
+        kv_argument,
+        request_cache,
+        request_latencies,
+    )
     from moeexp.models.random_init import experts_resident
 
     device = next(model.parameters()).device
     replay = RoutingReplay(test, adapter)
-    kv = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kv = kv_argument(model)
     handles = replay.install()
     tpots = []
     impl = model.config._experts_implementation
@@ -240,7 +242,8 @@ def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
         with experts_resident(model, device), torch.no_grad():
             for req in replay.trace.requests:
                 its = replay.trace.request_iterations(req.request_id)
-                cache, ends = DynamicCache(config=model.config), []
+                prefill = bool(replay.trace.iter_step[its[0]] == 0)
+                cache, ends = request_cache(model, 0 if prefill else req.prompt_len), []
                 start = time.perf_counter()
                 for it in its:
                     replay.begin(int(it))
@@ -249,7 +252,7 @@ def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     ends.append(time.perf_counter())
-                tpots.append(request_latencies(start, ends, bool(replay.trace.iter_step[its[0]] == 0))[1])
+                tpots.append(request_latencies(start, ends, prefill)[1])
     finally:
         for h in handles:
             h.remove()
@@ -344,7 +347,7 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
     est = engine_settings(settings, bandwidth_bps=emulated_bps)
     with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, est, system=system,
                          routing=replay) as om:
-        series = replay_requests(om, replay)
+        series = replay_requests(om, replay, prompt_kv=True)
         em = om.metrics()
     wall = time.perf_counter() - t0
     del om
@@ -443,7 +446,7 @@ def run_real_scale(s: Settings) -> dict[str, Any]:
     t0 = time.perf_counter()
     model, adapter, store, test = _model_and_traces(s)
     built = time.perf_counter() - t0
-    res: dict[str, Any] = {**replay_labels(test), "settings": {
+    res: dict[str, Any] = {**replay_labels(test, prompt_kv=True), "settings": {
         k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(s).items()},
         "environment": _environment(s.device), "model_build_s": built,
         "model": adapter.describe(), "test_requests": len(test.requests), "passes": s.passes,

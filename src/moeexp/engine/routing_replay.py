@@ -23,10 +23,11 @@ Serving order (the simulator's, batch size 1, offline): requests in ``trace.requ
 order, each request's iterations by step. Every iteration is one forward pass of as many
 token rows as the trace recorded (prefill: the prompt's rows; decode: one). Token ids are
 the trace's when it has them, else ``pad`` ids (random weights: any id costs the same).
-A request's passes share one KV cache, so decode attention grows with the position; a
-decode-only trace (no prefill routing) has no prompt in that cache, and its attention is
-cheaper than the real model's by the prompt's length (reported as
-``replay_prompt_in_kv: false``).
+A request's passes share one KV cache, so decode attention grows with the position. A
+decode-only trace (no prefill routing) has no prompt pass: with ``prompt_kv=True`` the
+cache starts with ``prompt_len`` zero keys and values (:func:`request_cache`), so decode
+attention spans the real context; without, attention is cheaper than the real model's by
+the prompt's length (``replay_prompt_in_kv`` says which).
 """
 
 from __future__ import annotations
@@ -214,18 +215,48 @@ def request_latencies(start: float, ends: list[float], prefill: bool) -> tuple[f
     return float("nan"), e2e / len(ends), e2e
 
 
-def replay_requests(om: OffloadedModel, replay: RoutingReplay, *,
-                    progress: bool = False) -> ReplaySeries:
-    """Serve every request of ``replay.trace`` through ``om``, one forward pass per trace
-    iteration (batch size 1, a KV cache per request); fills ``om.timing`` with the
-    simulator's TTFT/TPOT definitions and returns the per-request series."""
+def kv_argument(model: nn.Module) -> str:
+    """The name of ``model.forward``'s KV-cache argument (transformers 5.x renames
+    ``past_key_values`` to ``cache``; the old name warns)."""
     import inspect
 
+    return "cache" if "cache" in inspect.signature(model.forward).parameters \
+        else "past_key_values"
+
+
+def request_cache(model: Any, prompt_len: int) -> Any:
+    """A fresh ``DynamicCache`` for one request, holding ``prompt_len`` zero keys and values
+    in every layer (0: empty): the prompt context of a decode-only replay.
+
+    Raises:
+        ConfigError: ``prompt_len > 0`` for an attention without plain k/v heads (MLA).
+    """
     from transformers import DynamicCache
 
-    # transformers 5.x renames forward's past_key_values to cache (the old name warns)
-    kv_arg = "cache" if "cache" in inspect.signature(om.model.forward).parameters \
-        else "past_key_values"
+    cfg = model.config.get_text_config(decoder=True)
+    cache = DynamicCache(config=model.config)
+    if prompt_len <= 0:
+        return cache
+    if getattr(cfg, "kv_lora_rank", None):
+        raise ConfigError(f"prompt_kv: {cfg.model_type}'s latent attention (MLA) has no plain "
+                          "k/v heads to prefill; replay it with prompt_kv=False")
+    p = next(model.parameters())
+    head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    z = torch.zeros(1, cfg.num_key_value_heads, int(prompt_len), head, dtype=p.dtype,
+                    device=p.device)
+    for layer in range(cfg.num_hidden_layers):
+        cache.update(z, z, layer)
+    return cache
+
+
+def replay_requests(om: OffloadedModel, replay: RoutingReplay, *, prompt_kv: bool = False,
+                    progress: bool = False) -> ReplaySeries:
+    """Serve every request of ``replay.trace`` through ``om``, one forward pass per trace
+    iteration (batch size 1, a KV cache per request; ``prompt_kv``: a request without a
+    prefill pass starts with its ``prompt_len`` in the cache, see :func:`request_cache`);
+    fills ``om.timing`` with the simulator's TTFT/TPOT definitions and returns the
+    per-request series."""
+    kv_arg = kv_argument(om.model)
     tr = replay.trace
     order = np.arange(tr.num_iterations)
     pad = int(getattr(om.model.config, "pad_token_id", None) or 0)
@@ -236,7 +267,7 @@ def replay_requests(om: OffloadedModel, replay: RoutingReplay, *,
         if len(its) == 0:
             continue
         prefill = bool(tr.iter_step[its[0]] == 0)
-        cache = DynamicCache(config=om.model.config)
+        cache = request_cache(om.model, req.prompt_len if prompt_kv and not prefill else 0)
         ends: list[float] = []
         with om.serving(req, prompt_embed=None if emb is None else emb[i:i + 1]):
             start = time.perf_counter()
@@ -261,8 +292,10 @@ def replay_requests(om: OffloadedModel, replay: RoutingReplay, *,
     return series
 
 
-def replay_labels(trace: Trace) -> dict[str, Any]:
-    """What a result of routing replay must say about itself."""
+def replay_labels(trace: Trace, *, prompt_kv: bool = False) -> dict[str, Any]:
+    """What a result of routing replay must say about itself (``prompt_kv`` as given to
+    :func:`replay_requests`)."""
     return {"routing_source": "replay", "exact": False,
             "replay_trace": str(trace.meta.get("trace_source") or trace.meta.get("model", "")),
-            "replay_prompt_in_kv": bool(np.any(trace.iter_step == 0))}
+            "replay_prompt_in_kv": bool(prompt_kv or np.all(trace.iter_step[
+                np.unique(trace.iter_request, return_index=True)[1]] == 0))}

@@ -20,11 +20,12 @@ def dry(tmp_path_factory):
 
 def test_dry_run_writes_one_folder_labelled_not_exact(dry) -> None:
     """results.json, systems.csv and summary.md; the run says it replayed routing (not
-    exact), ran on the CPU at reduced size, and had no prompt in the KV cache."""
+    exact), ran on the CPU at reduced size, and started each decode-only request with its
+    prompt's length in the KV cache."""
     out, res = dry
     assert {p.name for p in out.iterdir()} == {"results.json", "systems.csv", "summary.md"}
     assert res["routing_source"] == "replay" and res["exact"] is False
-    assert res["replay_prompt_in_kv"] is False
+    assert res["replay_prompt_in_kv"] is True
     assert res["settings"]["dry_run"] is True and res["settings"]["device"] == "cpu"
     assert res["model"]["num_moe_layers"] == 24 and res["model"]["num_experts"] == 32
     assert (out / "summary.md").read_text().startswith("# real_scale: CPU dry run")

@@ -17,9 +17,11 @@ from moeexp.costmodel import CostModel, load_profile
 from moeexp.engine import build_offloaded
 from moeexp.engine.routing_replay import (
     RoutingReplay,
+    kv_argument,
     ordered,
     replay_labels,
     replay_requests,
+    request_cache,
     serve_order,
 )
 from moeexp.engine.runtime import EngineSettings
@@ -69,14 +71,15 @@ def _instant_link(dims) -> CostModel:
 
 
 def _engine(trace: Trace, system: str, slots: int, store: Trace | None, seed: int = 1,
-            model_type: str = "mixtral", device: str = "cpu") -> tuple[dict[str, float], list]:
+            model_type: str = "mixtral", device: str = "cpu", prompt_kv: bool = False
+            ) -> tuple[dict[str, float], list]:
     model = toy_model(model_type, seed=seed).to(device)  # other weights: other routing
     ad = adapter_for(model)
     pred, pol = _policies(system, trace.dims, slots, store)
     replay = RoutingReplay(trace, ad)
     settings = EngineSettings(predictor_async=False, prefetch_wait=True)
     with build_offloaded(model, ad, pred, pol, settings, routing=replay) as om:
-        series = replay_requests(om, replay)
+        series = replay_requests(om, replay, prompt_kv=prompt_kv)
         return om.metrics(), series.tpot_ms
 
 
@@ -139,7 +142,7 @@ def test_routing_only_trace_replays_decode_steps(model_type: str) -> None:
     trace = _routing_only(_recorded(model_type))
     assert "prefill" not in trace.capabilities and "token_ids" not in trace.capabilities
     slots = 2 * trace.dims.top_k
-    m, tpot = _engine(trace, "deepspeed", slots, None, model_type=model_type)
+    m, tpot = _engine(trace, "deepspeed", slots, None, model_type=model_type, prompt_kv=True)
     pred, pol = _policies("deepspeed", trace.dims, slots, None)
     sim = simulate(trace, pred, pol, _instant_link(trace.dims), progress=False).metrics
     for key in KEYS:
@@ -147,6 +150,24 @@ def test_routing_only_trace_replays_decode_steps(model_type: str) -> None:
     assert np.isnan(m["ttft_ms_mean"]) and all(np.isfinite(tpot))
     assert replay_labels(trace) == {"routing_source": "replay", "exact": False,
                                     "replay_trace": "t", "replay_prompt_in_kv": False}
+    assert replay_labels(trace, prompt_kv=True)["replay_prompt_in_kv"] is True
+    assert replay_labels(_recorded())["replay_prompt_in_kv"] is True  # it has prefills
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "mixtral"])
+def test_request_cache_holds_the_prompt(model_type: str) -> None:
+    """request_cache(model, P): every layer starts with P positions (a sliding-window
+    layer keeps its window), and a decode pass then attends over P + 1."""
+    model = toy_model(model_type)
+    cache = request_cache(model, 9)
+    assert cache.get_seq_length() == 9
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long), use_cache=True,
+              **{kv_argument(model): cache})
+    assert cache.get_seq_length() == 10
+    assert request_cache(model, 0).get_seq_length() == 0
+    with pytest.raises(ConfigError, match="MLA"):
+        request_cache(toy_model("deepseek_v2"), 4)
 
 
 def test_replay_refuses_a_trace_of_another_shape() -> None:
