@@ -59,13 +59,13 @@ class LRUPerLayer(RecencyPolicy):
             slots_per_layer = num_experts
         self.slots_per_layer = slots_per_layer
         self._per_layer = [0] * num_layers
+        self._layer_keys: list[set[Key]] = [set() for _ in range(num_layers)]  # residents
 
     def has_room(self, incoming: Key) -> bool:
         return self._per_layer[incoming[0]] < self.slots_per_layer
 
     def candidates(self, incoming: Key) -> list[Key]:
-        layer = incoming[0]
-        return sorted(k for k in self.resident if k[0] == layer)
+        return sorted(self._layer_keys[incoming[0]])
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         return min(candidates, key=lambda k: (self.last_use(k), k))
@@ -73,9 +73,11 @@ class LRUPerLayer(RecencyPolicy):
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         if key not in self.resident:
             self._per_layer[key[0]] += 1
+            self._layer_keys[key[0]].add(key)
         super().on_insert(key, now, prefetched)
 
     def on_evict(self, key: Key) -> None:
         if key in self.resident:
             self._per_layer[key[0]] -= 1
+            self._layer_keys[key[0]].discard(key)
         super().on_evict(key)

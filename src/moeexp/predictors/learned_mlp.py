@@ -60,7 +60,8 @@ class MLP:
 
     def forward(self, x: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
         """Logits float32[N, J] of x float[N, H] and the activations (inputs of each Linear)."""
-        a = ((np.asarray(x, dtype=np.float32) - self.mu) / self.sd).astype(np.float32)
+        a = ((np.asarray(x, dtype=np.float32) - self.mu) / self.sd).astype(np.float32,
+                                                                           copy=False)
         acts = [a]
         for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
             a = a @ w + b

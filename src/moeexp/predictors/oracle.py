@@ -51,16 +51,25 @@ class OraclePredictor(Predictor):
         self.reissue = bool(reissue)
         self._flat: list[Prefetch] = []
         self._offsets: list[int] = [0] * (dims.num_layers + 1)
+        # every request this predictor can make (priority L - layer), built once
+        L = dims.num_layers
+        self._table = [[Prefetch(float(L - layer), layer, e) for e in range(dims.num_experts)]
+                       for layer in range(L)]
 
     def start_iteration(self, ctx: IterationStart) -> Prediction:
         if ctx.future is None:
             raise ConfigError("oracle needs the future accesses (IterationStart.future); the mechanism gave none")
         L = self.dims.num_layers
+        table = self._table
         flat: list[Prefetch] = []
         offsets = [0]
         for layer, experts in enumerate(ctx.future):
-            pri = float(L - layer)
-            flat.extend(Prefetch(pri, layer, int(e)) for e in experts)
+            es = np.asarray(experts).tolist()
+            if es and not (0 <= min(es) and max(es) < self.dims.num_experts):
+                raise ValueError(f"oracle: layer {layer}'s future experts {es} are outside "
+                                 f"0..{self.dims.num_experts - 1}")
+            row = table[layer]
+            flat.extend(row[e] for e in es)
             offsets.append(len(flat))
         self._flat, self._offsets = flat, offsets
         predicted = {layer: np.asarray(e, dtype=np.int64) for layer, e in enumerate(ctx.future)}

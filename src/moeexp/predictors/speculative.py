@@ -56,10 +56,14 @@ def aggregate_topk(probs: np.ndarray, k: int, how: Aggregate = "union") -> tuple
         (experts int64[n] best first, mean float64[J] token-mean probabilities).
     """
     p = np.asarray(probs, dtype=np.float64).reshape(-1, probs.shape[-1])
-    mean = p.mean(axis=0)
     J = p.shape[1]
     k = min(k, J)
-    if how == "mean" or p.shape[0] == 1:
+    if p.shape[0] == 1:  # one token: its row is the mean (the same bits as mean(axis=0))
+        mean = p[0].copy()
+        # stable descending order: ties by index, as lexsort((arange(J), -mean)) orders
+        return np.argsort(-mean, kind="stable")[:k].astype(np.int64), mean
+    mean = p.mean(axis=0)
+    if how == "mean":
         order = np.lexsort((np.arange(J), -mean))[:k]
         return order.astype(np.int64), mean
     top = np.argsort(-p, axis=1, kind="stable")[:, :k]
