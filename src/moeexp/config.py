@@ -35,6 +35,7 @@ from moeexp.backends import BACKENDS
 from moeexp.cache import check_cache
 from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.data.prompts import DatasetConfig
+from moeexp.data.tasks import KEYWORD_TASKS, LABELS
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalSpec, eval_spec
 from moeexp.paths import load_group_yaml
@@ -239,7 +240,15 @@ def _check_scheduler(spec: RunSpec) -> None:
                           f"{spec.backend.kwargs.get('batch_size')} is static batching's; the "
                           "continuous batch is bounded by backend.serving.max_running and "
                           "max_batch_tokens (set batch_size=1)")
-    t_max = (spec.backend.kwargs.get("serving") or {}).get("max_batch_tokens")
+    serving = spec.backend.kwargs.get("serving") or {}
+    if spec.trace.source == "record":  # a recorded trace's tasks are the classifier's labels
+        labels = {*LABELS, *KEYWORD_TASKS}
+        unknown = sorted(set(serving.get("slo_task_scales") or {}) - labels)
+        if unknown:
+            raise ConfigError(f"backend.serving.slo_task_scales: unknown task label(s) "
+                              f"{', '.join(map(repr, unknown))}; valid: "
+                              f"{', '.join(sorted(labels))}")
+    t_max = serving.get("max_batch_tokens")
     ds = spec.dataset
     if isinstance(t_max, int) and ds.lengths == "fixed" and t_max < ds.input_len:
         raise ConfigError(f"scheduler={name}: backend.serving.max_batch_tokens={t_max} is "

@@ -81,6 +81,8 @@ def test_default_is_static() -> None:
     (["scheduler=fcfs", "backend.serving.slo_e2e_scale=0"], "SLO must be > 0"),
     (["scheduler=fcfs", "backend.arrival_rate=-1"], "arrival_rate must be > 0"),
     (["scheduler=fcfs", "+backend.serving.max_batch_token=10"], "max_batch_tokens"),
+    (["scheduler=fcfs", "+backend.serving.slo_task_scales.cooking.e2e=2"],
+     "unknown task label.*'cooking'; valid: .*code"),
 ])
 def test_misconfigurations_fail_before_work(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -90,3 +92,9 @@ def test_misconfigurations_fail_before_work(overrides: list[str], match: str) ->
 def test_sim_backend_checks_its_serving_block() -> None:
     with pytest.raises(ConfigError, match="max_running"):
         BACKENDS.build("sim", serving={"max_running": 0})
+
+
+def test_a_known_task_label_validates() -> None:
+    spec = validate(_cfg("scheduler=emoe", "+backend.serving.slo_task_scales.code.e2e=2",
+                         "logger=none"))
+    assert spec.backend.kwargs["serving"]["slo_task_scales"] == {"code": {"e2e": 2}}
