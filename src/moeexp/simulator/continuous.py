@@ -181,17 +181,17 @@ def _units(plan: Plan, settings: ServingSettings, profile: ServingProfile,
 
 def _check_budgets(units: _Units, settings: ServingSettings, pool: int, weights: int,
                    memory: int, trace: Trace) -> None:
-    """Every request fits T_max and the KV pool alone; the pool is positive; every task
+    """Every request's first pass fits T_max and its reservation the KV pool alone; the pool is positive; every task
     named in ``slo_task_scales`` exists (ConfigError naming the numbers otherwise)."""
     if pool <= 0:
         raise ConfigError(f"backend.serving: the weights and the expert cache take {weights} "
                           f"bytes of the {memory} bytes of device memory: no room for a KV "
                           "cache (raise device_memory_gb or lower cache.capacity)")
-    u = int(np.argmax(units.prompt))
-    if units.prompt[u] > settings.max_batch_tokens:
+    first = [toks[0] if toks else 0 for toks in units.tokens]  # a prefill: the prompt
+    if max(first) > settings.max_batch_tokens:
         raise ConfigError(f"backend.serving: max_batch_tokens={settings.max_batch_tokens} is "
-                          f"below one prompt ({units.prompt[u]} tokens); T_max must be >= "
-                          f"{max(units.prompt)} (no chunked prefill)")
+                          f"below one prompt ({max(first)} tokens); T_max must be >= "
+                          f"{max(first)} (no chunked prefill)")
     k = int(np.argmax(units.kv_bytes))
     if units.kv_bytes[k] > pool:
         raise ConfigError(f"backend.serving: one request's KV cache ({units.kv_bytes[k]} bytes) "
