@@ -19,12 +19,16 @@ The model, for one system on one model (all sizes in bytes; GB = 10^9 bytes)::
   embeddings, norms, routers, shared experts), from the model's real tensor shapes: the
   preset's ``arch:`` block built on the meta device (:func:`moeexp.models.arch.arch_dims`; the
   tiny model: its shipped ``config.json``). Dtype and ``expert_format`` as in the preset.
-- ``kv(T)`` = dtype bytes * 2 (K and V) * kv heads * head dim * (full-attention layers * T +
-  sliding-window layers * min(T, window)) (gpt-oss-20b: 12 of its 24 layers keep a
-  128-token window).
+- ``kv(T)`` = (one token's K and V in one layer) * (full-attention layers * T +
+  sliding-window layers * min(T, window)). The per-token, per-layer bytes are
+  :func:`moeexp.costmodel.roofline.kv_bytes_per_token` (the serving simulator's rule: 2 * kv
+  heads * head dim * dtype bytes, or MLA's latent) over the layer count; the window split
+  is added here from the config's ``layer_types`` / ``sliding_window`` (gpt-oss-20b: 12 of
+  its 24 layers keep a 128-token window; the simulator's rule keeps every position).
 - ``act`` (``activations="prefill"``, the default): the live tensors of one layer while the
   whole prompt is prefilled at once, per token: dtype bytes * (4 H [residual, normed input,
-  attention output, its projection] + 2 * kv heads * head dim [K, V] + 3 * K * I [each
+  attention output, its projection] + 2 * kv heads * head dim [K, V: kv_layer / dtype] +
+  3 * K * I [each
   routed copy's gate, up and their product]) + 4 * J (float32 router logits); plus the last
   position's float32 logits per sequence. Attention is assumed fused (SDPA/flash: no
   T x T score matrix); a chunked prefill (vLLM) would bound this term, ``activations="none"``
@@ -95,7 +99,8 @@ class ModelMemory:
         num_layers: L, MoE layers; num_experts: J routed experts per layer; top_k: K.
         expert_bytes: one routed expert; dense_bytes: every other weight.
         hidden_size: H; moe_intermediate: I of one routed expert; vocab_size: V.
-        kv_heads, head_dim: of the attention; dtype_bytes: of the activations and KV cache.
+        kv_layer_bytes: K and V of one token in one attention layer (bytes).
+        dtype_bytes: of the activations and the KV cache.
         full_layers, window_layers: attention layers with full / sliding-window context.
         window: the sliding window in tokens (0 when no layer slides).
     """
@@ -109,29 +114,22 @@ class ModelMemory:
     hidden_size: int
     moe_intermediate: int
     vocab_size: int
-    kv_heads: int
-    head_dim: int
+    kv_layer_bytes: int
     dtype_bytes: int
     full_layers: int
     window_layers: int = 0
     window: int = 0
 
-    @property
-    def kv_bytes_per_token_layer(self) -> int:
-        """K and V of one token in one layer: 2 * kv_heads * head_dim * dtype_bytes."""
-        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
-
     def kv_bytes(self, tokens: int) -> int:
         """KV-cache bytes of one sequence of ``tokens`` positions."""
-        return self.kv_bytes_per_token_layer * (
+        return self.kv_layer_bytes * (
             self.full_layers * tokens + self.window_layers * min(tokens, self.window))
 
     @property
     def act_bytes_per_token(self) -> int:
         """Prefill activation bytes per prompt token (module docstring)."""
-        width = 4 * self.hidden_size + 2 * self.kv_heads * self.head_dim \
-            + 3 * self.top_k * self.moe_intermediate
-        return self.dtype_bytes * width + 4 * self.num_experts
+        width = 4 * self.hidden_size + 3 * self.top_k * self.moe_intermediate
+        return self.dtype_bytes * width + self.kv_layer_bytes + 4 * self.num_experts
 
     @property
     def all_experts(self) -> int:
@@ -221,14 +219,13 @@ def model_memory(name: str) -> ModelMemory:
     # torch and transformers, on the meta device only: the rest of this module is torch-free
     from transformers import AutoConfig
 
+    from moeexp.costmodel.roofline import kv_bytes_per_token
     from moeexp.models.arch import arch_dims
 
     arch, dtype, fmt = _arch_of(name)
     dims = arch_dims(arch, dtype=dtype, expert_format=fmt, where=f"model={name}")
     spec = dict(arch)
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     n_layers = int(config.num_hidden_layers)
     window = int(getattr(config, "sliding_window", None) or 0)
     types = list(getattr(config, "layer_types", None) or [])
@@ -241,8 +238,9 @@ def model_memory(name: str) -> ModelMemory:
         name=name, num_layers=dims.num_layers, num_experts=dims.num_experts,
         top_k=dims.top_k, expert_bytes=dims.expert_bytes, dense_bytes=dims.dense_bytes,
         hidden_size=dims.hidden_size, moe_intermediate=dims.intermediate_size,
-        vocab_size=int(config.vocab_size), kv_heads=int(config.num_key_value_heads),
-        head_dim=head_dim, dtype_bytes=dtype_bytes, full_layers=n_layers - sliding,
+        vocab_size=int(config.vocab_size),
+        kv_layer_bytes=kv_bytes_per_token(arch, dtype_bytes) // n_layers,
+        dtype_bytes=dtype_bytes, full_layers=n_layers - sliding,
         window_layers=sliding, window=window if sliding else 0)
 
 

@@ -11,11 +11,11 @@ from moeexp.analysis import memory_capacity as mc
 from moeexp.errors import ConfigError
 
 #: L=2, J=4, K=2, one expert 100 B, dense 1000 B, H=8, I=16, V=10, 2 kv heads of dim 4,
-#: 2-byte dtype: KV per token = 2 layers * (2 * 2 * 4 * 2) = 64 B; activations per prompt
-#: token = 2 * (4*8 + 2*2*4 + 3*2*16) + 4*4 = 2 * 144 + 16 = 304 B; logits 4 * 10 = 40 B.
+#: 2-byte dtype: KV per token per layer 2 * 2 * 4 * 2 = 32 B, so 64 B over 2 layers;
+#: activations per prompt token = 2 * (4*8 + 3*2*16) + 32 + 4*4 = 304 B; logits 4 * 10 = 40 B.
 TOY = mc.ModelMemory(name="toy", num_layers=2, num_experts=4, top_k=2, expert_bytes=100,
                      dense_bytes=1000, hidden_size=8, moe_intermediate=16, vocab_size=10,
-                     kv_heads=2, head_dim=4, dtype_bytes=2, full_layers=2)
+                     kv_layer_bytes=32, dtype_bytes=2, full_layers=2)
 
 
 def test_footprint_by_hand():
@@ -144,7 +144,7 @@ def test_the_arithmetic_and_residency_import_no_torch():
     import sys
 
     code = ("import sys; from moeexp.analysis import memory_capacity as mc; "
-            "m = mc.ModelMemory('x', 2, 8, 2, 10, 1, 1, 1, 1, 1, 1, 1, 2); "
+            "m = mc.ModelMemory('x', 2, 8, 2, 10, 1, 1, 1, 1, 1, 1, 2); "
             "mc.max_batch(m, mc.residency('deepspeed', m).resident_experts, 10**6, prompt_len=8); "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
