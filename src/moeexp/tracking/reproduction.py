@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Literal
 
 import pandas as pd
+import yaml
 
 from moeexp.atomic import write_text
 from moeexp.tracking.compare import PAPER_BASELINES, PAPER_CHANGES
@@ -117,6 +118,7 @@ class Setting:
     runs: pd.DataFrame
     dirs: list[str] = field(default_factory=list)
     commits: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -175,12 +177,59 @@ def load(dirs: Sequence[str | Path]) -> dict[tuple[str, Regime], Setting]:
             log.warning("%s: experiment %s is not one of the table's claims; skipped", d, exps)
             continue
         regime = regime_of(runs)
+        runs["_dir"] = str(d)
         for claim in claims:
             s = out.setdefault((claim, regime), Setting(runs.iloc[0:0]))
             s.runs = pd.concat([s.runs, runs], ignore_index=True)
             s.dirs.append(str(d))
             s.commits += [c for c in commits_of(d, runs) if c not in s.commits]
+    for regime in REGIMES:
+        adopt(out, regime)
     return out
+
+
+def _store_capacity(run: pd.Series) -> float:
+    """``predictor.store_capacity`` from the run's ``.hydra/config.yaml`` (NaN if absent)."""
+    path = Path(str(run["_dir"])) / str(run["run"]) / ".hydra" / "config.yaml"
+    if not path.is_file():
+        return math.nan
+    cfg = yaml.safe_load(path.read_text()) or {}
+    return _num((cfg.get("predictor") or {}).get("store_capacity"))
+
+
+def adopt(data: dict[tuple[str, Regime], Setting], regime: Regime) -> None:
+    """Give each ablation of ``regime`` its FineMoE point from the Fig. 10 sweep when the
+    ablation's own sweep lacks it: the same configuration (FineMoE's predictor and cache at
+    25 %, the default store capacity), so the run need not be repeated. The point is
+    ``cache=finemoe`` (cache ablation), ``map_tsd`` (``map_td`` for finemoe_no_semantic:
+    Map(T+δ)) in the prediction ablation, and its own store capacity in the store sweep.
+    The setting's sources then list the Fig. 10 directory, marked as adopted."""
+    fig10 = data.get(("fig10", regime))
+    if fig10 is None:
+        return
+    base = _at_budget(fig10.runs, FIG10_BUDGET)
+    fm = finemoe_of(base)
+    mine = ok_rows(base, "system", fm).copy()
+    if mine.empty:
+        return
+    label = "map_tsd" if fm == "finemoe" else "map_td"
+    wanted = {"cache": ("cache", "finemoe"), "predictor": ("system", label),
+              "store": ("predictor.store_capacity", None)}
+    for claim, (col, value) in wanted.items():
+        s = data.get((claim, regime))
+        if s is None:
+            continue
+        rows = mine.assign(**{col: [_store_capacity(r) for _, r in mine.iterrows()]
+                              if value is None else value})
+        point = rows[col].iloc[0]
+        if (value is None and not math.isfinite(_num(point))) or (
+                col in s.runs and not ok_rows(s.runs, col, point).empty):
+            continue  # unknown capacity, or the ablation measured the point itself
+        s.runs = pd.concat([s.runs, rows], ignore_index=True)
+        point = int(point) if value is None else point
+        s.notes += [f"`{d}`: {fm} at {FIG10_BUDGET:.0%} adopted as {col}={point} (same "
+                    "configuration)" for d in dict.fromkeys(mine["_dir"])]
+        s.commits += [c for c in fig10.commits if c not in s.commits]
 
 
 # ------------------------------------------------------------------------------ statistics
@@ -482,7 +531,8 @@ def sources(data: dict[tuple[str, Regime], Setting]) -> str:
         seeds = sorted({str(x) for x in s.runs.get(SEED_KEY, [])})
         tests = sorted({str(int(x)) for x in pd.to_numeric(
             s.runs.get("requests_test", pd.Series(dtype=float)), errors="coerce").dropna()})
-        lines.append(f"| {claim} | {regime} | {'<br>'.join(f'`{d}`' for d in s.dirs)} | "
+        where = "<br>".join([f"`{d}`" for d in s.dirs] + [f"+ {n}" for n in s.notes])
+        lines.append(f"| {claim} | {regime} | {where} | "
                      f"{', '.join(s.commits)} | {len(s.runs)} | {','.join(seeds)} | "
                      f"{','.join(tests)} |")
     return "\n".join(lines) + "\n"

@@ -113,3 +113,19 @@ def test_load_pools_sweeps_and_skips_others(tmp_path: Path) -> None:
     assert list(data) == [("fig10", "embedded")]
     assert len(data[("fig10", "embedded")].runs) == 12
     assert data[("fig10", "embedded")].commits == ["abcdef1", "1234567"]
+
+
+def test_ablation_adopts_the_fig10_finemoe_point(tmp_path: Path) -> None:
+    """A cache ablation swept over lru, lfu only gets FineMoE's own cache point from the
+    Fig. 10 sweep of the same setting (the same configuration), marked in its notes; an
+    ablation that measured the point keeps its own."""
+    fig10 = _sweep(tmp_path, "fig10", _fig10())
+    abl = [{**r, "experiment": "cache_ablation", "cache": c} for c in ("lru", "lfu")
+           for r in _fig10() if r["system"] == "finemoe"]
+    cabl = _sweep(tmp_path, "cabl", abl)
+    s = load([fig10, cabl])[("cache", "embedded")]
+    assert sorted(s.runs["cache"].astype(str).unique()) == ["finemoe", "lfu", "lru"]
+    assert len(s.runs) == 9 and s.dirs == [str(cabl)]
+    assert "adopted as cache=finemoe" in s.notes[0]
+    own = _sweep(tmp_path, "own", abl + [{**abl[0], "cache": "finemoe"}])
+    assert load([fig10, own])[("cache", "embedded")].notes == []
