@@ -458,9 +458,12 @@ def run_real_scale(s: Settings) -> dict[str, Any]:
     res["h2d"] = _h2d_bandwidth(model, adapter, s)
     _free_device()
     cost: Any = None
+    fits, why = _fits_on_device(model, adapter)  # the profile holds every expert resident
     try:
+        if not fits:
+            raise ConfigError(f"the calibration profiles every expert resident: {why}")
         cost, res["calibration"] = _calibrate(model, adapter, s)
-    except ConfigError as exc:  # keep the engine's measurements; the simulator is skipped
+    except (ConfigError, torch.cuda.OutOfMemoryError) as exc:  # keep the engine's numbers
         log.error("calibration failed, the simulator is skipped: %s", exc)
         res["calibration"] = {"error": str(exc)}
     _free_device()

@@ -75,3 +75,25 @@ def test_truncate_keeps_the_first_passes() -> None:
     rows = np.concatenate([np.arange(trace.iter_offsets[i], trace.iter_offsets[i + 1])
                            for i in first])
     assert np.array_equal(cut.topk_idx[:5], trace.topk_idx[rows])
+
+
+def test_failed_calibration_keeps_the_engine_numbers(tmp_path, monkeypatch) -> None:
+    """A calibration that cannot be fitted skips the simulator (NaN columns, the reason in
+    results.json) instead of losing the engine's measurements."""
+    import dataclasses
+
+    from moeexp.errors import ConfigError
+
+    def fail(*args, **kwargs):
+        raise ConfigError("fit_profile: copy time does not grow with bytes")
+
+    monkeypatch.setattr(real_scale, "_calibrate", fail)
+    s = dataclasses.replace(real_scale.Settings.dry(tmp_path), systems=("deepspeed",),
+                            capacities=(0.5,))
+    res = real_scale.run_real_scale(s)
+    assert "copy time" in res["calibration"]["error"]
+    (row,) = res["systems"]
+    assert row["status"] == "ok" and row["engine_h2d_bytes_total"] > 0
+    assert np.isnan(row["sim_tpot_ms_mean"]) and np.isnan(row["tpot_error_pct"])
+    assert np.isnan(res["tpot_error_pct_mean"])
+    assert (tmp_path / "summary.md").is_file()
