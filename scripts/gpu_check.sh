@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every CUDA check of the engine issue in one pass (`make bench-gpu`):
-#   1. the GPU tests            pytest -m gpu tests/gpu             (none may be skipped for
+#   1. the GPU tests            pytest -m gpu tests                 (none may be skipped for
 #                                                                   lack of CUDA: checked first)
 #   2. the calibration on CUDA  python -m moeexp +experiment=sim_vs_engine backend.device=cuda
 #   3. the engine benchmarks    python -m moeexp.bench engine       (overhead, capacity 50%,
@@ -65,7 +65,7 @@ step() {  # step NAME CMD...: run, log to $DEST/NAME.log, remember a failure
     fi
 }
 
-step gpu_tests "$PY" -m pytest -m gpu tests/gpu -q -rs -p no:cacheprovider --junitxml "$DEST/gpu_tests.xml"
+step gpu_tests "$PY" -m pytest -m gpu tests -q -rs -p no:cacheprovider --junitxml "$DEST/gpu_tests.xml"
 if grep -q 'skipped="[1-9]' "$DEST/gpu_tests.xml" 2>/dev/null; then
     echo "gpu_check: WARNING: some GPU tests were skipped (see $DEST/gpu_tests.log)"
 fi
