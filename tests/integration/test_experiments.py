@@ -210,14 +210,15 @@ def test_invalid_combinations_fail_clearly() -> None:
 
 # ------------------------------------------------------------------------ end to end
 def test_cache_ablation_end_to_end(tmp_path: Path, small: list[str], run_app) -> None:
-    """The cache ablation with tiny overrides: six runs (one per policy) in the sweep dir,
+    """The cache ablation with tiny overrides: seven runs (one per policy) in the sweep dir,
     a summary the figures can draw, and a trace whose store and test prompts are disjoint."""
     sweep = tmp_path / "exp"
     out = run_app("+experiment=cache_ablation", *small, "logger=none", "dataset.seed=0",
                   "hydra/launcher=basic", f"hydra.sweep.dir={sweep}", timeout=300)
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     df = pd.read_csv(sweep / "summary.csv")
-    assert list(df["cache"]) == ["lru", "lfu", "finemoe", "moe_infinity", "lirs", "belady"]
+    assert list(df["cache"]) == ["lru", "lfu", "finemoe", "finemoe_v2", "moe_infinity", "lirs",
+                                 "belady"]
     assert (df["predictor"] == "expert_map").all() and (df["system"] == "finemoe").all()
     assert df["hit_rate"].between(0, 1).all() and (df["prediction_recall"] > 0).all()
     from moeexp.figures.load import read_summary

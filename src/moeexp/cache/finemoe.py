@@ -13,9 +13,18 @@
 
 Choice where the paper is silent (``protect_prefetched``, default true): an expert that was
 just prefetched has ``freq = 0``, so ``p · freq = 0`` would make it the next victim of the
-following prefetch. Like the authors' code, a prefetched expert that has not been used yet
-is only evicted when every other candidate is such an expert too, until its layer has run
-once after its insertion (then, if unused, it is an ordinary ``freq = 0`` resident).
+following prefetch. A prefetched expert that has not been used yet is only evicted when
+every other candidate is such an expert too, until its layer has run once after its
+insertion (then, if unused, it is an ordinary ``freq = 0`` resident). ``true`` (ours)
+applies this to every victim choice; ``v2`` (the authors' V2 code, ``csrc/cache.cpp``)
+only to a prefetch's victim choice: an on-demand load may evict a waiting prefetched
+expert; ``false`` never shields one.
+
+``frequency``: ``in_cache`` (the paper's in-cache visit count, reset on eviction) or
+``lifetime`` (the authors' V2 code never resets it).
+
+``finemoe_v2`` is this policy with both of the authors' V2 rules (``protect_prefetched:
+v2``, ``frequency: lifetime``).
 """
 
 from __future__ import annotations
@@ -33,18 +42,25 @@ CHECKED_ROWS = 1 << 16
 
 @CACHES.register("finemoe")
 class FineMoECache(CachePolicy):
-    """Config keys: ``protect_prefetched`` (bool), ``frequency`` (``in_cache`` | ``lifetime``)."""
+    """Config keys: ``protect_prefetched`` (``true`` | ``false`` | ``v2``), ``frequency``
+    (``in_cache`` | ``lifetime``); see the module docstring."""
 
     pause_prefetch_on_miss = True
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
-                 protect_prefetched: bool = True,
+                 protect_prefetched: bool | Literal["v2"] = True,
                  frequency: Literal["in_cache", "lifetime"] = "in_cache") -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         if frequency not in ("in_cache", "lifetime"):
-            raise ConfigError(f"cache=finemoe: frequency={frequency!r}; valid: in_cache, lifetime")
-        self.protect_prefetched = bool(protect_prefetched)
+            raise ConfigError(f"cache={self.name}: frequency={frequency!r}; valid: in_cache, "
+                              "lifetime")
+        if not (isinstance(protect_prefetched, bool) or protect_prefetched == "v2"):
+            raise ConfigError(f"cache={self.name}: protect_prefetched={protect_prefetched!r}; "
+                              "valid: true, false, v2")
+        #: whether a waiting prefetched expert is shielded at all, and also from demand loads
+        self.protect_prefetched = protect_prefetched is not False
+        self.protect_from_demand = protect_prefetched is True
         self.frequency = frequency
         self.p = np.full((num_layers, num_experts), 1.0 / num_experts)
         self.freq = np.zeros((num_layers, num_experts), dtype=np.int64)
@@ -135,12 +151,29 @@ class FineMoECache(CachePolicy):
         """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
         if self.has_room(incoming):
             return None
-        waiting = self._waiting() if self._pending else None
+        # the device protects a demand load's own key, never a prefetch's
+        demand = incoming in protected
+        waiting = (self._waiting() if self._pending and (self.protect_from_demand or not demand)
+                   else None)
         return self.lowest_priority(incoming, protected, self._prio, waiting or None)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        """The same rule on an explicit candidate list (the base class's path)."""
+        """The same rule on an explicit candidate list (the base class's path, which does
+        not say whether ``incoming`` is a demand load: ``v2`` shields as for a prefetch)."""
         waiting = self._waiting()
         pool = [k for k in candidates if k not in waiting] or candidates
         prio = self.priorities()
         return min(pool, key=lambda k: (prio[k], k))
+
+
+@CACHES.register("finemoe_v2")
+class FineMoEV2Cache(FineMoECache):
+    """FineMoE's cache as the authors' V2 code runs it: a waiting prefetched expert is
+    shielded from other prefetches only, and visit counts are never reset."""
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
+                 protect_prefetched: bool | Literal["v2"] = "v2",
+                 frequency: Literal["in_cache", "lifetime"] = "lifetime") -> None:
+        super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
+                         num_experts=num_experts, protect_prefetched=protect_prefetched,
+                         frequency=frequency)

@@ -35,6 +35,16 @@ Choices where the paper is silent (config keys where useful):
   resets its p at each iteration start from this signal.
 - ``use_trajectory=False`` (semantic only): the semantic match's map also drives layers
   ``≥ d`` at distance d. ``use_semantic=False`` (Map(T)): layers ``0..d−1`` get no prediction.
+- Prefill (``prefill``): ``paper`` (default) treats the prompt as one query like any
+  iteration (key pooled with ``embed_pooling``, trajectory = the mean of its tokens'
+  probabilities), so it predicts one set of about K experts per layer while a prefill uses
+  nearly all of them; ``token_union`` makes every prompt token a query (its own key and
+  trajectory) and prefetches the union of their selections (p = the per-expert maximum);
+  ``none`` predicts nothing for a prefill (the authors' V2 code: its predictor only runs
+  in decode).
+- ``predict_decode_layer0`` (default true, the paper: semantic search drives layers
+  0..d-1): false leaves layer 0 of a decode iteration unpredicted (the authors' V2 GPU
+  path starts predicting after layer 0's router).
 - Store rows (``map_granularity``): ``token`` = one row per token row of an iteration (prefill:
   one per prompt token, key = that token's embedding, map = its probabilities; decode: one per
   generated token); ``iteration`` = one row per (request, iteration), key pooled with
@@ -69,6 +79,8 @@ log = logging.getLogger(__name__)
 Mode = Literal["offline", "online"]
 Granularity = Literal["token", "iteration"]
 Pooling = Literal["last_token", "mean"]
+PrefillRule = Literal["paper", "token_union", "none"]
+PREFILL_RULES = ("paper", "token_union", "none")
 
 #: Semantic-search results remembered per store version (distinct query keys).
 MEMO_ENTRIES = 1 << 16
@@ -161,6 +173,10 @@ class ExpertMapPredictor(Predictor):
         use_semantic / use_trajectory / use_delta: the ablation switches (Map(T) =
             semantic off, delta off; Map(T+S) = delta off; Map(T+S+δ) = all on).
         min_experts: the "never fewer than K" floor (None: the model's top-K).
+        prefill: ``paper`` | ``token_union`` | ``none``: what a prefill iteration predicts
+            (module docstring).
+        predict_decode_layer0: false: no prediction for layer 0 of a decode iteration
+            (the authors' V2).
 
     On a routing-only trace (imported, top-k weights only: :attr:`Trace.capabilities`) the
     maps are the scattered top-k weights (zero outside the K selected experts), and the
@@ -184,6 +200,8 @@ class ExpertMapPredictor(Predictor):
         use_trajectory: bool = True,
         use_delta: bool = True,
         min_experts: int | None = None,
+        prefill: PrefillRule = "paper",
+        predict_decode_layer0: bool = True,
     ) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
@@ -196,6 +214,8 @@ class ExpertMapPredictor(Predictor):
             (1 <= prefetch_distance <= L, f"prefetch_distance={prefetch_distance}; valid: 1..{L}"),
             (store_capacity >= 1, f"store_capacity={store_capacity}; must be >= 1"),
             (use_semantic or use_trajectory, "use_semantic and use_trajectory are both false"),
+            (prefill in PREFILL_RULES,
+             f"prefill={prefill!r}; valid: {', '.join(PREFILL_RULES)}"),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:
@@ -209,6 +229,10 @@ class ExpertMapPredictor(Predictor):
         self.pooling: Pooling = embed_pooling
         self.use_semantic, self.use_trajectory, self.use_delta = (
             bool(use_semantic), bool(use_trajectory), bool(use_delta))
+        self.prefill: PrefillRule = prefill
+        self.predict_decode_layer0 = bool(predict_decode_layer0)
+        self._silent = False  # this pass predicts nothing (prefill: none)
+        self._queries: list[np.ndarray] = []  # token rows of each search query
         if not self.use_semantic:  # no semantic key: no embeddings needed
             self.needs = frozenset()  # type: ignore[misc]
         self.store = ExpertMapStore(store_capacity, L, J, dims.hidden_size, self.d)
@@ -294,7 +318,13 @@ class ExpertMapPredictor(Predictor):
             raise ValueError(f"expert_map: embed must be [T, {self.dims.hidden_size}], "
                              f"got {embed.shape}")
         self._units, self._groups = unit_rows(tok_req)
-        B, n = len(self._groups), self.store.size
+        prefill = int(ctx.step) == 0
+        self._silent = prefill and self.prefill == "none"
+        # token_union: every prompt token is its own query (key, trajectory); the batch
+        # rule (union of the selections, per-expert max of p) combines them
+        self._queries = ([np.array([i]) for i in range(len(tok_req))]
+                         if prefill and self.prefill == "token_union" else self._groups)
+        B, n = len(self._queries), self.store.size
         self._n = n
         self._dots = np.zeros((B, n))
         self._qsq = np.zeros(B)
@@ -305,12 +335,13 @@ class ExpertMapPredictor(Predictor):
             self._buf_token_request = tok_req
             self._buf_probs = []
         pred = Prediction(scores=dict.fromkeys(range(self.dims.num_layers), self._uniform))
-        if not self.use_semantic or n == 0:
+        if not self.use_semantic or n == 0 or self._silent:
             return pred
         t0 = time.perf_counter()
-        self._sem_rows, self._sem_score = self._semantic(pool_keys(embed, self._groups,
+        self._sem_rows, self._sem_score = self._semantic(pool_keys(embed, self._queries,
                                                                    self.pooling))
-        for layer in range(min(self.d, self.dims.num_layers)):
+        first = 0 if prefill or self.predict_decode_layer0 else 1
+        for layer in range(first, min(self.d, self.dims.num_layers)):
             self._emit(pred, layer, self._sem_rows, self._sem_score, distance=layer + 1)
         self._t_sem.append(time.perf_counter() - t0)
         return pred
@@ -345,17 +376,19 @@ class ExpertMapPredictor(Predictor):
             self._buf_probs.append(probs.astype(np.float32, copy=True))
         target = layer + self.d
         want = target < self.dims.num_layers
-        if self._n == 0 or not (self.use_trajectory or (want and self.use_semantic)):
+        if self._n == 0 or self._silent or not (self.use_trajectory
+                                                or (want and self.use_semantic)):
             return Prediction()
         t0 = time.perf_counter()
         pred = Prediction()
         if self.use_trajectory:
-            if len(probs) == 1:  # one token: its row is its mean, exactly
-                q = probs.astype(np.float64)
-            elif len(self._groups) == 1:
+            queries = self._queries
+            if len(probs) == 1 or len(queries) == len(probs):  # one token per query: its row
+                q = probs.astype(np.float64)  # is its mean, exactly
+            elif len(queries) == 1:
                 q = probs.astype(np.float64).mean(axis=0, keepdims=True)
             else:
-                q = np.stack([probs[g].astype(np.float64).mean(axis=0) for g in self._groups])
+                q = np.stack([probs[g].astype(np.float64).mean(axis=0) for g in queries])
             found = self._update_trajectory(layer, q, search=want)
             if found is not None:
                 self._emit(pred, target, found[0], found[1], distance=self.d)

@@ -90,3 +90,44 @@ def test_pause_on_miss_and_protection() -> None:
     assert cache.victim((1, 0), {(0, 0)}, 0) == (0, 1)
     assert cache.victim((1, 0), set(), 0) == (0, 0)
 
+
+
+def test_v2_shields_a_waiting_prefetch_from_prefetches_only() -> None:
+    """(0,0) used once (.25); (1,2) prefetched, unused (0). A prefetch of (0,1) (the device
+    never protects a prefetch's own key) evicts (0,0) under every rule but false; a demand
+    load of (0,1) (its key protected) evicts (0,0) with true (ours) but (1,2) with v2 (the
+    authors' V2: only prefetches respect the shield). ``finemoe_v2`` is v2 + lifetime."""
+    for rule, by_prefetch, by_demand in [(True, (0, 0), (0, 0)), ("v2", (0, 0), (1, 2)),
+                                         (False, (1, 2), (1, 2))]:
+        cache = make(2, protect_prefetched=rule)
+        use(cache, (0, 0), 1)
+        use(cache, (1, 2), 0, prefetched=True)
+        assert cache.victim((0, 1), set(), 0) == by_prefetch, rule
+        assert cache.victim((0, 1), {(0, 1)}, 0) == by_demand, rule
+    v2 = CACHES.build("finemoe_v2", capacity_slots=2, num_layers=2, num_experts=4)
+    assert (v2.name, v2.protect_prefetched, v2.protect_from_demand, v2.frequency) == (
+        "finemoe_v2", True, False, "lifetime")
+    with pytest.raises(Exception, match="protect_prefetched"):
+        make(2, protect_prefetched="always")
+
+
+def test_incremental_priorities_equal_the_product() -> None:
+    """The p·freq matrix victim() reads, kept entry by entry, equals p * freq after random
+    scores, accesses and evictions (both frequency rules)."""
+    rng = np.random.default_rng(1)
+    for frequency in ("in_cache", "lifetime"):
+        cache = make(8, frequency=frequency)
+        for step in range(500):
+            key = (int(rng.integers(2)), int(rng.integers(4)))
+            r = rng.random()
+            if r < 0.2:
+                cache.observe_scores({int(rng.integers(2)): rng.dirichlet(np.ones(4))})
+            elif r < 0.3:
+                cache.observe_scores({0: rng.dirichlet(np.ones(4)), 1: rng.dirichlet(np.ones(4))})
+            elif key in cache.resident and r < 0.45:
+                cache.on_evict(key)
+            else:
+                if key not in cache.resident:
+                    cache.on_insert(key, step, bool(r < 0.6))
+                cache.on_access(key, step, True)
+            assert np.array_equal(cache._prio, cache.priorities())

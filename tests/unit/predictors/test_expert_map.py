@@ -316,3 +316,51 @@ def test_perfect_store_recalls_every_decode_expert() -> None:
     rows = [(layer, hit) for step, layer, hit, tie in replay(test, pred) if step > 0 and not tie]
     assert len(rows) > 30 and all(hit == 1.0 for _, hit in rows)
     assert {layer for layer, _ in rows} == set(range(6))
+
+
+# ---------------------------------------------------------------------- V2 / prefill variants
+def test_prefill_none_predicts_nothing_in_prefill_only() -> None:
+    """prefill=none (the authors' V2): a prefill (step 0) gets only the uniform scores and
+    no prefetch, at the start or after any layer; a decode iteration is predicted as usual."""
+    pred = two_row_predictor(prefill="none")
+    first = start(pred, [[2.0, 0.0], [2.0, 0.1]], step=0)
+    assert first.prefetch == [] and np.allclose(first.scores[0], 0.25)
+    assert observe(pred, 0, np.stack([MAP0[0], MAP0[0]])).prefetch == []
+    assert pairs(start(pred, [[2.0, 0.0]], step=1)) == [(0, 0, 0.7), (1, 1, 0.3)]
+
+
+def test_token_union_is_the_union_of_one_query_per_token() -> None:
+    """prefill=token_union: each prompt token's own key and trajectory select experts as a
+    one-token iteration would; the prefill predicts their union with the per-expert max p.
+    Token A matches row 0 (MAP0), token B row 1 (MAP1): layer 0 → {0} ∪ {3}."""
+    keys, probs = [[2.0, 0.0], [0.0, 3.0]], [MAP0[0], MAP1[0]]
+    union = two_row_predictor(prefill="token_union")
+    got = start(union, keys, step=0)
+    singles = [start(two_row_predictor(), [k], step=0) for k in keys]
+    for layer in (0, 1):
+        want = sorted(set().union(*(s.predicted[layer].tolist() for s in singles)))
+        assert got.predicted[layer].tolist() == want
+        assert np.array_equal(got.scores[layer],
+                              np.max([s.scores[layer] for s in singles], axis=0))
+    assert got.predicted[0].tolist() == [0, 3]
+    after = observe(union, 0, np.stack(probs))
+    one = [two_row_predictor() for _ in keys]
+    expect = set()
+    for p, k, row in zip(one, keys, probs, strict=True):
+        start(p, [k], step=0)
+        expect |= set(observe(p, 0, row).predicted[2].tolist())
+    assert set(after.predicted[2].tolist()) == expect
+    paper = two_row_predictor()
+    assert len(start(paper, keys, step=0).predicted[0]) <= len(got.predicted[0])
+    with pytest.raises(ConfigError, match="prefill"):
+        two_row_predictor(prefill="tokens")
+
+
+def test_decode_layer0_off_leaves_layer0_of_decode_unpredicted() -> None:
+    """predict_decode_layer0=false (the authors' V2 GPU path): a decode iteration's start
+    predicts layer 1 only (layer 0's p stays uniform); a prefill still predicts layer 0."""
+    pred = two_row_predictor(predict_decode_layer0=False)
+    dec = start(pred, [[2.0, 0.0]], step=3)
+    assert pairs(dec) == [(1, 1, 0.3)] and 0 not in dec.predicted
+    assert np.allclose(dec.scores[0], 0.25)
+    assert pairs(start(pred, [[2.0, 0.0]], step=0)) == [(0, 0, 0.7), (1, 1, 0.3)]
