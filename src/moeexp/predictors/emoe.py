@@ -98,12 +98,19 @@ class EMoE(Predictor):
         sensitivity: per-layer task sensitivity s (see module doc); None = all 1.
         steps, lr, l2: training of the softmax regressions (full-batch Adam).
         seed: initialisation.
+        task_aware: Eq. 2 with each task's own W_o and sensitivity (eMoE); False: every
+            request counts as one task (the store's overall mean W_o, the default
+            sensitivity): the task-agnostic ablation of ``+experiment=emoe_serving``.
     """
 
     def __init__(self, *, dims: TraceDims, variant: Variant = "emoe_l", period: int = 40,
                  experts_per_layer: int | float = 0.25, sensitivity: Sensitivity = None,
-                 steps: int = 300, lr: float = 0.05, l2: float = 1e-3, seed: int = 0) -> None:
+                 steps: int = 300, lr: float = 0.05, l2: float = 1e-3, seed: int = 0,
+                 task_aware: bool = True) -> None:
         super().__init__(dims=dims)
+        if not isinstance(task_aware, bool):
+            raise ConfigError(f"emoe: task_aware must be true or false, got {task_aware!r}")
+        self.task_aware = task_aware
         L, J = dims.num_layers, dims.num_experts
         if variant not in ("emoe_l", "emoe_a"):
             raise ConfigError(f"emoe: variant must be 'emoe_l' or 'emoe_a', got {variant!r}")
@@ -173,7 +180,7 @@ class EMoE(Predictor):
             self.prior = full.mean(axis=0)
         outs = [float(r.output_len) for r in store.requests]
         self.w_default = float(np.mean(outs)) if outs else 0.0
-        for task in sorted({r.task for r in store.requests}):
+        for task in (sorted({r.task for r in store.requests}) if self.task_aware else ()):
             self.w_out[task] = float(np.mean([r.output_len for r in store.requests
                                               if r.task == task]))
         rng = np.random.default_rng(self.seed)
@@ -188,7 +195,8 @@ class EMoE(Predictor):
     def _select(self, f: np.ndarray, layers: Sequence[int]) -> Prediction:
         """Eq. 2 selection for ``layers`` from f float[L, J]; updates sets and scores."""
         running = list(self._running.values())
-        N = expected_tokens(f, running, self.w_out, self.w_default, self.sens, self.s_default)
+        sens = self.sens if self.task_aware else {}
+        N = expected_tokens(f, running, self.w_out, self.w_default, sens, self.s_default)
         out = Prediction()
         L = self.dims.num_layers
         for layer in layers:

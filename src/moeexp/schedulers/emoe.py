@@ -94,11 +94,15 @@ class EMoEScheduler(Scheduler):
             the request finished (paper: ~5 %), in (0, 1].
         token_cost: which fitted c Eq. 3 uses: ``batched`` (default) or ``alone`` (module
             docstring).
+        task_aware: G starts at the request's task's profiled mean output length (eMoE);
+            False: at the store split's overall mean for every request (the task-agnostic
+            ablation of ``+experiment=emoe_serving``).
     """
 
     event_driven = True
 
-    def __init__(self, restart_fraction: float = 0.05, token_cost: str = "batched") -> None:
+    def __init__(self, restart_fraction: float = 0.05, token_cost: str = "batched",
+                 task_aware: bool = True) -> None:
         super().__init__()
         if not 0.0 < restart_fraction <= 1.0:
             raise ConfigError(f"scheduler=emoe: restart_fraction must be in (0, 1], got "
@@ -106,8 +110,12 @@ class EMoEScheduler(Scheduler):
         if token_cost not in TOKEN_COSTS:
             raise ConfigError(f"scheduler=emoe: token_cost={token_cost!r}; valid: "
                               f"{', '.join(TOKEN_COSTS)}")
+        if not isinstance(task_aware, bool):
+            raise ConfigError(f"scheduler=emoe: task_aware must be true or false, got "
+                              f"{task_aware!r}")
         self.restart_fraction = float(restart_fraction)
         self.token_cost = token_cost
+        self.task_aware = task_aware
         self.g: dict[int, float] = {}  # unit -> G_i, remaining generation length (tokens)
         self.g0: dict[int, float] = {}  # unit -> G_i at admission
 
@@ -125,6 +133,11 @@ class EMoEScheduler(Scheduler):
             raise RuntimeError(f"scheduler=emoe: the profile has no {self.token_cost} token cost")
         return float(c)
 
+    def _output_len(self, task: str) -> float:
+        """G at admission: the task's profiled mean output length (or the overall mean)."""
+        prof = self._profile()
+        return prof.output_len(task) if self.task_aware else float(prof.output_len_mean)
+
     def admit(self, view: SchedulerView) -> list[int]:
         """Greedy admission in SLO-stringency order (module docstring)."""
         prof, c = self._profile(), self.token_s
@@ -137,7 +150,7 @@ class EMoEScheduler(Scheduler):
         for w in sorted(view.waiting, key=_stringency):
             why = fits(w, tokens, places, kv)
             if why is None and arr:
-                g_w = prof.output_len(w.task)
+                g_w = self._output_len(w.task)
                 before = expected_latency(view.now_s, arr, g, w_sum, len(out), load, c)
                 after = expected_latency(view.now_s, [*arr, w.arrival_s], [*g, g_w],
                                          w_sum + w.first_tokens, len(out) + 1, load, c)[:-1]
@@ -159,7 +172,7 @@ class EMoEScheduler(Scheduler):
         return out
 
     def _start(self, w: WaitingRequest) -> None:
-        g0 = self._profile().output_len(w.task)
+        g0 = self._output_len(w.task)
         self.g0[w.unit] = g0
         self.g[w.unit] = g0
 

@@ -179,3 +179,26 @@ def test_softmax_regression_reaches_the_soft_cross_entropy_optimum() -> None:
     same = SoftmaxRegression(J, J, prior, np.random.default_rng(0))
     same.fit(x, y, steps=300, lr=0.05, l2=1e-3)
     np.testing.assert_array_equal(same.W, m.W)
+
+
+def test_task_agnostic_uses_one_task_for_all() -> None:
+    """task_aware=false: no per-task W_o is learned and a per-task sensitivity is ignored, so
+    a task whose own sensitivity is 0 at layer 1 is predicted there (the default s = 1)."""
+    tr = routed_trace([0, 1, 2, 0], [3, 3, 3, 1])
+    sens = {"t": [1.0, 0.0], "default": [1.0, 1.0]}
+    aware = PREDICTORS.build("emoe", dims=tr.dims, variant="emoe_a", experts_per_layer=1,
+                             sensitivity=sens)
+    agnostic = PREDICTORS.build("emoe", dims=tr.dims, variant="emoe_a", experts_per_layer=1,
+                                sensitivity=sens, task_aware=False)
+    aware.fit(tr)
+    agnostic.fit(tr)
+    assert set(aware.w_out) == {r.task for r in tr.requests} and agnostic.w_out == {}
+    assert agnostic.w_default == aware.w_default
+    for p in (aware, agnostic):
+        run_prompt(p, 0, (2, 1), task="t")
+    # task t is insensitive at layer 1 for the aware predictor: it keeps the store's top
+    # expert (3); the agnostic one predicts layer 1 from the history like any layer
+    assert run_prompt(aware, 1, (0, 0), task="t")["request"].predicted[1].tolist() == [3]
+    assert 1 in run_prompt(agnostic, 1, (0, 0), task="t")["request"].predicted
+    with pytest.raises(ConfigError, match="task_aware"):
+        PREDICTORS.build("emoe", dims=tr.dims, task_aware="yes")

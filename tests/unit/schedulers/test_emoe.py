@@ -190,3 +190,17 @@ def test_stringency_falls_back_to_e2e_without_ttft() -> None:
                          running_left=10, kv_left_bytes=100)
     assert s.admit(view) == [1]
     assert np.isnan(a.slo_ttft_s)
+
+
+def test_task_agnostic_starts_every_g_at_the_overall_mean() -> None:
+    """task_aware=false: G starts at output_len_mean (6) whatever the task (a: 10, b: 4)."""
+    s = build_scheduler({"name": "emoe", "task_aware": False})
+    assert isinstance(s, EMoEScheduler)
+    s.fit(PROFILE)
+    s.admit(SchedulerView(now_s=1.0, waiting=[_waiting(0, "a", arrival=0.0),
+                                              _waiting(1, "b", arrival=1.0)],
+                          running=[], remaining=2, tokens_left=100, running_left=10,
+                          kv_left_bytes=100))
+    assert s.g == {0: 6.0, 1: 6.0}
+    with pytest.raises(ConfigError, match="task_aware"):
+        build_scheduler({"name": "emoe", "task_aware": 1})
