@@ -42,6 +42,8 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "regime_map_real": ("regime_map_real", plots.regime_map),
     "real_routing_systems": ("real_routing", plots.system_bars),
     "eviction_landscape": ("eviction_landscape", eviction_landscape),
+    "emoe_serving_latency": ("emoe_serving", plots.serving_latency),
+    "emoe_serving_slo": ("emoe_serving", plots.slo_attainment),
 }
 
 

@@ -373,3 +373,23 @@ def regime_map(df: pd.DataFrame) -> Figure:
     axes[-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
     fig.tight_layout()
     return fig
+
+
+def serving_latency(df: pd.DataFrame) -> Figure:
+    """``+experiment=emoe_serving``: end-to-end latency (p50, p99) and queueing delay against
+    the arrival rate, one line per system bundle (95 % error bars over the seeds); eMoE's
+    bundles are lossy (restricted routing) and dashed."""
+    return _lines(df, "backend.arrival_rate", "arrival rate (requests/s)",
+                  [("e2e_ms_p50", "end-to-end p50 (ms)"), ("e2e_ms_p99", "end-to-end p99 (ms)"),
+                   ("queue_ms_mean", "queueing delay, mean (ms)")],
+                  note=_seed_note(df), xlog=True)
+
+
+def slo_attainment(df: pd.DataFrame) -> Figure:
+    """``+experiment=emoe_serving``: SLO attainment, goodput and throughput against the
+    arrival rate, one line per system bundle (95 % error bars over the seeds)."""
+    return _lines(df, "backend.arrival_rate", "arrival rate (requests/s)",
+                  [("slo_attainment", "SLO attainment (TTFT and end-to-end)"),
+                   ("goodput_rps", "goodput (requests/s within SLO)"),
+                   ("throughput_rps", "throughput (requests/s)")],
+                  note=_seed_note(df), xlog=True)

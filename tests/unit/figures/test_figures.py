@@ -142,3 +142,22 @@ def test_line_figures_draw_error_bars_and_the_papers_ordering(tmp_path):
                         "hit_rate_ci95": [0.01] * 3, "tpot_norm_mean": [1.2, 1.1, 1.05]})
     fig = plots.ablation(abl, ("cache",), "cache ablation", plots.PAPER_ORDER_CACHES)
     assert "paper: lru < lfu < finemoe" in fig._suptitle.get_text()
+
+
+def test_serving_figures_one_line_per_bundle_over_the_arrival_rate_lossy_dashed():
+    """emoe_serving: a line per system bundle over the arrival rate with error bars; the
+    eMoE bundle (lossy) is dashed and labelled so."""
+    from moeexp.figures import plots
+
+    rows = [{"system": s, "backend.arrival_rate": r, "n": 3, "e2e_ms_p50": 10 * r,
+             "e2e_ms_p50_ci95": 1.0, "e2e_ms_p99": 20 * r, "queue_ms_mean": r,
+             "slo_attainment": 1 / r, "goodput_rps": r / 2, "throughput_rps": r}
+            for s in ("deepspeed", "emoe") for r in (50, 100, 200)]
+    df = pd.DataFrame(rows)
+    for fn in (plots.serving_latency, plots.slo_attainment):
+        fig = fn(df)
+        lines = [ln for ln in fig.axes[0].get_lines() if ln.get_label()[0] != "_"]
+        assert [ln.get_label() for ln in lines] == ["deepspeed", "emoe (lossy)"]
+        assert list(lines[0].get_xdata()) == [50, 100, 200]
+        assert lines[1].get_linestyle() == "--" and lines[0].get_linestyle() == "-"
+    assert FIGURES["emoe_serving_slo"][0] == "emoe_serving"
