@@ -84,6 +84,13 @@ class Batch:
     finishing: list[list[int]] = field(default_factory=list)
 
 
+def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
+    """float[n] arrival times, s, of a Poisson process of ``rate`` requests/s seeded by
+    ``seed`` (the simulator's and the engine's continuous batching share it)."""
+    rng = np.random.default_rng(seed)
+    return np.cumsum(rng.exponential(1.0 / rate, size=n))
+
+
 class Plan:
     """Everything the replay loop needs to know ahead of time.
 
@@ -109,8 +116,7 @@ class Plan:
         self.unit_pos: list[int] = [u % R for u in range(n_units)]
         self.arrivals: np.ndarray | None = None
         if arrival_rate is not None:
-            rng = np.random.default_rng(seed)
-            self.arrivals = np.cumsum(rng.exponential(1.0 / arrival_rate, size=n_units))
+            self.arrivals = poisson_arrivals(arrival_rate, n_units, seed)
         self._req_iters = self._iterations_by_request()
         self._prefill = {rid: bool(its) and int(trace.iter_step[its[0]]) == 0
                          for rid, its in self._req_iters.items()}
