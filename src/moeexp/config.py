@@ -113,6 +113,9 @@ class TraceSpec:
             ``dataset.store_fraction`` / ``dataset.seed`` split its requests.
         request_filter: which requests of an imported trace are used: ``non_repetitive``
             (default: those not flagged ``has_repetition``, greedy loops) or ``all``.
+        task_label: an imported request's task type: ``family`` (default: its dataset's
+            benchmark family, ``mmlu``, ``gpqa``, ``sorry_bench``, ...) or ``source`` (the
+            stored label: for gpt-oss-20b the fine category, 117 of them in 200 requests).
     """
 
     sampling: Literal["top_k", "greedy"] = "top_k"
@@ -126,11 +129,14 @@ class TraceSpec:
     progress: bool = True
     source: str = "record"
     request_filter: Literal["non_repetitive", "all"] = "non_repetitive"
+    task_label: Literal["family", "source"] = "family"
 
     def __post_init__(self) -> None:
         bad = []
         if self.request_filter not in ("non_repetitive", "all"):
             bad.append(f"request_filter={self.request_filter!r} (valid: non_repetitive, all)")
+        if self.task_label not in ("family", "source"):
+            bad.append(f"task_label={self.task_label!r} (valid: family, source)")
         if self.sampling not in ("top_k", "greedy"):
             bad.append(f"sampling={self.sampling!r} (valid: top_k, greedy)")
         if self.top_k < 1:

@@ -276,7 +276,8 @@ def _imported_trace(spec: RunSpec) -> Trace:
     return load_imported(spec.trace.source, spec.model.arch, model=spec.model.name,
                          dtype=spec.model.dtype, expert_format=spec.model.expert_format,
                          request_filter=spec.trace.request_filter,
-                         store_fraction=spec.dataset.store_fraction, seed=spec.dataset.seed)
+                         store_fraction=spec.dataset.store_fraction, seed=spec.dataset.seed,
+                         task_label=spec.trace.task_label)
 
 
 def _embed_prompts(spec: RunSpec, trace: Trace) -> None:

@@ -59,6 +59,24 @@ SUBSET_SEED = 0
 SHIPPED_DIR = Path(__file__).resolve().parents[1] / "assets" / "routing"
 
 
+#: The split suffixes of the gpt-oss source's dataset names (mmlu_test, gpqa_diamond, ...).
+_SPLIT_SUFFIX = re.compile(r"_(test|validation|dev|base|diamond|extended|main)$")
+
+
+#: What a replayed imported trace calls a request's task (trace.task_label).
+TASK_LABELS = ("family", "source")
+
+
+def task_family(dataset: str) -> str:
+    """The task type of a gpt-oss example under ``trace.task_label=family`` (the default):
+    its benchmark family, the dataset name without its split (``mmlu_validation`` -> ``mmlu``, ``gpqa_diamond`` -> ``gpqa``,
+    ``sorry_bench_base`` -> ``sorry_bench``). The finer ``category`` (MMLU subject, a bare
+    SORRY-Bench number) stays the stored ``task`` (``trace.task_label=source``), but it is
+    too fine for per-task profiles: the 200 shipped requests fall into 117 categories and about half of a test
+    split's categories never occur in its store split, against 6 families that all do."""
+    return _SPLIT_SUFFIX.sub("", dataset)
+
+
 def _gpt_oss_request(meta: dict[str, Any]) -> dict[str, Any]:
     """The request dict of one gpt-oss example: its metadata plus the prompt length."""
     req = {k: meta[k] for k in _GPT_OSS_KEYS if k in meta}
@@ -206,17 +224,25 @@ def resolve_source(source: str) -> Path:
 
 def load_imported(source: str, arch: dict[str, Any] | None, *, model: str, dtype: str = "bfloat16",
                   expert_format: str = "dense", request_filter: str = "non_repetitive",
-                  store_fraction: float = 0.7, seed: int = 0) -> Any:
+                  store_fraction: float = 0.7, seed: int = 0, task_label: str = "family") -> Any:
     """The routing-only Trace of ``source`` (:func:`resolve_source`) on the cost dims of
     ``model``'s ``arch`` block: requests filtered (``non_repetitive`` drops those flagged
-    ``has_repetition``; ``all``), split by request (``store_fraction``, ``seed``). The one
-    way an imported trace becomes replayable (pipeline, realism card, eviction landscape).
+    ``has_repetition``; ``all``), split by request (``store_fraction``, ``seed``), each
+    request's task ``task_label``: ``family`` (:func:`task_family` of its ``dataset``, where
+    it has one) or ``source`` (the stored task). The one way an imported trace becomes
+    replayable (pipeline, realism card, eviction landscape).
     """
     from moeexp.errors import ConfigError
     from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
     from moeexp.traces.interchange import split_labels, to_trace
 
     ext = read(resolve_source(source))
+    if task_label not in TASK_LABELS:
+        raise ConfigError(f"trace.task_label={task_label!r}; valid: {', '.join(TASK_LABELS)}")
+    if task_label == "family":
+        for r in ext.requests:
+            if r.get("dataset"):
+                r["task"] = task_family(str(r["dataset"]))
     if request_filter == "non_repetitive":
         ext = ext.select([i for i, r in enumerate(ext.requests)
                           if not r.get("has_repetition", False)])

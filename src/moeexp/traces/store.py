@@ -49,6 +49,7 @@ TRACE_DEFAULTS: dict[str, Any] = {
     "sampling": "top_k", "top_k": 50, "temperature": 1.0, "spec_depth": 4,
     "record_hidden": False, "seed": 0, "cache_dir": None, "prompt_embedder": "minilm",
     "progress": True, "source": "record", "request_filter": "non_repetitive",
+    "task_label": "family",
 }
 _WEIGHT_HASHES: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 _CHUNK = 1 << 24  # bytes hashed per update (16 MiB)

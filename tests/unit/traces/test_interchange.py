@@ -145,3 +145,27 @@ def test_full_import_reproduces_the_shipped_subset(tmp_path):
     assert again.content_hash() == shipped.content_hash()
     for k in ("experts", "weights", "offsets", "positions"):
         np.testing.assert_array_equal(getattr(again, k), getattr(shipped, k))
+
+
+def test_task_family_of_the_gpt_oss_datasets():
+    assert [importers.task_family(d) for d in (
+        "mmlu_validation", "mmlu_pro_test", "gpqa_diamond", "sorry_bench_base",
+        "tulu3_persona_if")] == ["mmlu", "mmlu_pro", "gpqa", "sorry_bench", "tulu3_persona_if"]
+
+
+def test_imported_task_label_family_or_source():
+    """task_label=family (default) gives 6 benchmark families in the shipped subset; source
+    keeps the fine categories (117); anything else is refused naming the valid values."""
+    pytest.importorskip("torch")
+    from moeexp.errors import ConfigError
+    from moeexp.paths import load_group_yaml
+
+    arch = load_group_yaml("model", "gpt_oss_20b").get("arch")
+    fam = importers.load_imported("gpt_oss_20b", arch, model="gpt_oss_20b")
+    src = importers.load_imported("gpt_oss_20b", arch, model="gpt_oss_20b", task_label="source")
+    tasks = {r.task for r in fam.requests}
+    assert tasks == {"mmlu", "mmlu_pro", "gpqa", "sorry_bench", "Polyglot-or-Not_Fact-Completion",
+                     "tulu3_persona_if"}
+    assert len({r.task for r in src.requests}) > 100
+    with pytest.raises(ConfigError, match="valid: family, source"):
+        importers.load_imported("gpt_oss_20b", arch, model="gpt_oss_20b", task_label="fine")
