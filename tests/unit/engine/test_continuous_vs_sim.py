@@ -1,0 +1,67 @@
+"""Continuous batching on the engine against the simulator at one operating point
+(moeexp.backends.serving_check): with offline arrivals under fcfs the admission does not
+depend on timing, so both run the very same passes; a deterministic system then hits and
+misses the same experts in every pass. Timing is only reported (CPU vs a GPU profile)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moeexp.backends.serving_check import sim_vs_engine_serving, slo_targets
+from moeexp.costmodel import CostModel, load_profile
+from moeexp.models.adapters import adapter_for
+from moeexp.models.loading import LoadedModel
+from moeexp.models.toy_configs import toy_model
+from moeexp.simulator.continuous import ServingSettings
+
+from .test_continuous import _prompts, _record
+
+
+@pytest.fixture(scope="module")
+def setup(store_of):  # type: ignore[no-untyped-def]
+    model = toy_model("mixtral")
+    loaded = LoadedModel(model=model, tokenizer=None, adapter=adapter_for(model), name="tiny",
+                         source="test")
+    prompts = _prompts()
+    trace = _record(model, prompts)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), trace.dims)
+    return loaded, prompts, trace, store_of("mixtral"), cost
+
+
+@pytest.mark.parametrize("mix_prefill", [True, False])
+@pytest.mark.parametrize("system", ["deepspeed", "no_offload"])
+def test_same_passes_and_hits_as_the_simulator(setup, system: str, mix_prefill: bool) -> None:
+    """deepspeed (LRU, on demand) and no_offload, 5 requests, at most 3 running, fcfs,
+    offline: same admission order, same members and tokens in every pass, same hits per
+    pass (hence the same hit rate) in the simulator and on the engine."""
+    loaded, prompts, trace, store, cost = setup
+    serving = ServingSettings(max_batch_tokens=64, max_running=3, mix_prefill=mix_prefill)
+    out = sim_vs_engine_serving(loaded, prompts, trace, store, cost, system=system,
+                                scheduler="fcfs", serving=serving)
+    m = out.metrics
+    assert m["admission_match"] == 1.0
+    assert m["passes_match"] == 1.0, (out.sim, out.engine)
+    assert m["pass_hits_match"] == 1.0
+    assert m["sim_hits_total"] == m["engine_hits_total"]
+    assert m["sim_accesses_total"] == m["engine_accesses_total"]
+    assert m["hit_rate_diff"] == 0.0
+    assert m["sim_passes"] == m["engine_passes"] > len(prompts)
+    for k in ("ttft_mean_err_pct", "tpot_mean_err_pct", "e2e_mean_err_pct"):
+        assert math.isfinite(m[k])
+    assert len(out.requests) == len(prompts)
+    assert 0.0 <= m["engine_slo_attainment"] <= 1.0
+
+
+def test_emoe_scheduler_runs_on_the_engine(setup) -> None:
+    """scheduler=emoe on the engine (same SLO targets as the simulator's): every request
+    served; the targets are the task scale x the unloaded latency (> 0)."""
+    loaded, prompts, trace, store, cost = setup
+    serving = ServingSettings(max_batch_tokens=64, max_running=3)
+    targets = slo_targets(trace, cost, serving)
+    assert all(t > 0 and e > t for t, e in targets.values())
+    out = sim_vs_engine_serving(loaded, prompts, trace, store, cost, system="deepspeed",
+                                scheduler="emoe", serving=serving)
+    assert out.engine["requests_total"] == len(prompts)
+    assert out.engine["scheduler"] == "emoe"
