@@ -8,7 +8,7 @@ load, no trace recording) and returns a :class:`RunSpec`; anything misspelled ra
 - ``predictor`` / ``cache`` / ``logger`` / ``backend`` / ``scheduler``: the name must be
   registered and every other key must be a keyword of its constructor
   (:meth:`Registry.build`); a continuous ``scheduler`` (``fcfs``, ``emoe``) needs
-  ``backend=sim`` with ``batch_size=1`` and a T_max (``backend.serving.max_batch_tokens``)
+  ``backend=sim`` (with ``batch_size=1``) or ``backend=engine``, and a T_max (``backend.serving.max_batch_tokens``)
   that holds one fixed-length prompt;
 - ``model`` / ``trace`` / ``system``: typed frozen dataclasses (unknown keys raise);
 - ``dataset``: :class:`moeexp.data.prompts.DatasetConfig` (and ``path`` must exist);
@@ -199,7 +199,7 @@ class RunSpec:
     experiment_name: str | None
     resume: bool = True
     cost: CostSpec = CostSpec()
-    #: the ``scheduler`` group: ``static`` (today's batches) or a continuous one (sim only)
+    #: the ``scheduler`` group: ``static`` (today's batches) or a continuous one (sim, engine)
     scheduler: GroupChoice = GroupChoice("static", {})
 
 
@@ -237,10 +237,10 @@ def _check_scheduler(spec: RunSpec) -> None:
     name = spec.scheduler.name
     if name == "static":
         return
-    if spec.backend.name != "sim":
-        raise ConfigError(f"scheduler={name}: continuous batching runs in the simulator only "
-                          f"(backend=sim); backend={spec.backend.name} serves static batches "
-                          "(use scheduler=static)")
+    if spec.backend.name not in ("sim", "engine"):
+        raise ConfigError(f"scheduler={name}: continuous batching runs in the simulator and "
+                          f"the engine (backend=sim|engine); backend={spec.backend.name} "
+                          "serves static batches (use scheduler=static)")
     if spec.backend.kwargs.get("batch_size", 1) != 1:
         raise ConfigError(f"scheduler={name}: backend.batch_size="
                           f"{spec.backend.kwargs.get('batch_size')} is static batching's; the "

@@ -144,14 +144,47 @@ class EngineBackend:
 
         check_serve_settings(settings)
         self.settings = dict(settings)
+        rate = self.settings.get("arrival_rate")
+        if rate is not None and not rate > 0:
+            raise ConfigError(f"backend=engine: arrival_rate must be > 0 req/s or null, got {rate}")
+        self.serving = typed(ServingSettings, dict(self.settings.get("serving") or {}),
+                             "backend.serving")
 
     def run(self, ctx: BackendContext) -> BackendResult:
         from moeexp.engine.serve import serve_engine  # torch: only when chosen
 
+        if ctx.scheduler is not None and ctx.scheduler.name != "static":
+            return self._serve(ctx)
         settings = {"seed": ctx.seed, **self.settings}
         res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
                            trace=ctx.trace)
         return BackendResult(dict(res.metrics), dict(res.series))
+
+    def _serve(self, ctx: BackendContext) -> BackendResult:
+        """Continuous batching under ``ctx.scheduler`` (:mod:`moeexp.engine.serve_continuous`),
+        with the simulator's budgets, KV pool and SLO targets (:mod:`moeexp.backends.
+        serving_check`); a policy needing the whole future stream is not applicable."""
+        from moeexp.backends.serving_check import kv_pool_bytes, slo_targets
+        from moeexp.engine.serve_continuous import serve_engine_continuous  # torch
+
+        assert ctx.scheduler is not None
+        reason = not_applicable_reason(ctx.cache)
+        if reason is not None:
+            return BackendResult({"status": "not_applicable", "not_applicable_reason": reason,
+                                  "scheduler": ctx.scheduler.name})
+        if ctx.store is None:
+            raise ConfigError(f"scheduler={ctx.scheduler.name}: needs the store split (its "
+                              "serving profile is fitted there)")
+        slots = ctx.cache.capacity_slots
+        profile = fit_serving_profile(ctx.store, ctx.cost, slots)
+        kv = int(ctx.kv_bytes_per_token or ctx.cost.kv_bytes_per_token())
+        run = serve_engine_continuous(
+            ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, {"seed": ctx.seed, **self.settings},
+            build_scheduler(ctx.scheduler), profile, serving=self.serving, kv_bytes_per_token=kv,
+            kv_pool_bytes=kv_pool_bytes(ctx.cost, self.serving, slots),
+            arrival_rate=self.settings.get("arrival_rate"), seed=ctx.seed, trace=ctx.trace,
+            slo_s=slo_targets(ctx.trace, ctx.cost, self.serving))
+        return BackendResult(dict(run.metrics), dict(run.series))
 
 
 @BACKENDS.register("sim_vs_engine")

@@ -58,7 +58,9 @@ log = logging.getLogger(__name__)
 #: Backend keys beyond EngineSettings' fields (conf/backend/engine.yaml).
 DECODE_KEYS: frozenset[str] = frozenset({
     "sampling", "top_k", "temperature", "seed", "warmup", "progress", "device", "num_threads",
-    "replay_tokens", "reference"})
+    "replay_tokens", "reference",
+    # a continuous scheduler's (moeexp.engine.serve_continuous): budgets, Poisson arrivals
+    "serving", "arrival_rate"})
 
 
 def check_serve_settings(settings: Mapping[str, Any]) -> None:

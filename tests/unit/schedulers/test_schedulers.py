@@ -75,7 +75,11 @@ def test_default_is_static() -> None:
 
 
 @pytest.mark.parametrize(("overrides", "match"), [
-    (["scheduler=fcfs", "backend=engine"], "simulator only"),
+    (["scheduler=fcfs", "backend=sim_vs_engine"], "serves static batches"),
+    (["scheduler=fcfs", "backend=engine", "backend.arrival_rate=0"], "arrival_rate must be > 0"),
+    (["scheduler=fcfs", "backend=engine", "backend.serving.max_running=0"], "max_running"),
+    (["scheduler=fcfs", "backend=engine", "backend.serving.max_batch_tokens=10"],
+     "below one prompt"),
     (["scheduler=emoe", "backend.batch_size=4"], "batch_size=1"),
     (["scheduler=fcfs", "backend.serving.max_batch_tokens=10"], "below one prompt"),
     (["scheduler=fcfs", "backend.serving.slo_e2e_scale=0"], "SLO must be > 0"),
@@ -87,6 +91,14 @@ def test_default_is_static() -> None:
 def test_misconfigurations_fail_before_work(overrides: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         validate(_cfg(*overrides, "logger=none"))
+
+
+def test_engine_backend_takes_a_continuous_scheduler() -> None:
+    """backend=engine with scheduler=fcfs|emoe validates (moeexp.engine.serve_continuous)."""
+    for name in ("fcfs", "emoe"):
+        spec = validate(_cfg(f"scheduler={name}", "backend=engine", "logger=none",
+                             "backend.serving.max_running=4"))
+        assert spec.scheduler.name == name and spec.backend.name == "engine"
 
 
 def test_sim_backend_checks_its_serving_block() -> None:
