@@ -438,24 +438,31 @@ class ExpertMapPredictor(Predictor):
         if len(rows) == 1:
             self._emit_one(pred, layer, int(rows[0]), float(score[0]), distance)
             return
-        maps = self.store.maps[layer, rows]  # [B, J]
-        chosen = [select_experts(maps[b], float(score[b]), self.k, self.use_delta)
-                  for b in range(len(rows))]
-        p = maps.max(axis=0)
-        experts = np.unique(np.concatenate(chosen))
+        chosen: set[int] = set()
+        for r, sc in zip(rows.tolist(), score, strict=True):  # select_experts per query
+            sel = self._selection(layer, r)
+            chosen.update(sel.order[: sel.count(float(sc), self.k, self.use_delta)].tolist())
+        p = self.store.maps[layer, rows].max(axis=0)  # [B, J] -> [J]
+        experts = np.array(sorted(chosen), dtype=np.int64)
         pred.scores[layer] = p
         pred.predicted[layer] = np.sort(experts)
         pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e)) for e in experts)
 
-    def _emit_one(self, pred: Prediction, layer: int, row: int, score: float,
-                  distance: int) -> None:
-        """:meth:`_emit` for one query, from per-store-version memos: the same experts, in
-        the same order, the same hint and priorities, without re-sorting the row."""
+    def _selection(self, layer: int, row: int) -> RowSelection:
+        """The memoised :class:`RowSelection` of stored ``row`` at ``layer`` (the memos
+        are dropped whenever the store changed)."""
         if self._sel_version != self.store.version:
             self._sel, self._out, self._sel_version = {}, {}, self.store.version
         sel = self._sel.get((layer, row))
         if sel is None:
             sel = self._sel[(layer, row)] = RowSelection.of(self.store.maps[layer, row])
+        return sel
+
+    def _emit_one(self, pred: Prediction, layer: int, row: int, score: float,
+                  distance: int) -> None:
+        """:meth:`_emit` for one query, from per-store-version memos: the same experts, in
+        the same order, the same hint and priorities, without re-sorting the row."""
+        sel = self._selection(layer, row)
         n = sel.count(score, self.k, self.use_delta)
         key = (layer, row, n, distance)
         out = self._out.get(key)

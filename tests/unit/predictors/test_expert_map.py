@@ -364,3 +364,24 @@ def test_decode_layer0_off_leaves_layer0_of_decode_unpredicted() -> None:
     assert pairs(dec) == [(1, 1, 0.3)] and 0 not in dec.predicted
     assert np.allclose(dec.scores[0], 0.25)
     assert pairs(start(pred, [[2.0, 0.0]], step=0)) == [(0, 0, 0.7), (1, 1, 0.3)]
+
+
+def test_row_selection_takes_what_select_experts_takes() -> None:
+    """The memoised selection (argsort and running sums once, bisection per score) takes the
+    same experts in the same order as select_experts, on random, float16-rounded and tied
+    rows, every score in [-1, 1], both δ modes and every K."""
+    from moeexp.predictors.expert_map import RowSelection
+
+    rng = np.random.default_rng(3)
+    for t in range(300):
+        p = rng.dirichlet(np.ones(8) * (0.3 if t % 2 else 3.0))
+        if t % 3 == 0:
+            p = p.astype(np.float16).astype(np.float64)
+        if t % 5 == 0:
+            p[:4] = p[0]
+        sel = RowSelection.of(p)
+        for score in (-1.0, -0.2, 0.0, 0.3, 0.71, 0.99, 1.0, float(rng.uniform(-1, 1))):
+            for k in (1, 2, 3):
+                for use_delta in (True, False):
+                    want = select_experts(p, score, k, use_delta).tolist()
+                    assert sel.order[: sel.count(score, k, use_delta)].tolist() == want
