@@ -48,6 +48,7 @@ from moeexp.schedulers.base import (
     SchedulerView,
     ServingProfile,
     WaitingRequest,
+    check_admission,
 )
 from moeexp.simulator.continuous import ServingSettings
 from moeexp.simulator.serving_report import ServedRun, slo_met
@@ -95,25 +96,6 @@ class _Req:
     @property
     def next_tokens(self) -> int:
         return int(self.prompt.prompt_len) if self.pos == 0 else 1
-
-
-def check_admission(view: SchedulerView, chosen: Sequence[int], scheduler: Scheduler) -> None:
-    """A scheduler admits only waiting units, once each, within the budgets (the rule of
-    the simulator's loop); RuntimeError otherwise."""
-    waiting = {w.unit: w for w in view.waiting}
-    if len(set(chosen)) != len(chosen) or any(c not in waiting for c in chosen):
-        raise RuntimeError(f"scheduler={scheduler.name} admitted {list(chosen)}, not distinct "
-                           f"waiting requests {sorted(waiting)}")
-    if not scheduler.budgeted:
-        return
-    picked = [waiting[c] for c in chosen]
-    over = [name for name, used, left in (
-        ("max_batch_tokens", sum(w.first_tokens for w in picked), view.tokens_left),
-        ("max_running", len(picked), view.running_left),
-        ("the KV pool", sum(w.kv_bytes for w in picked), view.kv_left_bytes)) if used > left]
-    if over:
-        raise RuntimeError(f"scheduler={scheduler.name} broke {', '.join(over)} admitting "
-                           f"{list(chosen)}")
 
 
 def pass_future(trace: Trace, members: Sequence[tuple[int, int]]) -> tuple[np.ndarray, ...]:

@@ -174,4 +174,24 @@ def fits(req: WaitingRequest, tokens_left: int, running_left: int, kv_left: int)
     return None
 
 
+def check_admission(view: SchedulerView, chosen: Sequence[int], scheduler: Scheduler) -> None:
+    """What a batching loop (the simulator's, the engine's) holds every admission to: only
+    units of ``view.waiting``, once each, and, for a budgeted scheduler, within the tokens,
+    places and KV bytes left. RuntimeError naming the broken rule otherwise (a scheduler bug)."""
+    waiting = {w.unit: w for w in view.waiting}
+    if len(set(chosen)) != len(chosen) or any(c not in waiting for c in chosen):
+        raise RuntimeError(f"scheduler={scheduler.name} admitted {list(chosen)}, not distinct "
+                           f"waiting requests {sorted(waiting)}")
+    if not scheduler.budgeted:
+        return
+    picked = [waiting[c] for c in chosen]
+    over = [name for name, used, left in (
+        ("max_batch_tokens", sum(w.first_tokens for w in picked), view.tokens_left),
+        ("max_running", len(picked), view.running_left),
+        ("the KV pool", sum(w.kv_bytes for w in picked), view.kv_left_bytes)) if used > left]
+    if over:
+        raise RuntimeError(f"scheduler={scheduler.name} broke {', '.join(over)} admitting "
+                           f"{list(chosen)}")
+
+
 SCHEDULERS: Registry[Scheduler] = Registry("scheduler")

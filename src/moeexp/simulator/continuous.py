@@ -60,6 +60,7 @@ from moeexp.schedulers.base import (
     SchedulerView,
     ServingProfile,
     WaitingRequest,
+    check_admission,
 )
 from moeexp.simulator.plan import Plan
 from moeexp.simulator.replay import SimResult, _check, _Replay
@@ -304,20 +305,7 @@ class _Loop:
 
     def _validate(self, view: SchedulerView, chosen: list[int]) -> None:
         """A scheduler admits only waiting units, once each, within the budgets."""
-        waiting = {w.unit: w for w in view.waiting}
-        if len(set(chosen)) != len(chosen) or any(c not in waiting for c in chosen):
-            raise RuntimeError(f"scheduler={self.sched.name} admitted {chosen}, not distinct "
-                               f"waiting requests {sorted(waiting)}")
-        if not self.sched.budgeted:
-            return
-        picked = [waiting[c] for c in chosen]
-        over = [name for name, used, left in (
-            ("max_batch_tokens", sum(w.first_tokens for w in picked), view.tokens_left),
-            ("max_running", len(picked), view.running_left),
-            ("the KV pool", sum(w.kv_bytes for w in picked), view.kv_left_bytes)) if used > left]
-        if over:
-            raise RuntimeError(f"scheduler={self.sched.name} broke {', '.join(over)} "
-                               f"admitting {chosen}")
+        check_admission(view, chosen, self.sched)
 
     def _pass(self, t0: float) -> tuple[float, list[int]]:
         """One forward pass of the running batch from ``t0``; returns (end s, finished)."""

@@ -226,3 +226,25 @@ def test_failure_inside_a_pass_propagates_and_restores(store_of) -> None:
     ref = _alone(model, prompts[0])
     assert _serve(model, *_policies("deepspeed", store_of("mixtral"), 0.25)[:2],
                   prompts[:1]).tokens[prompts[0].request_id] == ref
+
+
+def test_a_scheduler_breaking_a_budget_is_caught(store_of) -> None:
+    """A scheduler admitting every waiting request whatever max_running says: the engine's
+    loop (the simulator's rule, schedulers.base.check_admission) raises before the pass."""
+    from moeexp.schedulers.base import Scheduler, SchedulerView
+
+    class Greedy(Scheduler):
+        name = "greedy_test"
+
+        def admit(self, view: SchedulerView) -> list[int]:
+            return [w.unit for w in view.waiting]
+
+    model = toy_model("mixtral")
+    pred, pol, _ = _policies("deepspeed", store_of("mixtral"), 0.25)
+    pm = build_pass_model(model, adapter_for(model), pred, pol, EngineSettings(spec_depth=2))
+    try:
+        with pytest.raises(RuntimeError, match="broke max_running"):
+            serve_continuous(pm, _prompts(), Greedy(), PROFILE,
+                             settings=ServingSettings(max_batch_tokens=64, max_running=2))
+    finally:
+        pm.close()
