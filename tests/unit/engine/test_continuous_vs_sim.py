@@ -65,3 +65,36 @@ def test_emoe_scheduler_runs_on_the_engine(setup) -> None:
                                 scheduler="emoe", serving=serving)
     assert out.engine["requests_total"] == len(prompts)
     assert out.engine["scheduler"] == "emoe"
+
+
+def test_engine_backend_serves_a_continuous_scheduler(setup) -> None:
+    """BACKENDS.build("engine") with scheduler=fcfs: every CORE_KEY, the serving keys,
+    per-request and per-pass series (passes conserve the requests' passes); Belady is
+    reported not applicable, as the simulator reports it."""
+    from moeexp.backends import BACKENDS, BackendContext
+    from moeexp.metrics import CORE_KEYS
+    from moeexp.registry import GroupChoice
+
+    from .test_continuous import _policies
+
+    loaded, prompts, trace, store, cost = setup
+    pred, pol, _ = _policies("deepspeed", store, 0.25)
+    backend = BACKENDS.build("engine", device="cpu", warmup=1, progress=False,
+                             replay_tokens=True, spec_depth=2, arrival_rate=500.0,
+                             serving={"max_batch_tokens": 64, "max_running": 3})
+    ctx = BackendContext(loaded=loaded, prompts=prompts, trace=trace, predictor=pred,
+                         cache=pol, cost=cost, seed=0, store=store,
+                         scheduler=GroupChoice("fcfs", {}))
+    res = backend.run(ctx)
+    m, s = res.metrics, res.series
+    assert set(CORE_KEYS) <= set(m)
+    assert m["scheduler"] == "fcfs" and m["requests_total"] == len(prompts)
+    assert m["arrival_rate"] == 500.0 and 0 <= m["slo_attainment"] <= 1
+    assert len(s["ttft_ms"]) == len(prompts)
+    assert sum(s["iter_requests"]) == sum(p.output_len for p in prompts)
+    assert sum(s["iter_hits"]) + sum(s["iter_misses"]) == m["accesses_total"]
+    opred, opol, _ = _policies("oracle", store, 0.25)
+    na = backend.run(BackendContext(loaded=loaded, prompts=prompts, trace=trace,
+                                    predictor=opred, cache=opol, cost=cost, seed=0,
+                                    store=store, scheduler=GroupChoice("fcfs", {})))
+    assert na.metrics["status"] == "not_applicable"
