@@ -17,6 +17,7 @@ from moeexp.engine.runtime import EngineSettings
 from moeexp.errors import ConfigError
 from moeexp.metrics import CORE_KEYS
 from moeexp.models.adapters import adapter_for
+from moeexp.models.toy_configs import SUPPORTED_MODEL_TYPES as ARCHS
 from moeexp.models.toy_configs import toy_model
 from moeexp.predictors import build_predictor
 from moeexp.schedulers import build_scheduler
@@ -248,3 +249,49 @@ def test_a_scheduler_breaking_a_budget_is_caught(store_of) -> None:
                              settings=ServingSettings(max_batch_tokens=64, max_running=2))
     finally:
         pm.close()
+
+
+@pytest.mark.parametrize("model_type", ARCHS)
+def test_every_architecture_is_token_identical_per_request(model_type: str) -> None:
+    """deepspeed (LRU, on demand) at 25 % capacity on every supported architecture (dense
+    layers, shared experts, MLA caches, GPT-OSS's sliding windows and sinks), 5 requests,
+    at most 3 running: each request's tokens are the plain model's alone."""
+    from moeexp.cache import CACHES
+    from moeexp.predictors import PREDICTORS
+    from moeexp.traces.recorder import trace_dims
+
+    model = toy_model(model_type)
+    impl = model.config._experts_implementation
+    ad = adapter_for(model)
+    dims = trace_dims(ad, 0)
+    prompts = _prompts()
+    ref = {p.request_id: _alone(model, p) for p in prompts}
+    slots = max(ad.top_k, dims.num_layers * dims.num_experts // 4)
+    pol = CACHES.build("lru", capacity_slots=slots, num_layers=dims.num_layers,
+                       num_experts=dims.num_experts)
+    run = _serve(model, PREDICTORS.build("none", dims=dims), pol, prompts)
+    assert run.tokens == ref
+    assert _joined_mid_decode(run)
+    assert model.config._experts_implementation == impl  # plain again
+
+
+def test_lossy_emoe_runs_under_continuous_batching(store_of) -> None:
+    """eMoE (restricted routing, lossy: not held to the plain tokens) serves every request
+    its output_len tokens; substitutions are counted over the pass's concatenated router
+    logits."""
+    model = toy_model("mixtral")
+    prompts = _prompts()
+    pred, pol, sys_settings = _policies("emoe", store_of("mixtral"), 0.25)
+    assert sys_settings.get("restricted_routing")
+    eng = EngineSettings(spec_depth=2, predictor_async=False, restricted_routing=True,
+                         restricted_wait=True)
+    pm = build_pass_model(model, adapter_for(model), pred, pol, eng, max_members=8)
+    try:
+        run = serve_continuous(pm, prompts, build_scheduler({"name": "fcfs"}), PROFILE,
+                               settings=ServingSettings(max_batch_tokens=64, max_running=3),
+                               eos_token_ids=[2])
+    finally:
+        pm.close()
+    assert {rid: len(t) for rid, t in run.tokens.items()} == {p.request_id: p.output_len
+                                                              for p in prompts}
+    assert 0.0 <= run.metrics["substitution_rate"] <= 1.0
