@@ -241,6 +241,12 @@ def _check_scheduler(spec: RunSpec) -> None:
         raise ConfigError(f"scheduler={name}: continuous batching runs in the simulator and "
                           f"the engine (backend=sim|engine); backend={spec.backend.name} "
                           "serves static batches (use scheduler=static)")
+    kw = spec.backend.kwargs
+    if (spec.backend.name == "engine" and not kw.get("replay_tokens", False)
+            and kw.get("sampling", "greedy") != "greedy"):
+        raise ConfigError(f"scheduler={name} on backend=engine decodes greedily or replays the "
+                          f"trace's tokens: set backend.replay_tokens=true or "
+                          f"backend.sampling=greedy (got {kw.get('sampling')!r})")
     if spec.backend.kwargs.get("batch_size", 1) != 1:
         raise ConfigError(f"scheduler={name}: backend.batch_size="
                           f"{spec.backend.kwargs.get('batch_size')} is static batching's; the "

@@ -241,9 +241,13 @@ class PassModel(OffloadedModel):
         assert self._gather is not None
         gather = self._gather
 
+        dev = self.engine.device
+
         def one(i: int) -> tuple[torch.Tensor, Any]:
             self._local.member = i
             try:
+                if dev.type == "cuda" and dev.index is not None:  # current device: per thread
+                    torch.cuda.set_device(dev)
                 with torch.no_grad():
                     out = self.model(input_ids=members[i].input_ids, use_cache=True,
                                      **{self._cache_arg: members[i].cache}, **self._keep)

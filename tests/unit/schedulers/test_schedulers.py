@@ -78,6 +78,7 @@ def test_default_is_static() -> None:
     (["scheduler=fcfs", "backend=sim_vs_engine"], "serves static batches"),
     (["scheduler=fcfs", "backend=engine", "backend.arrival_rate=0"], "arrival_rate must be > 0"),
     (["scheduler=fcfs", "backend=engine", "backend.serving.max_running=0"], "max_running"),
+    (["scheduler=fcfs", "backend=engine", "backend.replay_tokens=false"], "decodes greedily"),
     (["scheduler=fcfs", "backend=engine", "backend.serving.max_batch_tokens=10"],
      "below one prompt"),
     (["scheduler=emoe", "backend.batch_size=4"], "batch_size=1"),
