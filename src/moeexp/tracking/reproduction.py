@@ -526,8 +526,9 @@ def sources(data: dict[tuple[str, Regime], Setting]) -> str:
     """The sweep directories, commits, runs and seeds behind every (claim, setting)."""
     lines = ["| claim | setting | sweep dirs | commits | runs | seeds | test requests |",
              "|---|---|---|---|---|---|---|"]
+    order = ["fig10", "fig12", "cache", "predictor", "store"]
     for (claim, regime), s in sorted(data.items(), key=lambda kv: (
-            kv[0][0], list(REGIMES).index(kv[0][1]))):
+            order.index(kv[0][0]), list(REGIMES).index(kv[0][1]))):
         seeds = sorted({str(x) for x in s.runs.get(SEED_KEY, [])})
         tests = sorted({str(int(x)) for x in pd.to_numeric(
             s.runs.get("requests_test", pd.Series(dtype=float)), errors="coerce").dropna()})
