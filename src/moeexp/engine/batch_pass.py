@@ -20,6 +20,11 @@ pad token routed to an expert), whatever the architecture (sliding windows, MLA 
 and only the MoE experts see the batch; an expert's output for a token does not depend on
 the other tokens (no capacity limit in these models), so a request's tokens are the plain
 model's. Threads only interleave: the GIL serialises Python, torch releases it inside ops.
+The price: the dense part (attention, norms, shared experts, LM head) runs once per
+request, where a batched engine runs it once per pass. ``batch_decode=True`` batches it
+for the decoding requests of a pass: they run as ONE padded forward on their stacked KV
+caches (:mod:`moeexp.engine.padded_decode`; equal up to rounding, token-identical in the
+tests), one thread among the prefilling requests' threads.
 
 :class:`PassModel` is an :class:`~moeexp.engine.offload.OffloadedModel` (same install,
 close, metrics) whose forward hooks are pass-level: it is driven only through
@@ -43,6 +48,7 @@ from moeexp.cache.base import CachePolicy
 from moeexp.engine.budget import budget_of
 from moeexp.engine.layer import serve_layer
 from moeexp.engine.offload import OffloadedModel
+from moeexp.engine.padded_decode import stack, stackable, unstack
 from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.runtime import Engine, EngineSettings
 from moeexp.errors import ConfigError
@@ -139,8 +145,11 @@ class _Gather:
 class PassModel(OffloadedModel):
     """An offloaded model served pass by pass (see the module docstring)."""
 
-    def __init__(self, *args: Any, max_members: int = 256, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, max_members: int = 256, batch_decode: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        #: decode-only passes as one padded forward (moeexp.engine.padded_decode)
+        self.batch_decode = bool(batch_decode)
         from transformers.integrations.moe import ExpertsInterface
 
         # the base registered serve_layer under our name; the pass gathers first
@@ -207,11 +216,14 @@ class PassModel(OffloadedModel):
         eng = self.engine
         decode = all(m.step > 0 for m in members)
         eng.batched_rows = self._always_batched or (self._decode_batched and decode)
-        self._gather = _Gather(self, sizes, future)
+        groups = self._groups(members)
+        self._gather = _Gather(self, [sum(sizes[i] for i in g) for g in groups], future)
         try:
             eng.begin_iteration()
-            self._start_iteration(members, sizes, future)
-            logits = self._forwards(members)
+            order = [i for g in groups for i in g]  # the layers' token order
+            self._start_iteration([members[i] for i in order], [sizes[i] for i in order],
+                                  future)
+            logits = self._forwards(members, groups)
         except BaseException:
             self._gather = None
             eng.end_iteration()
@@ -236,40 +248,71 @@ class PassModel(OffloadedModel):
             embed=emb.float().cpu().numpy(), token_request=np.repeat(rows, sizes),
             future=None if future is None else tuple(future)))
 
-    def _forwards(self, members: Sequence[Member]) -> list[tuple[torch.Tensor, Any]]:
-        """Each member's forward on its own thread (inline for one); their logits."""
+    def _groups(self, members: Sequence[Member]) -> list[list[int]]:
+        """The pass's forward calls, as member indices in member order: one per member, or
+        (``batch_decode``) the decoding members with stackable caches as one padded call."""
+        dec = [i for i, m in enumerate(members) if m.step > 0]
+        if not (self.batch_decode and len(dec) > 1
+                and stackable([members[i].cache for i in dec])):
+            return [[i] for i in range(len(members))]
+        rest = [[i] for i in range(len(members)) if members[i].step == 0]
+        return sorted([dec, *rest], key=lambda g: g[0])
+
+    def _call(self, members: Sequence[Member], group: list[int]) -> list[tuple[torch.Tensor, Any]]:
+        """One forward call of ``group``: a member alone, or a padded decode batch."""
+        if len(group) == 1:
+            m = members[group[0]]
+            out = self.model(input_ids=m.input_ids, use_cache=True,
+                             **{self._cache_arg: m.cache}, **self._keep)
+            cache = out.get("cache", None) if "cache" in out else out.past_key_values
+            return [(out.logits[:, -1, :], cache)]
+        cfg = self.model.config
+        batched, lengths, mask, pos = stack([members[i].cache for i in group], cfg)
+        ids = torch.cat([members[i].input_ids for i in group])
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                         **{self._cache_arg: batched}, **self._keep)
+        cache = out.get("cache", None) if "cache" in out else out.past_key_values
+        logits = out.logits[:, -1, :]
+        return list(zip((logits[r:r + 1] for r in range(len(group))),
+                        unstack(cache, lengths, cfg), strict=True))
+
+    def _forwards(self, members: Sequence[Member], groups: list[list[int]]
+                  ) -> list[tuple[torch.Tensor, Any]]:
+        """Each group's forward call on its own thread (inline for one); per member, in
+        member order, its (logits, cache)."""
         assert self._gather is not None
         gather = self._gather
-
         dev = self.engine.device
 
-        def one(i: int) -> tuple[torch.Tensor, Any]:
-            self._local.member = i
+        def one(k: int) -> list[tuple[torch.Tensor, Any]]:
+            self._local.member = k
             try:
                 if dev.type == "cuda" and dev.index is not None:  # current device: per thread
                     torch.cuda.set_device(dev)
                 with torch.no_grad():
-                    out = self.model(input_ids=members[i].input_ids, use_cache=True,
-                                     **{self._cache_arg: members[i].cache}, **self._keep)
-                cache = out.get("cache", None) if "cache" in out else out.past_key_values
-                return out.logits[:, -1, :], cache
+                    return self._call(members, groups[k])
             except BaseException as exc:
                 gather.abort(exc)
                 raise
 
-        if len(members) == 1:
-            return [one(0)]
-        futures = [self._pool.submit(one, i) for i in range(len(members))]
-        results, first_error = [], None
-        for f in futures:
-            try:
-                results.append(f.result())
-            except BaseException as exc:  # keep the root cause, not "another failed"
-                if first_error is None or isinstance(first_error, RuntimeError):
-                    first_error = gather.error or exc
-        if first_error is not None:
-            raise first_error
-        return results
+        if len(groups) == 1:
+            per_group = [one(0)]
+        else:
+            futures = [self._pool.submit(one, k) for k in range(len(groups))]
+            per_group, first_error = [], None
+            for f in futures:
+                try:
+                    per_group.append(f.result())
+                except BaseException as exc:  # keep the root cause, not "another failed"
+                    if first_error is None or isinstance(first_error, RuntimeError):
+                        first_error = gather.error or exc
+            if first_error is not None:
+                raise first_error
+        out: list[tuple[torch.Tensor, Any] | None] = [None] * len(members)
+        for g, res in zip(groups, per_group, strict=True):
+            for i, r in zip(g, res, strict=True):
+                out[i] = r
+        return [r for r in out if r is not None]
 
     def close(self) -> None:
         """Stop the pass threads, then restore the plain model (idempotent)."""
@@ -281,7 +324,7 @@ class PassModel(OffloadedModel):
 
 def build_pass_model(model: nn.Module, adapter: MoEAdapter, predictor: Predictor,
                      cache: CachePolicy, settings: EngineSettings, *, system: str = "custom",
-                     max_members: int = 256) -> PassModel:
+                     max_members: int = 256, batch_decode: bool = False) -> PassModel:
     """A :class:`PassModel` with already built (and fitted) policies, on the model's device.
 
     As :func:`moeexp.engine.build.build_offloaded` (the device gets ``cache.capacity_slots``
@@ -304,7 +347,8 @@ def build_pass_model(model: nn.Module, adapter: MoEAdapter, predictor: Predictor
         runner.close()
         raise
     pm = PassModel(model, adapter, engine, system=system, record=False,
-                   dims=trace_dims(adapter, 0), max_members=max_members)
+                   dims=trace_dims(adapter, 0), max_members=max_members,
+                   batch_decode=batch_decode)
     try:
         engine.preload(list(cache.initial_residents()))
     except BaseException:

@@ -60,7 +60,7 @@ DECODE_KEYS: frozenset[str] = frozenset({
     "sampling", "top_k", "temperature", "seed", "warmup", "progress", "device", "num_threads",
     "replay_tokens", "reference",
     # a continuous scheduler's (moeexp.engine.serve_continuous): budgets, Poisson arrivals
-    "serving", "arrival_rate"})
+    "serving", "arrival_rate", "batch_decode"})
 
 
 def check_serve_settings(settings: Mapping[str, Any]) -> None:

@@ -13,6 +13,8 @@ trace's tokens: the simulator's very passes; oracle's future). Decoding is greed
 suppressed, exactly ``output_len`` tokens) or token replay: ``sampling=top_k`` without
 replay is refused (HF's sampler is not run per request here). ``reference`` is not served
 (the normalised latencies of a continuous run are the simulator's ``ttft_norm_mean``).
+``batch_decode``: the decoding requests of a pass run as one padded forward
+(:mod:`moeexp.engine.padded_decode`) instead of one forward each (default False).
 """
 
 from __future__ import annotations
@@ -88,7 +90,8 @@ def serve_engine_continuous(loaded: Any, prompts: Sequence[Any], predictor: Any,
     with run_on(loaded.model, device, settings.get("num_threads")) as dev:
         _warmup(loaded, prompts, cache.capacity_slots, eng, settings)
         pm = build_pass_model(loaded.model, loaded.adapter, predictor, cache, eng,
-                              system="engine", max_members=serving.max_running)
+                              system="engine", max_members=serving.max_running,
+                              batch_decode=bool(settings.get("batch_decode", False)))
         try:
             run = serve_continuous(
                 pm, prompts, scheduler, profile, settings=serving,

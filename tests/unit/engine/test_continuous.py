@@ -70,9 +70,10 @@ def _policies(system: str, store, capacity):  # type: ignore[no-untyped-def]
 
 
 def _serve(model, pred, pol, prompts, *, settings: ServingSettings | None = None,  # type: ignore[no-untyped-def]
-           scheduler: str = "fcfs", **kw) -> ContinuousRun:
+           scheduler: str = "fcfs", batch_decode: bool = False, **kw) -> ContinuousRun:
     eng = EngineSettings(spec_depth=2, predictor_async=False)
-    pm = build_pass_model(model, adapter_for(model), pred, pol, eng, max_members=8)
+    pm = build_pass_model(model, adapter_for(model), pred, pol, eng, max_members=8,
+                          batch_decode=batch_decode)
     try:
         return serve_continuous(pm, prompts, build_scheduler({"name": scheduler}), PROFILE,
                                 settings=settings or ServingSettings(max_batch_tokens=64,
@@ -105,12 +106,15 @@ def _exact_systems() -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
-def test_every_exact_system_is_token_identical_per_request(model_type: str, store_of) -> None:
+@pytest.mark.parametrize(("model_type", "batch_decode"), [
+    ("mixtral", False), ("deepseek_v3", False), ("mixtral", True)])
+def test_every_exact_system_is_token_identical_per_request(model_type: str, batch_decode: bool,
+                                                           store_of) -> None:
     """Every exact conf/system bundle (fitted on a store trace; at 25 % capacity and at K
     slots on Mixtral), 5 requests, at most 3 running, fcfs: requests join while others
     decode and leave at different passes, and each request's tokens are the plain
-    model's greedy tokens for it alone."""
+    model's greedy tokens for it alone (one forward per request, or the decoding requests
+    as one padded forward)."""
     systems = _exact_systems()
     assert {"deepspeed", "no_offload", "finemoe", "moe_infinity"} <= set(systems)
     model = toy_model(model_type)
@@ -127,7 +131,7 @@ def test_every_exact_system_is_token_identical_per_request(model_type: str, stor
             except ConfigError as exc:  # e.g. a learned predictor needing more layers
                 assert "distance" in str(exc) or "needs" in str(exc), exc
                 break
-            run = _serve(model, pred, pol, prompts)
+            run = _serve(model, pred, pol, prompts, batch_decode=batch_decode)
             assert run.tokens == ref, f"{name} at capacity {cap}: tokens differ"
             assert _joined_mid_decode(run) and run.metrics["batch_requests_peak"] == 3
             assert run.metrics["expert_slots"] <= pol.capacity_slots or name == "no_offload"
@@ -251,11 +255,16 @@ def test_a_scheduler_breaking_a_budget_is_caught(store_of) -> None:
         pm.close()
 
 
+@pytest.mark.parametrize("batch_decode", [False, True])
 @pytest.mark.parametrize("model_type", ARCHS)
-def test_every_architecture_is_token_identical_per_request(model_type: str) -> None:
+def test_every_architecture_is_token_identical_per_request(model_type: str,
+                                                           batch_decode: bool) -> None:
     """deepspeed (LRU, on demand) at 25 % capacity on every supported architecture (dense
     layers, shared experts, MLA caches, GPT-OSS's sliding windows and sinks), 5 requests,
-    at most 3 running: each request's tokens are the plain model's alone."""
+    at most 3 running: each request's tokens are the plain model's alone; with
+    ``batch_decode`` the decoding requests of a pass ran as one padded forward (every
+    architecture but GPT-OSS, whose sliding-window caches are not stacked)."""
+    import moeexp.engine.batch_pass as bp
     from moeexp.cache import CACHES
     from moeexp.predictors import PREDICTORS
     from moeexp.traces.recorder import trace_dims
@@ -269,9 +278,20 @@ def test_every_architecture_is_token_identical_per_request(model_type: str) -> N
     slots = max(ad.top_k, dims.num_layers * dims.num_experts // 4)
     pol = CACHES.build("lru", capacity_slots=slots, num_layers=dims.num_layers,
                        num_experts=dims.num_experts)
-    run = _serve(model, PREDICTORS.build("none", dims=dims), pol, prompts)
+    padded = []
+    call = bp.PassModel._call
+
+    def counting(self, members, group):  # type: ignore[no-untyped-def]
+        padded.append(len(group) > 1)
+        return call(self, members, group)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(bp.PassModel, "_call", counting)
+        run = _serve(model, PREDICTORS.build("none", dims=dims), pol, prompts,
+                     batch_decode=batch_decode)
     assert run.tokens == ref
     assert _joined_mid_decode(run)
+    assert any(padded) == (batch_decode and model_type != "gpt_oss")
     assert model.config._experts_implementation == impl  # plain again
 
 

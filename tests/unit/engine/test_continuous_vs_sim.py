@@ -30,16 +30,20 @@ def setup(store_of):  # type: ignore[no-untyped-def]
     return loaded, prompts, trace, store_of("mixtral"), cost
 
 
+@pytest.mark.parametrize("batch_decode", [False, True])
 @pytest.mark.parametrize("mix_prefill", [True, False])
 @pytest.mark.parametrize("system", ["deepspeed", "no_offload"])
-def test_same_passes_and_hits_as_the_simulator(setup, system: str, mix_prefill: bool) -> None:
+def test_same_passes_and_hits_as_the_simulator(setup, system: str, mix_prefill: bool,
+                                               batch_decode: bool) -> None:
     """deepspeed (LRU, on demand) and no_offload, 5 requests, at most 3 running, fcfs,
     offline: same admission order, same members and tokens in every pass, same hits per
-    pass (hence the same hit rate) in the simulator and on the engine."""
+    pass (hence the same hit rate) in the simulator and on the engine (one forward per
+    request, or the decoding requests as one padded forward)."""
     loaded, prompts, trace, store, cost = setup
     serving = ServingSettings(max_batch_tokens=64, max_running=3, mix_prefill=mix_prefill)
     out = sim_vs_engine_serving(loaded, prompts, trace, store, cost, system=system,
-                                scheduler="fcfs", serving=serving)
+                                scheduler="fcfs", serving=serving,
+                                engine={"batch_decode": batch_decode})
     m = out.metrics
     assert m["admission_match"] == 1.0
     assert m["passes_match"] == 1.0, (out.sim, out.engine)
