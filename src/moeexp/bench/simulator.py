@@ -42,18 +42,22 @@ SYSTEMS: dict[str, tuple[str, str]] = {
     "oracle": ("oracle", "belady"),
 }
 TARGET_S = 2.0
-#: system -> (replay CPU s, wall-clock accesses/s of the last ``make bench`` before the
-#: speed-up): CPU s measured at commit 2b2bbb7 (the tree before the issue-11 speed-up) on
-#: the shared 2-core machine, best of 2-3 alternating with the new tree; accesses/s from
-#: ``results/bench/simulator.json`` of 2026-12-01 09:40 (wall clock, under load).
+#: system -> (replay CPU s, wall-clock accesses/s of the last ``make bench``) before the
+#: speed-up. CPU s: the tree before it (commit 2b2bbb7) on this protocol, best of 2,
+#: alternating system by system with the tree after it (``predictor.prefill=paper`` for the
+#: expert-map systems, so both trees decide the same) on the shared 2-core machine, load
+#: about 4 (2026-12-01 11:45-11:55 UTC): after it, in the same session, no_offload 0.67,
+#: deepspeed 0.82, oracle 2.16, finemoe 3.81, finemoe_no_semantic 3.80, moe_infinity 2.60,
+#: moe_infinity_oss 3.06, mixtral_offloading 1.88, promoe 1.76, promoe_learned 2.66, emoe
+#: 2.29, oracle_aggressive 1.80 (every hit rate, h2d byte count and TPOT identical).
+#: accesses/s: ``results/bench/simulator.json`` of 2026-12-01 09:40 (wall clock, loaded).
 BEFORE: dict[str, tuple[float, float]] = {
-    "no_offload": (0.677, 247348.0), "deepspeed": (0.837, 201430.0),
-    "oracle": (2.53, 56765.0), "emoe": (1.98, 54480.0),
-    "finemoe": (4.39, 16641.0), "finemoe_no_semantic": (4.27, 18108.0),
-    "mixtral_offloading": (2.0, 51491.0), "moe_infinity": (4.49, 23319.0),
-    "moe_infinity_oss": (4.87, 21001.0), "promoe": (1.92, 56019.0),
-    "promoe_learned": (2.62, 39424.0),
-    "oracle_aggressive": (1.79, float("nan")),
+    "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
+    "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
+    "finemoe": (5.193, 16641.0), "finemoe_no_semantic": (5.806, 18108.0),
+    "mixtral_offloading": (2.158, 51491.0), "moe_infinity": (5.142, 23319.0),
+    "moe_infinity_oss": (5.717, 21001.0), "promoe": (1.919, 56019.0),
+    "promoe_learned": (3.546, 39424.0), "oracle_aggressive": (1.765, float("nan")),
 }
 #: Accesses of the default protocol, which the :data:`BEFORE` figures were measured on.
 BEFORE_ACCESSES = 150440.0
