@@ -65,10 +65,12 @@ def kv_pool_bytes(cost: CostModel, settings: ServingSettings, capacity_slots: in
 @dataclass
 class ServingComparison:
     """``metrics``: flat errors and match flags; ``requests``: one row per request;
-    ``sim`` / ``engine``: each backend's metrics."""
+    ``passes``: one row per pass index (requests, tokens, hits, ms of each backend; NaN
+    where one backend ran fewer passes); ``sim`` / ``engine``: each backend's metrics."""
 
     metrics: dict[str, Any]
     requests: list[dict[str, Any]]
+    passes: list[dict[str, Any]]
     sim: dict[str, Any]
     engine: dict[str, Any]
 
@@ -179,4 +181,13 @@ def _compare(system: str, sm: dict[str, Any], ss: Mapping[str, list[Any]], em: d
                               and list(ss["iter_tokens"]) == list(es["iter_tokens"])),
         "pass_hits_match": float(list(map(float, ss["iter_hits"])) == list(es["iter_hits"])),
     })
-    return ServingComparison(metrics=out, requests=rows, sim=sm, engine=em)
+    n = max(len(ss["iter_requests"]), len(es["iter_requests"]))
+
+    def at(src: Mapping[str, list[Any]], key: str, i: int) -> float:
+        return float(src[key][i]) if i < len(src[key]) else float("nan")
+
+    passes = [{"pass": i, **{f"{side}_{k[5:]}": at(src, k, i) for side, src in
+                            (("sim", ss), ("engine", es))
+                            for k in ("iter_requests", "iter_tokens", "iter_hits", "iter_ms")}}
+              for i in range(n)]
+    return ServingComparison(metrics=out, requests=rows, passes=passes, sim=sm, engine=em)
