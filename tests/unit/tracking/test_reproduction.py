@@ -8,16 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moeexp.tracking.reproduction import (
-    BEGIN,
-    END,
-    NO_WHY,
-    chain_cell,
-    load,
-    paired,
-    regime_of,
-    write_table,
-)
+from moeexp.tracking.repro_data import load, paired, regime_of
+from moeexp.tracking.reproduction import BEGIN, END, NO_WHY, chain_cell, write_table
 
 
 def _sweep(root: Path, name: str, rows: list[dict[str, object]], sha: str = "abcdef123") -> Path:
