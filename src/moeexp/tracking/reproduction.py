@@ -242,7 +242,8 @@ def fig12_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
         trend[regime] = chain_cell(mine, "cache_capacity", budgets, "tpot_norm_mean", False,
                                    names, digits=2) + _named(fm)
         best[regime] = _fig12_best(s.runs)
-    paper = "TPOT falls as the cache grows; FineMoE lowest at every size (trend, Fig. 12)"
+    paper = ("TPOT falls as the cache grows; FineMoE lowest at every size (Fig. 12; "
+             "qualitative, no number in algorithms.md §9)")
     return [Row("b-trend", "Fig. 12: FineMoE TPOT / no_offload by cache budget (low to high)",
                 paper, trend),
             Row("b-best", "Fig. 12: FineMoE TPOT vs the fastest of the four baselines, "
@@ -262,7 +263,7 @@ def ablation_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
         (("prediction_recall", "recall", True, 3), ("tpot_ms_mean", "TPOT ms", False, 3)))
     store = _chain_rows(
         data, "store", "e", "Store capacity C (rows; FineMoE, cache 25 %)",
-        "recall and TPOT improve as C grows (trend, Fig. 16a)", "predictor.store_capacity",
+        "recall and TPOT improve as C grows (Fig. 16a; qualitative, no number in algorithms.md §9)", "predictor.store_capacity",
         None, (("prediction_recall", "recall", True, 3), ("tpot_ms_mean", "TPOT ms", False, 3)))
     return cache + pred + store
 
