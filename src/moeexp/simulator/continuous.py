@@ -11,7 +11,7 @@ forward passes, under a token budget and a device memory shared by experts and K
         start_request of each                                    -> predictions
       one forward pass over the running batch: each request's next trace iteration (its
         prefill, or one decode step); a layer's experts are the union over the batch
-        (Plan.group); time, hits, stalls from the same _Replay.forward_pass as simulate
+        (Plan.group); time, hits, stalls from the same Replay.forward_pass as simulate
       scheduler.on_pass(units, finished); the finished leave (end_request)
 
 Decisions are the scheduler's (:mod:`moeexp.schedulers`); this loop is the mechanism: the
@@ -63,7 +63,7 @@ from moeexp.schedulers.base import (
     check_admission,
 )
 from moeexp.simulator.plan import Plan
-from moeexp.simulator.replay import SimResult, _check, _Replay
+from moeexp.simulator.replay import Replay, SimResult, check_inputs
 from moeexp.simulator.serving_report import ServedRun, serving_metrics
 from moeexp.traces.schema import Trace
 
@@ -208,11 +208,11 @@ def _check_budgets(units: _Units, settings: ServingSettings, pool: int, weights:
 
 class _Loop:
     """One run of the batching loop; ``replay`` None times passes with every expert
-    resident (the no-offload reference), else through ``_Replay.forward_pass``."""
+    resident (the no-offload reference), else through ``Replay.forward_pass``."""
 
     def __init__(self, plan: Plan, units: _Units, scheduler: Scheduler,
                  settings: ServingSettings, pool: int, kv_per_token: int,
-                 replay: _Replay | None, progress: bool) -> None:
+                 replay: Replay | None, progress: bool) -> None:
         self.plan, self.u, self.sched, self.set = plan, units, scheduler, settings
         self.pool, self.kv_per_token, self.replay = pool, kv_per_token, replay
         self.run = ServedRun(n=units.n, arrival=units.arrival.copy())
@@ -369,7 +369,7 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
     """
     wall0 = perf_counter()
     settings = settings or ServingSettings()
-    _check(trace_test, predictor, cache, cost, 1, arrival_rate, num_requests)
+    check_inputs(trace_test, predictor, cache, cost, 1, arrival_rate, num_requests)
     reason = not_applicable_reason(cache)
     if reason is not None:
         raise ConfigError(reason)
@@ -390,7 +390,7 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
         _check_budgets(units, settings, pool, weights, memory, trace_test)
     scheduler.fit(profile)
     reference = copy.deepcopy(scheduler)
-    replay = _Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
+    replay = Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
                      feed_s=predictor_feed_s)
     served = _Loop(plan, units, scheduler, settings, pool, kv_per_token, replay, progress).serve()
     alone = _Loop(plan, units, reference, settings, pool, kv_per_token, None, False).serve()

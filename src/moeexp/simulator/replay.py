@@ -2,7 +2,7 @@
 
 Batches run one after another on one server (offline: each when the previous one finished;
 online: also not before its last member arrived). Each step below is one method of
-:class:`_Replay`::
+:class:`Replay`::
 
     serve_all: for each batch
       batch: start_request (its requests)            -> predictions for their first pass
@@ -16,7 +16,7 @@ online: also not before its last member arrived). Each step below is one method 
         end_request (requests that finished)
 
 Decisions come from the predictor and the policy only; the simulator never asks which
-policy it runs. What a prediction does (:meth:`_Replay.take`) is the engine's rule too: its
+policy it runs. What a prediction does (:meth:`Replay.take`) is the engine's rule too: its
 prefetches go to the :class:`~moeexp.prefetching.PrefetchQueue` of the
 :class:`~moeexp.simulator.device.Device`, its scores to the policy, and it speaks for the
 ``prediction_*`` metrics through :class:`~moeexp.prefetching.PredictionSets`. Metrics
@@ -65,8 +65,10 @@ class SimResult:
     series: dict[str, list[Any]] = field(default_factory=dict)
 
 
-def _check(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel, batch_size: int,
-           arrival_rate: float | None, num_requests: int | None) -> None:
+def check_inputs(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel,
+                 batch_size: int, arrival_rate: float | None, num_requests: int | None) -> None:
+    """ConfigError unless the trace, the policies and the cost model fit together and the
+    serving keys are valid (shared by :func:`simulate` and continuous batching)."""
     d = trace.dims
     if not trace.requests or trace.num_iterations == 0:
         raise ConfigError("simulate: the test trace holds no requests")
@@ -123,12 +125,12 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
             measures it per system on the engine (store prompts) and passes it here.
     """
     wall0 = perf_counter()
-    _check(trace_test, predictor, cache, cost, batch_size, arrival_rate, num_requests)
+    check_inputs(trace_test, predictor, cache, cost, batch_size, arrival_rate, num_requests)
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                 num_requests=num_requests, seed=seed)
-    run = _Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
+    run = Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
                   feed_s=predictor_feed_s)
     run.serve_all(progress)
     metrics, series = build_metrics(
@@ -158,7 +160,7 @@ class HookTimer:
         return pred
 
 
-class _Replay:
+class Replay:
     """One replay's state: the device, the tallies, the prediction sets, the access clock."""
 
     def __init__(self, trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel,

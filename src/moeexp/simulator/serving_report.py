@@ -38,7 +38,7 @@ from moeexp.metrics import CORE_KEYS, f1, summarize, traffic_metrics
 
 if TYPE_CHECKING:
     from moeexp.simulator.plan import Plan
-    from moeexp.simulator.replay import _Replay
+    from moeexp.simulator.replay import Replay
 
 NAN = float("nan")
 
@@ -84,7 +84,7 @@ def _ratio_mean(a: list[float], b: list[float]) -> float:
     return float(np.mean(r)) if r else NAN
 
 
-def _core(served: ServedRun, reference: ServedRun, plan: Plan, replay: _Replay,
+def _core(served: ServedRun, reference: ServedRun, plan: Plan, replay: Replay,
           cache: CachePolicy, cost: CostModel, restricted: bool, wall_s: float) -> dict[str, float]:
     """CORE_KEYS and the simulator's extras, as :func:`moeexp.simulator.report.build_metrics`
     defines them (no ``bound_*``)."""
@@ -170,7 +170,7 @@ def _serving(served: ServedRun, slo_ttft: list[float], slo_e2e: list[float], tas
     return m
 
 
-def serving_metrics(*, served: ServedRun, reference: ServedRun, plan: Plan, replay: _Replay,
+def serving_metrics(*, served: ServedRun, reference: ServedRun, plan: Plan, replay: Replay,
                     cache: CachePolicy, cost: CostModel, slo_ttft: list[float],
                     slo_e2e: list[float], tasks: list[str], restricted: bool, wall_s: float,
                     extras: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
