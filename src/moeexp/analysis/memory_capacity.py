@@ -414,9 +414,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="directory for memory_capacity.md/.csv")
     a = p.parse_args(argv)
     s = Setting(a.device_gb, a.prompt_len, a.output_len, a.activations, a.reserve_gb)
+    epl = _number(a.experts_per_layer)
+    if isinstance(epl, str):
+        p.error(f"--experts-per-layer {epl!r}: an int count or a fraction of J in (0, 1]")
     try:
         rows = capacity_table(a.models, a.systems, s, capacity=_number(a.capacity),
-                              experts_per_layer=_number(a.experts_per_layer))
+                              experts_per_layer=epl)
     except ConfigError as exc:
         p.error(str(exc))
     sys.stdout.write(to_markdown(rows, s))

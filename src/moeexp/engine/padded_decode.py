@@ -40,8 +40,7 @@ def stackable(caches: Sequence[Any]) -> bool:
         layers = _layers(c)
         if type(c) is not DynamicCache or not layers:
             return False
-        if any(type(layer) is not DynamicLayer or not isinstance(getattr(layer, "keys", None),
-                                                              torch.Tensor)
+        if any(type(layer) is not DynamicLayer or not isinstance(layer.keys, torch.Tensor)
                or layer.keys.dim() != 4 for layer in layers):
             return False
         if n is not None and len(layers) != n:

@@ -85,7 +85,7 @@ def serve_engine_continuous(loaded: Any, prompts: Sequence[Any], predictor: Any,
 
         embeds = embed_prompts([p.text for p in prompts])
     arrivals = (None if arrival_rate is None
-                else poisson_arrivals(float(arrival_rate), len(prompts), int(seed)))
+                else poisson_arrivals(float(arrival_rate), len(prompts), int(seed)).tolist())
     device = resolve_device(settings.get("device"), loaded.model)
     with run_on(loaded.model, device, settings.get("num_threads")) as dev:
         _warmup(loaded, prompts, cache.capacity_slots, eng, settings)

@@ -141,7 +141,7 @@ class RowSelection(NamedTuple):
         return cls(p, order, np.cumsum(p[order], dtype=np.float64).tolist(),
                    int(np.count_nonzero(p > 0)))
 
-    def count(self, score: float, k: int, use_delta: bool) -> int:
+    def num_selected(self, score: float, k: int, use_delta: bool) -> int:
         """How many experts :func:`select_experts` takes for match ``score`` (same rule:
         the running sums are non-decreasing, so counting those below δ is a bisection)."""
         J = len(self.csum)
@@ -441,7 +441,7 @@ class ExpertMapPredictor(Predictor):
         chosen: set[int] = set()
         for r, sc in zip(rows.tolist(), score, strict=True):  # select_experts per query
             sel = self._selection(layer, r)
-            chosen.update(sel.order[: sel.count(float(sc), self.k, self.use_delta)].tolist())
+            chosen.update(sel.order[: sel.num_selected(float(sc), self.k, self.use_delta)].tolist())
         p = self.store.maps[layer, rows].max(axis=0)  # [B, J] -> [J]
         experts = np.array(sorted(chosen), dtype=np.int64)
         pred.scores[layer] = p
@@ -463,7 +463,7 @@ class ExpertMapPredictor(Predictor):
         """:meth:`_emit` for one query, from per-store-version memos: the same experts, in
         the same order, the same hint and priorities, without re-sorting the row."""
         sel = self._selection(layer, row)
-        n = sel.count(score, self.k, self.use_delta)
+        n = sel.num_selected(score, self.k, self.use_delta)
         key = (layer, row, n, distance)
         out = self._out.get(key)
         if out is None:

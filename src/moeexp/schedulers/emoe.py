@@ -146,7 +146,8 @@ class EMoEScheduler(Scheduler):
         g = [self.g[r.unit] for r in view.running]
         slo = [r.slo_e2e_s for r in view.running]
         tokens, places, kv = view.tokens_left, view.running_left, view.kv_left_bytes
-        w_sum, out = 0, []
+        w_sum = 0
+        out: list[int] = []
         for w in sorted(view.waiting, key=_stringency):
             why = fits(w, tokens, places, kv)
             if why is None and arr:

@@ -384,4 +384,4 @@ def test_row_selection_takes_what_select_experts_takes() -> None:
             for k in (1, 2, 3):
                 for use_delta in (True, False):
                     want = select_experts(p, score, k, use_delta).tolist()
-                    assert sel.order[: sel.count(score, k, use_delta)].tolist() == want
+                    assert sel.order[: sel.num_selected(score, k, use_delta)].tolist() == want
