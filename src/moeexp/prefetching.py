@@ -86,28 +86,32 @@ class PrefetchQueue:
         Raises:
             ValueError: a request outside the L x J experts.
         """
-        J, pending, heap = self.J, self.pending, self._heap
-        n = 0
-        for pf in prefetches:
-            layer, expert = pf.layer, pf.expert
-            if layer <= current_layer:
-                if layer < 0 or not 0 <= expert < J:
-                    raise ValueError(f"prefetch {pf} out of range (L={self.L}, J={J})")
-                self.dropped += 1
-                continue
-            key = (layer, expert)
-            if key in resident:
-                continue
-            neg = -pf.priority
-            old = pending.get(key)
-            if old is not None and old <= neg:
-                continue
-            if layer >= self.L or not 0 <= expert < J:
-                raise ValueError(f"prefetch {pf} out of range (L={self.L}, J={J})")
-            pending[key] = neg
-            self._seq += 1
-            heappush(heap, (neg, self._seq, at, key))
-            n += 1
+        J, L, pending, heap = self.J, self.L, self.pending, self._heap
+        get, push = pending.get, heappush
+        n, seq = 0, self._seq
+        try:
+            for pf in prefetches:
+                layer = pf.layer
+                if layer <= current_layer:
+                    if layer < 0 or not 0 <= pf.expert < J:
+                        raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")
+                    self.dropped += 1
+                    continue
+                key = (layer, pf.expert)
+                if key in resident:
+                    continue
+                neg = -pf.priority
+                old = get(key)
+                if old is not None and old <= neg:
+                    continue
+                if layer >= L or not 0 <= key[1] < J:
+                    raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")
+                pending[key] = neg
+                seq += 1
+                push(heap, (neg, seq, at, key))
+                n += 1
+        finally:
+            self._seq = seq
         return n
 
     def pop(self, current_layer: int, free_at: float = _NEG_INF,

@@ -128,6 +128,7 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
     heapify(heap)
     push, pop = heappush, heappop
     seen: set[int] = set()  # distinct items needed so far (free_start)
+    see = seen.add
     count = 0
     out: list[int] = []
     for k in range(lo, hi):
@@ -139,8 +140,8 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
                 nu[x] = k  # needed now: never a victim while the set is served
             else:
                 missing += 1
-                if x not in seen:  # a resident item was seen (it was fetched, or free)
-                    seen.add(x)
+                if free_start:  # a resident item was seen (it was fetched, or free)
+                    see(x)
         # room for the whole set within C + |S_k| - 1: a fetch, or the capacity shrinking
         # since a larger set, evicts the furthest next use
         need = len(nu) + missing - (capacity + b - a - 1)
@@ -158,7 +159,7 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
             for entry in aside:
                 push(heap, entry)
         count += missing
-        for x, n in zip(members, nxt[a:b], strict=True):  # after the set: their next uses
+        for x, n in zip(members, nxt[a:b], strict=False):  # after the set: next uses
             nu[x] = n
             push(heap, (-n, x))
         if (k & 255) == 0 and len(heap) > 4 * len(nu) + 1024:

@@ -138,31 +138,52 @@ class Device:
         self.queue.push(prefetches, self.cur_layer, self.ready, t)
 
     def advance(self, t: float) -> None:
-        """Start every queued prefetch that the copy engine would start before ``t``."""
-        queue, ready = self.queue, self.ready
+        """Start every queued prefetch that the copy engine would start before ``t``.
+
+        The hot path: :meth:`_evict` and :meth:`_insert` inlined, what the loop reads bound
+        to locals (the cache's calls leave ``protected``, ``next_access`` and the pause as
+        they are)."""
+        queue = self.queue
         if not queue.pending:
             return
+        ready, cache, pop, cur = self.ready, self.cache, queue.pop, self.cur_layer
+        victim_of, on_insert, on_evict = cache.victim, cache.on_insert, cache.on_evict
+        protected, now, copy_s = self.protected, self.next_access, self.copy_s
+        unused, paused, capacity = self.unused_prefetched, self.pause_until, self.capacity
+        free, chunked = self.copy_free, bool(self.chunk_s)
         while True:
-            free, paused = self.copy_free, self.pause_until
-            got = queue.pop(self.cur_layer, free if free >= paused else paused, t)
+            got = pop(cur, free if free >= paused else paused, t)
             if got is None:
                 return
             key, start = got
             if key in ready:
                 continue
             try:
-                victim = self.cache.victim(key, self.protected, self.next_access)
+                victim = victim_of(key, protected, now)
             except ConfigError:
                 queue.drop()
                 continue
             if victim is not None:
-                self._evict(victim)
-            done = start + self.copy_s
-            self._insert(key, done, self.next_access, True)
-            self.copy_free = done
+                if victim in unused:
+                    self._evict(victim)
+                elif ready.pop(victim, None) is None:
+                    raise RuntimeError(f"{cache.name}: victim {victim} is not resident (policy bug)")
+                else:
+                    on_evict(victim)
+            free = start + copy_s
+            ready[key] = free
+            self.h2d_bytes += self.expert_bytes
+            on_insert(key, now, True)
+            unused.add(key)
+            n = len(ready)
+            if n > capacity:
+                raise RuntimeError(f"{cache.name}: {n} experts resident, capacity {capacity} (policy bug)")
+            if n > self.peak_resident:
+                self.peak_resident = n
+            self.copy_free = free
             self.prefetches_issued += 1
-            if self.chunk_s:
-                self._onlink = (key, start, done)
+            if chunked:
+                self._onlink = (key, start, free)
 
     def begin_iteration(self) -> None:
         """A new forward pass: no layer has run, nothing is computing."""
@@ -185,7 +206,7 @@ class Device:
         Returns:
             (time the layer's experts finished, hits, misses, stall seconds).
         """
-        cache, ready = self.cache, self.ready
+        ready, on_access = self.ready, self.cache.on_access
         self.cur_layer = layer
         keys = [(layer, e) for e in needed]
         protected = set(keys)
@@ -193,23 +214,27 @@ class Device:
         self.next_access = pos0 + len(keys)
         waits: list[int] = []
         absent: list[int] = []
-        comp, stall, n_hits = t, 0.0, 0
+        comp, stall, n_hits, used = t, 0.0, 0, 0
         finished: list[tuple[float, Key]] = []  # compute order == time order
+        done = finished.append
         unused = self.unused_prefetched
-        for i, k in enumerate(keys):  # hits compute first, in expert order, as met
-            r = ready.get(k)
+        get = ready.get
+        i = 0
+        for k in keys:  # hits compute first, in expert order, as met
+            r = get(k)
             if r is None:
                 absent.append(i)
             elif r <= t:
                 comp += ce[i]
-                cache.on_access(k, pos0 + i, True)
+                on_access(k, pos0 + i, True)
                 if k in unused:
                     unused.remove(k)
-                    self.prefetches_used += 1
-                finished.append((comp, k))
+                    used += 1
+                done((comp, k))
                 n_hits += 1
             else:
                 waits.append(i)
+            i += 1
         for i in waits:  # copies in flight since before the layer needed them: prefetches
             k = keys[i]
             r = ready[k]
@@ -218,14 +243,16 @@ class Device:
                 self.stall_inflight_s += r - comp
                 comp = r
             comp += ce[i]
-            cache.on_access(k, pos0 + i, False)
+            on_access(k, pos0 + i, False)
             if k in unused:
                 unused.remove(k)
-                self.prefetches_used += 1
-            finished.append((comp, k))
+                used += 1
+            done((comp, k))
+        if used:
+            self.prefetches_used += used
         if absent:
             comp, stall = self._demand(keys, absent, ce, pos0, t, comp, stall, finished)
-        if (absent or waits) and cache.pause_prefetch_on_miss:
+        if (absent or waits) and self.cache.pause_prefetch_on_miss:
             self.pause_until = comp
         return comp, n_hits, len(waits) + len(absent), stall
 
@@ -328,39 +355,53 @@ class Device:
             (finish time, hits, misses, substituted assignments, dropped assignments), where
             hits/misses count the router's original experts of the layer (ready or not).
         """
-        ready = self.ready
+        ready, J = self.ready, self.J
         self.cur_layer = layer
         self.protected = {(layer, e) for e in needed}
         self.next_access = pos0 + len(needed)
-        usable = {e for e in range(self.J) if ready.get((layer, e), np.inf) <= t}
-        hits = sum(1 for e in needed if e in usable)
-        counts: dict[int, int] = {}
+        usable: set[int] = set()
+        for e in range(J):
+            r = ready.get((layer, e))
+            if r is not None and r <= t:
+                usable.add(e)
+        hits = 0
+        for e in needed:
+            if e in usable:
+                hits += 1
+        counts = [0] * J
         subs = drops = 0
-        order = None
-        for row in range(topk.shape[0]):
-            chosen = topk[row].tolist()
+        order: list[list[int]] | None = None
+        for row, chosen in enumerate(topk.tolist()):
             used = [e for e in chosen if e in usable]
-            for e in chosen:
-                if e in usable:
-                    continue
+            if len(used) < len(chosen):
                 if order is None:
-                    order = np.argsort(-probs, axis=1, kind="stable")
-                for alt in order[row].tolist():
-                    if alt in usable and alt not in used and alt not in chosen:
-                        used.append(alt)
-                        subs += 1
-                        break
-                else:
-                    drops += 1
+                    order = np.argsort(-probs, axis=1, kind="stable").tolist()
+                alts = order[row]
+                for e in chosen:
+                    if e in usable:
+                        continue
+                    for alt in alts:
+                        if alt in usable and alt not in used and alt not in chosen:
+                            used.append(alt)
+                            subs += 1
+                            break
+                    else:
+                        drops += 1
             for e in used:
-                counts[e] = counts.get(e, 0) + 1
+                counts[e] += 1
         comp = t
-        index = {e: i for i, e in enumerate(needed)}
-        for e in sorted(counts):
-            comp += expert_s(counts[e])
+        index: dict[int, int] | None = None
+        on_access, unused = self.cache.on_access, self.unused_prefetched
+        for e in range(J):  # in expert order
+            n = counts[e]
+            if not n:
+                continue
+            comp += expert_s(n)
             k = (layer, e)
-            self.cache.on_access(k, pos0 + index.get(e, 0), True)
-            if k in self.unused_prefetched:
-                self.unused_prefetched.remove(k)
+            if index is None:
+                index = {x: i for i, x in enumerate(needed)}
+            on_access(k, pos0 + index.get(e, 0), True)
+            if k in unused:
+                unused.remove(k)
                 self.prefetches_used += 1
         return comp, hits, len(needed) - hits, subs, drops
