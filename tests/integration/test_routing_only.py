@@ -99,7 +99,11 @@ def test_app_replays_the_shipped_real_trace(tmp_path):
     m = run(cfg("system=deepspeed"), run_dir=tmp_path / "ds")
     assert m["status"] == "ok" and m["ttft_available"] is False
     assert math.isnan(m["ttft_ms_mean"]) and m["tpot_ms_mean"] > 0 and 0 < m["hit_rate"] < 1
-    assert m["trace_hash"] == "1594037828bff3d79945c0b1fc7a8479ffb71c6f63d621e6c2ffa9f64d2a2c9e"
+    # the replayed trace's identity (its requests' task labels included: task_label=family)
+    assert m["trace_hash"] == "b66e90f5d7037f76ebdadb0a8fa2c05a70c7c1a5bef15a6a8bb7340b3c72a04a"
+    src = run(cfg("system=deepspeed", "trace.task_label=source"), run_dir=tmp_path / "src")
+    assert src["trace_hash"] == "1594037828bff3d79945c0b1fc7a8479ffb71c6f63d621e6c2ffa9f64d2a2c9e"
+    assert src["hit_rate"] == m["hit_rate"]  # labels change the identity, not the replay
     na = run(cfg("system=finemoe"), run_dir=tmp_path / "fm")
     assert na["status"] == "not_applicable" and "embedding-layer outputs" in na["not_applicable_reason"]
     with pytest.raises(ConfigError, match="backend=engine cannot run it"):
