@@ -259,7 +259,8 @@ class Device:
     def _demand(self, keys: list[Key], absent: list[int], ce: list[float], pos0: int, t: float,
                 comp: float, stall: float, finished: list[tuple[float, Key]]) -> tuple[float, float]:
         """Load ``absent`` experts on demand, ahead of queued prefetches; stream if needed."""
-        cache = self.cache
+        cache, ready, copy_s, capacity = self.cache, self.ready, self.copy_s, self.capacity
+        on_insert, on_access = cache.on_insert, cache.on_access
         copy_t = max(self.copy_free, t)
         rest = 0.0  # chunked copies: link seconds left of the prefetch this load overtakes
         if self.chunk_s and copy_t > t:
@@ -284,8 +285,16 @@ class Device:
                     copy_t = max(copy_t, finished[released][0])  # wait for one to finish
             if victim is not None:
                 self._evict(victim)
-            done = copy_t + self.copy_s
-            self._insert(k, done, pos0 + i, False)
+            done = copy_t + copy_s
+            ready[k] = done  # _insert inlined
+            self.h2d_bytes += self.expert_bytes
+            on_insert(k, pos0 + i, False)
+            self.demand_loads += 1
+            n = len(ready)
+            if n > capacity:
+                raise RuntimeError(f"{cache.name}: {n} experts resident, capacity {capacity} (policy bug)")
+            if n > self.peak_resident:
+                self.peak_resident = n
             if done > comp:  # idle from comp: behind other copies until copy_t, then its own
                 stall += done - comp
                 if copy_t > comp:
@@ -296,7 +305,7 @@ class Device:
                 comp = done
             copy_t = done
             comp += ce[i]
-            cache.on_access(k, pos0 + i, False)
+            on_access(k, pos0 + i, False)
             finished.append((comp, k))
         self.copy_free = copy_t
         if rest:
