@@ -379,13 +379,24 @@ class Device:
                 hits += 1
         counts = [0] * J
         subs = drops = 0
+        rows = topk.tolist()
+        # a token's gate order, descending, ties by expert index (a stable argsort of
+        # -probs): for a few tokens Python's stable sort of the row, else numpy's at once
         order: list[list[int]] | None = None
-        for row, chosen in enumerate(topk.tolist()):
+        scores: list[list[float]] | None = None
+        few = len(rows) <= 4
+        experts = range(J)
+        for row, chosen in enumerate(rows):
             used = [e for e in chosen if e in usable]
             if len(used) < len(chosen):
-                if order is None:
-                    order = np.argsort(-probs, axis=1, kind="stable").tolist()
-                alts = order[row]
+                if few:
+                    if scores is None:
+                        scores = probs.tolist()
+                    alts = sorted(experts, key=scores[row].__getitem__, reverse=True)
+                else:
+                    if order is None:
+                        order = np.argsort(-probs, axis=1, kind="stable").tolist()
+                    alts = order[row]
                 for e in chosen:
                     if e in usable:
                         continue
@@ -399,17 +410,14 @@ class Device:
             for e in used:
                 counts[e] += 1
         comp = t
-        index: dict[int, int] | None = None
         on_access, unused = self.cache.on_access, self.unused_prefetched
-        for e in range(J):  # in expert order
+        for e in experts:  # in expert order; ``needed`` holds an expert once
             n = counts[e]
             if not n:
                 continue
             comp += expert_s(n)
             k = (layer, e)
-            if index is None:
-                index = {x: i for i, x in enumerate(needed)}
-            on_access(k, pos0 + index.get(e, 0), True)
+            on_access(k, pos0 + (needed.index(e) if e in needed else 0), True)
             if k in unused:
                 unused.remove(k)
                 self.prefetches_used += 1
