@@ -51,6 +51,18 @@ TARGET_S = 2.0
 #: moe_infinity_oss 3.06, mixtral_offloading 1.88, promoe 1.76, promoe_learned 2.66, emoe
 #: 2.29, oracle_aggressive 1.80 (every hit rate, h2d byte count and TPOT identical).
 #: accesses/s: ``results/bench/simulator.json`` of 2026-12-01 09:40 (wall clock, loaded).
+#: Second step (the device loop, the prefetch queue and ``min_copies`` with fewer calls and
+#: locals bound; every metric but the timings identical): commit 78bb051 -> 8f5e4f7, CPU s
+#: best of 6 (two passes of 3, alternating, 2026-12-01 12:47-12:57 UTC, load 1-2 plus a
+#: CI run): emoe 2.07 -> 1.98, oracle 2.08 -> 2.04, moe_infinity 2.48 -> 2.46, finemoe
+#: 3.44 -> 3.52, finemoe_no_semantic 3.22 -> 3.54, moe_infinity_oss 3.01 -> 3.31,
+#: promoe_learned 2.57 -> 2.67, promoe 1.83 -> 1.96, mixtral_offloading 1.80 -> 1.84,
+#: oracle_aggressive 1.74 -> 1.74, deepspeed 0.81 -> 0.80, no_offload 0.63 -> 0.66: within
+#: the noise of the shared machine (the same tree varied by up to 18 % between passes);
+#: only emoe's restricted path gained measurably. The latency floor (``bound_metrics``) is
+#: ~0.25 s of every replay. Still over 2 s: oracle, finemoe, finemoe_no_semantic,
+#: moe_infinity, moe_infinity_oss, promoe_learned (their time is mostly the predictor and
+#: the policy, outside the mechanism).
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
