@@ -23,6 +23,7 @@ from moeexp.costmodel.fitted import load_cost_model
 from moeexp.errors import ConfigError
 from moeexp.registry import typed
 from moeexp.schedulers import build_scheduler
+from moeexp.schedulers.base import ServingProfile
 from moeexp.simulator import simulate
 from moeexp.simulator.continuous import ServingSettings, not_applicable_reason, serve
 from moeexp.simulator.serving_profile import fit_serving_profile
@@ -102,14 +103,9 @@ class SimBackend:
         """Continuous batching under ``ctx.scheduler`` (a policy needing the whole future
         access stream is reported not applicable)."""
         assert ctx.scheduler is not None
-        reason = not_applicable_reason(ctx.cache)
-        if reason is not None:
-            return BackendResult({"status": "not_applicable", "not_applicable_reason": reason,
-                                  "scheduler": ctx.scheduler.name})
-        if ctx.store is None:
-            raise ConfigError(f"scheduler={ctx.scheduler.name}: needs the store split (its "
-                              "serving profile is fitted there)")
-        profile = fit_serving_profile(ctx.store, cost, ctx.cache.capacity_slots)
+        profile = _serving_profile(ctx, cost)
+        if isinstance(profile, BackendResult):
+            return profile
         online = self.arrival_rate is not None
         res = serve(ctx.trace, ctx.predictor, ctx.cache, cost, build_scheduler(ctx.scheduler),
                     profile, settings=self.settings(), kv_bytes_per_token=ctx.kv_bytes_per_token,
@@ -125,6 +121,21 @@ class SimBackend:
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
         return BackendResult(metrics, dict(res.series))
+
+
+def _serving_profile(ctx: BackendContext, cost: Any) -> ServingProfile | BackendResult:
+    """What both backends check before continuous batching: a policy needing the whole
+    future access stream is reported not applicable (the result returned); else the
+    serving profile fitted on the store split (a ConfigError without one)."""
+    assert ctx.scheduler is not None
+    reason = not_applicable_reason(ctx.cache)
+    if reason is not None:
+        return BackendResult({"status": "not_applicable", "not_applicable_reason": reason,
+                              "scheduler": ctx.scheduler.name})
+    if ctx.store is None:
+        raise ConfigError(f"scheduler={ctx.scheduler.name}: needs the store split (its "
+                          "serving profile is fitted there)")
+    return fit_serving_profile(ctx.store, cost, ctx.cache.capacity_slots)
 
 
 @BACKENDS.register("engine")
@@ -168,15 +179,10 @@ class EngineBackend:
         from moeexp.engine.serve_continuous import serve_engine_continuous  # torch
 
         assert ctx.scheduler is not None
-        reason = not_applicable_reason(ctx.cache)
-        if reason is not None:
-            return BackendResult({"status": "not_applicable", "not_applicable_reason": reason,
-                                  "scheduler": ctx.scheduler.name})
-        if ctx.store is None:
-            raise ConfigError(f"scheduler={ctx.scheduler.name}: needs the store split (its "
-                              "serving profile is fitted there)")
+        profile = _serving_profile(ctx, ctx.cost)
+        if isinstance(profile, BackendResult):
+            return profile
         slots = ctx.cache.capacity_slots
-        profile = fit_serving_profile(ctx.store, ctx.cost, slots)
         kv = int(ctx.kv_bytes_per_token or ctx.cost.kv_bytes_per_token())
         run = serve_engine_continuous(
             ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, {"seed": ctx.seed, **self.settings},
