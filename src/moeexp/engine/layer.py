@@ -11,6 +11,14 @@ on-demand loads in expert order, with ``now = pos0 + rank``::
         exact:      accesses by state_of (hits, waits), demand loads, streamed chunks
         restricted: [settle copies]; substitute non-ready experts (nothing loads)
     compute the remaining rows (lock released); resume_prefetch; sum over top-k
+
+Under ``prefetch_wait`` (the exact, deterministic mode) the copy order is the simulator's
+(algorithms.md §3: on-demand loads pre-empt queued prefetches): the copies queued by
+earlier layers start and land first, then prefetching is held while this layer's
+observation runs (its predictions queue, its scores reach the policy) and its demand loads
+are submitted; only then may this layer's own prefetches start (after the layer, if the
+policy pauses prefetching on a miss). Without it the observation runs before the lock and
+a prediction's copies start as soon as the copy thread is free (thread timing decides).
 """
 
 from __future__ import annotations
@@ -72,7 +80,9 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
     T, K = idx.shape
     needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
     eng.check_future(layer, needed)
-    _observe(eng, layer, hidden, idx, needed)
+    wait = eng.settings.prefetch_wait
+    if not wait:
+        _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
     keys: list[Key] = [(layer, e) for e in needed]
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, weighted rows)
@@ -90,12 +100,15 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
 
     all_ready = False
     restricted = eng.settings.restricted_routing
-    settle = (restricted and eng.settings.restricted_wait) or eng.settings.prefetch_wait
+    settle = (restricted and eng.settings.restricted_wait) or wait
     with eng.lock:
         if settle:  # the copy thread finishes what it started before new work arrives
-            if eng.settings.prefetch_wait:  # this layer's predictions queue first (sync
-                eng.apply_predictions()     # predictor: else only at begin_layer)
+            if wait:  # what earlier layers predicted lands before this layer's accesses
+                eng.apply_predictions()
             eng.settle_prefetches()
+        if wait:  # this layer's own predictions queue behind its demand loads
+            eng.pause_prefetch()
+            _observe(eng, layer, hidden, idx, needed)
         pos0 = eng.begin_layer(layer, needed)
         if restricted:
             if eng.settings.restricted_wait:
@@ -106,6 +119,8 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
             keep = None
             chunk, streamed, all_ready = _serve(
                 eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False))
+        if wait and (restricted or all_ready or not eng.cache.pause_prefetch_on_miss):
+            eng.resume_prefetch()  # demand loads submitted: the held prefetches may start
     full = compute(chunk, flat_e, flat_w, keep, not streamed) if chunk else None
     eng.resume_prefetch()
     if full is None:

@@ -74,8 +74,10 @@ class EngineSettings:
             queued prefetch start and waits until every copy has landed (as
             ``restricted_wait`` does for the lossy mode): hits then depend only on the
             decisions, never on thread timing; the simulator's counterpart is a link of
-            zero copy time. For checking decisions (routing replay against the
-            simulator), not for timing: the waits are stalls a real run would overlap.
+            zero copy time. The layer's own predictions queue behind its demand loads
+            (the simulator's order, :mod:`moeexp.engine.layer`). For checking decisions
+            (routing replay against the simulator), not for timing: the waits are
+            stalls a real run would overlap.
         bandwidth_bps: CPU only: emulated host-to-device bandwidth (bytes/s); None = memcpy.
         predictor_async: run the predictor on a background thread (default) or inline.
         max_inflight: CUDA: copies in flight on the copy stream.
