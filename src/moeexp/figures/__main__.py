@@ -19,6 +19,7 @@ import pandas as pd
 from moeexp.figures import plots
 from moeexp.figures.eviction_landscape import eviction_landscape
 from moeexp.figures.load import latest_summary, read_summary
+from moeexp.figures.regime_map import regime_map
 from moeexp.paths import results_dir
 
 log = logging.getLogger("moeexp.figures")
@@ -38,8 +39,8 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "fig16a_store_capacity": ("store_capacity_sweep", plots.store_capacity),
     "emoe_quality": ("emoe_accuracy", plots.emoe_quality),
     "sim_vs_engine": ("sim_vs_engine", plots.sim_vs_engine),
-    "regime_map": ("regime_map", plots.regime_map),
-    "regime_map_real": ("regime_map_real", plots.regime_map),
+    "regime_map": ("regime_map", regime_map),
+    "regime_map_real": ("regime_map_real", regime_map),
     "real_routing_systems": ("real_routing", plots.system_bars),
     "eviction_landscape": ("eviction_landscape", eviction_landscape),
     "emoe_serving_latency": ("emoe_serving", plots.serving_latency),

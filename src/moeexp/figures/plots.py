@@ -350,31 +350,6 @@ def sim_vs_engine(df: pd.DataFrame) -> Figure:
     return fig
 
 
-def regime_map(df: pd.DataFrame) -> Figure:
-    """The regime map (issue 11): TPOT over no_offload's and the cache hit rate against the
-    copy-to-compute ratio (log axes), one line per system (95 % error bars over the seeds),
-    one pair of panels per budget. Rows reported not applicable (no TPOT) are left out."""
-    sys_c = _need(df, "system", "system.name")
-    cap_c = _need(df, "cache_capacity", "cache.capacity")
-    ratio_c = _need(df, "copy_to_compute")
-    df = df[np.isfinite(_num(df, "tpot_norm_mean"))]
-    caps = sorted(df[cap_c].astype(float).unique())
-    fig, axes = _fig(2 * len(caps), width=3.8)
-    for i, cap in enumerate(caps):
-        sub = df[df[cap_c].astype(float) == cap]
-        for s in dict.fromkeys(sub[sys_c]):
-            pts = sub[sub[sys_c] == s].sort_values(ratio_c)
-            for ax, m in ((axes[2 * i], "tpot_norm_mean"), (axes[2 * i + 1], "hit_rate")):
-                _line(ax, pts[ratio_c], pts[m], _ci(pts, m), label=s)
-        axes[2 * i].set(xscale="log", yscale="log", xlabel="copy / decode-layer compute",
-                        ylabel="TPOT / no_offload", title=f"budget {cap:.0%}")
-        axes[2 * i + 1].set(xscale="log", xlabel="copy / decode-layer compute",
-                            ylabel="cache hit rate", title=f"budget {cap:.0%}")
-    axes[-1].legend(fontsize=6, loc="upper left", bbox_to_anchor=(1.02, 1.0), frameon=False)
-    fig.tight_layout()
-    return fig
-
-
 def serving_latency(df: pd.DataFrame) -> Figure:
     """``+experiment=emoe_serving``: end-to-end latency (p50, p99) and queueing delay against
     the arrival rate, one line per system bundle (95 % error bars over the seeds); eMoE's

@@ -39,24 +39,6 @@ def test_figures_from_summaries(tmp_path):
     assert len(missing) == len(FIGURES) - 3
 
 
-def test_regime_map_draws_one_line_per_system_and_skips_not_applicable_rows():
-    """A hand-built regime summary: two systems over three ratios at one budget, plus a
-    not-applicable row (no TPOT) that must not be drawn."""
-    import pandas as pd
-
-    from moeexp.figures import plots
-
-    rows = [{"system": s, "cache_capacity": "0.25", "copy_to_compute": r,
-             "tpot_norm_mean": 1 + r * k, "hit_rate": 0.5} for s, k in (("a", 1), ("b", 2))
-            for r in (0.3, 3.0, 30.0)]
-    rows.append({"system": "na", "cache_capacity": "0.25", "copy_to_compute": 1.0,
-                 "tpot_norm_mean": float("nan"), "hit_rate": float("nan")})
-    fig = plots.regime_map(pd.DataFrame(rows))
-    lines = fig.axes[0].get_lines()
-    assert [ln.get_label() for ln in lines] == ["a", "b"]
-    assert list(lines[1].get_xdata()) == [0.3, 3.0, 30.0]
-
-
 def _seeded_sweep(root):
     """A sweep dataset.seed=0,1,2 x five systems as the experiments write it: emoe lossy
     (substitution_rate), mixtral_offloading not applicable; summarised by the callback."""
