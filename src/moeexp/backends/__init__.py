@@ -24,8 +24,9 @@ from moeexp.errors import ConfigError
 from moeexp.registry import typed
 from moeexp.schedulers import build_scheduler
 from moeexp.schedulers.base import ServingProfile
+from moeexp.serving.settings import ServingSettings, not_applicable_reason
 from moeexp.simulator import simulate
-from moeexp.simulator.continuous import ServingSettings, not_applicable_reason, serve
+from moeexp.simulator.continuous import serve
 from moeexp.simulator.serving_profile import fit_serving_profile
 
 __all__ = ["BACKENDS", "Backend", "BackendContext", "BackendResult"]
@@ -50,7 +51,7 @@ class SimBackend:
             replaces the ``hardware`` profile's roofline; None = the hardware profile.
         serving: the batching loop's budgets and SLO targets for a continuous scheduler
             (``scheduler=fcfs|emoe``; keys of
-            :class:`~moeexp.simulator.continuous.ServingSettings`); ignored by ``static``.
+            :class:`~moeexp.serving.settings.ServingSettings`); ignored by ``static``.
 
     With ``scheduler=static`` (the default) it runs :func:`moeexp.simulator.simulate` as
     before; otherwise :func:`moeexp.simulator.continuous.serve` with the scheduler fitted
@@ -222,6 +223,22 @@ class EvictionLandscapeBackend:
         from moeexp.landscape.backend import LandscapeBackend  # pandas, libcachesim: lazily
 
         self.impl = LandscapeBackend(**settings)
+
+    def run(self, ctx: BackendContext) -> BackendResult:
+        return self.impl.run(ctx)
+
+
+@BACKENDS.register("serving_quality")
+class ServingQualityBackend:
+    """eMoE's quality at a serving operating point (issue 13, ``+experiment=
+    emoe_serving_quality``): the simulator's substitution rate and the engine's measured
+    agreement / perplexity for the same requests (:mod:`moeexp.eval.serving_quality`).
+    Keys: those of :class:`moeexp.eval.serving_quality.ServingQualitySettings`."""
+
+    def __init__(self, **settings: Any) -> None:
+        from moeexp.eval.serving_quality import ServingQualityBackend as Impl  # torch: lazily
+
+        self.impl = Impl(**settings)
 
     def run(self, ctx: BackendContext) -> BackendResult:
         return self.impl.run(ctx)

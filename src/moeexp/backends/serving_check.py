@@ -33,7 +33,8 @@ from moeexp.cache import build_cache
 from moeexp.costmodel.roofline import CostModel
 from moeexp.predictors import build_predictor
 from moeexp.schedulers import build_scheduler
-from moeexp.simulator.continuous import ServingSettings, serve
+from moeexp.serving.settings import ServingSettings
+from moeexp.simulator.continuous import serve
 from moeexp.simulator.plan import Plan
 from moeexp.simulator.serving_profile import fit_serving_profile
 from moeexp.systems import resolve_system

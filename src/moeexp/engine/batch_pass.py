@@ -29,6 +29,8 @@ tests), one thread among the prefilling requests' threads.
 :class:`PassModel` is an :class:`~moeexp.engine.offload.OffloadedModel` (same install,
 close, metrics) whose forward hooks are pass-level: it is driven only through
 :meth:`PassModel.run_pass`. Not supported here: ``record=True``, routing replay.
+:func:`pass_future` gives the oracle's future of a pass from a trace of its requests,
+:func:`cache_bytes` the bytes a member's KV cache holds.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from moeexp.errors import ConfigError
 from moeexp.models.base import MoEAdapter
 from moeexp.predictors.base import IterationStart, Predictor
 from moeexp.traces.recorder import trace_dims
+from moeexp.traces.schema import Trace
 
 
 @dataclass
@@ -74,6 +77,31 @@ class Member:
     input_ids: torch.Tensor
     cache: Any
     step: int
+
+
+def pass_future(trace: Trace, members: Sequence[tuple[int, int]]) -> tuple[np.ndarray, ...]:
+    """L int64 arrays: the experts each layer uses in a pass of ``members`` ((request id,
+    step) pairs) according to ``trace`` (oracle's future: the union of their iterations)."""
+    its = []
+    for rid, step in members:
+        cand = trace.request_iterations(rid)
+        hit = cand[trace.iter_step[cand] == step]
+        if len(hit) != 1:
+            raise ConfigError(f"the future trace has no step {step} of request {rid}")
+        its.append(int(hit[0]))
+    counts = sum(trace.iteration_counts(i) for i in its)
+    return tuple(np.flatnonzero(row).astype(np.int64) for row in np.asarray(counts))
+
+
+def cache_bytes(cache: Any) -> int:
+    """Bytes held by an HF cache's key and value tensors (0 for None)."""
+    total = 0
+    for layer in getattr(cache, "layers", ()) or ():
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
 
 
 class _Gather:

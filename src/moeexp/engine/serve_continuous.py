@@ -31,8 +31,8 @@ from moeexp.engine.serve import _warmup, resolve_device, run_on
 from moeexp.engine.token_replay import recorded_tokens
 from moeexp.errors import ConfigError
 from moeexp.schedulers.base import Scheduler, ServingProfile
-from moeexp.simulator.continuous import ServingSettings
-from moeexp.simulator.plan import poisson_arrivals
+from moeexp.serving.arrivals import poisson_arrivals
+from moeexp.serving.settings import ServingSettings
 from moeexp.traces.schema import Trace
 
 
@@ -62,7 +62,8 @@ def serve_engine_continuous(loaded: Any, prompts: Sequence[Any], predictor: Any,
         settings: the engine backend group (module docstring).
         scheduler / profile / serving: admission policy, its fitted profile, the budgets.
         kv_bytes_per_token / kv_pool_bytes: KV reservation unit and pool (bytes).
-        arrival_rate: Poisson requests/s (seeded by ``seed``, the simulator's process);
+        arrival_rate: Poisson requests/s (seeded by ``seed``: the simulator's arrivals,
+            :func:`moeexp.serving.arrivals.poisson_arrivals`);
             None: offline, every request at 0.
         trace: the recorded test trace (token replay, the oracle's future).
         slo_s: request id -> (TTFT, e2e) targets in s, or None.

@@ -4,7 +4,7 @@ registering itself in :data:`SCHEDULERS`.
 ``static`` is today's static batching (the default; ``backend=sim`` then runs
 :func:`moeexp.simulator.simulate` unchanged); ``fcfs`` is continuous batching in arrival
 order (vLLM, DeepSpeed-FastGen); ``emoe`` is eMoE's SLO-aware admission. The batching loop
-that runs them is :mod:`moeexp.simulator.continuous`. :func:`check_scheduler` validates a
+that runs them is :mod:`moeexp.serving.loop` (the simulator's and the engine's). :func:`check_scheduler` validates a
 ``scheduler`` group before any work; :func:`build_scheduler` builds it.
 """
 

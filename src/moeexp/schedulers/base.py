@@ -1,6 +1,6 @@
 """The scheduler interface: which waiting requests join the running batch, and when.
 
-A scheduler *decides*; the batching loop (:mod:`moeexp.simulator.continuous`) is the
+A scheduler *decides*; the batching loop (:mod:`moeexp.serving.loop`) is the
 mechanism that runs forward passes, keeps the clock and the budgets, and checks every
 decision against them. At every iteration boundary (an *event-driven* scheduler: only at
 boundaries after an arrival or a completion, or with nothing running) the loop calls::

@@ -20,6 +20,7 @@ import numpy as np
 
 from moeexp.cache.base import Key
 from moeexp.costmodel.roofline import CostModel
+from moeexp.serving.arrivals import poisson_arrivals
 from moeexp.traces.schema import RequestMeta, Trace
 
 
@@ -82,13 +83,6 @@ class Batch:
     groups: list[tuple[int, ...]]
     #: for each group, the units whose last iteration it is
     finishing: list[list[int]] = field(default_factory=list)
-
-
-def poisson_arrivals(rate: float, n: int, seed: int) -> np.ndarray:
-    """float[n] arrival times, s, of a Poisson process of ``rate`` requests/s seeded by
-    ``seed`` (the simulator's and the engine's continuous batching share it)."""
-    rng = np.random.default_rng(seed)
-    return np.cumsum(rng.exponential(1.0 / rate, size=n))
 
 
 class Plan:

@@ -22,8 +22,8 @@ from moeexp.models.toy_configs import toy_model
 from moeexp.predictors import build_predictor
 from moeexp.schedulers import build_scheduler
 from moeexp.schedulers.base import ServingProfile
-from moeexp.simulator.continuous import ServingSettings
-from moeexp.simulator.plan import poisson_arrivals
+from moeexp.serving.arrivals import poisson_arrivals
+from moeexp.serving.settings import ServingSettings
 from moeexp.systems import resolve_system, system_names
 
 OUT_LENS = (6, 2, 5, 3, 4)

@@ -14,7 +14,7 @@ from moeexp.costmodel import CostModel, load_profile
 from moeexp.models.adapters import adapter_for
 from moeexp.models.loading import LoadedModel
 from moeexp.models.toy_configs import toy_model
-from moeexp.simulator.continuous import ServingSettings
+from moeexp.serving.settings import ServingSettings
 
 from .test_continuous import _prompts, _record
 

@@ -16,8 +16,9 @@ from moeexp.metrics import CORE_KEYS
 from moeexp.predictors import PREDICTORS
 from moeexp.predictors.base import IterationStart, Prediction, Predictor
 from moeexp.schedulers import build_scheduler
+from moeexp.serving.settings import ServingSettings, not_applicable_reason
 from moeexp.simulator import simulate
-from moeexp.simulator.continuous import ServingSettings, not_applicable_reason, serve
+from moeexp.simulator.continuous import serve
 from moeexp.simulator.serving_profile import fit_serving_profile
 from moeexp.traces.synthetic import random_trace
 
@@ -250,19 +251,6 @@ def test_belady_is_not_applicable() -> None:
     assert "not applicable" in str(not_applicable_reason(pol))
     with pytest.raises(ConfigError, match="future access stream"):
         _serve(tr, "fcfs", cache="belady")
-
-
-@pytest.mark.parametrize(("settings", "match"), [
-    (dict(max_batch_tokens=0), "max_batch_tokens"),
-    (dict(max_running=0), "max_running"),
-    (dict(slo_ttft_scale=0.0), "SLO must be > 0"),
-    (dict(slo_e2e_scale=-1.0), "SLO must be > 0"),
-    (dict(device_memory_gb=0.0), "device_memory_gb"),
-    (dict(slo_task_scales={"chat": {"tpot": 2.0}}), "keys ttft, e2e"),
-])
-def test_bad_settings_fail_with_the_valid_range(settings, match) -> None:  # type: ignore[no-untyped-def]
-    with pytest.raises(ConfigError, match=match):
-        ServingSettings(**settings)
 
 
 def test_budget_errors_before_serving() -> None:
