@@ -23,6 +23,7 @@ approximation).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 from collections.abc import Mapping
@@ -34,8 +35,9 @@ import pandas as pd
 
 from moeexp.atomic import write_text
 from moeexp.cache import build_cache
-from moeexp.costmodel.fitted import CalibratedCostModel, fit_profile
+from moeexp.costmodel.fitted import CalibratedCostModel, CalibratedProfile, fit_profile
 from moeexp.errors import ConfigError
+from moeexp.paths import group_options
 from moeexp.predictors import build_predictor
 from moeexp.registry import typed
 from moeexp.simulator import simulate
@@ -58,6 +60,7 @@ class SystemEntry:
     system: str
     predictor: str | None = None
     cache: str | None = None
+    scheduler: str | None = None
 
 
 # Default copy sizes of the profile, multiples of one expert's bytes: {on CUDA: sizes}.
@@ -73,7 +76,8 @@ class SimVsEngineSettings:
 
     Attributes:
         systems: names of conf/system bundles, or mappings ``{name, system, predictor?,
-            cache?}`` (e.g. ``static`` = deepspeed with the static cache).
+            cache?, scheduler?}`` (e.g. ``static`` = deepspeed with the static cache;
+            ``scheduler`` only in serving mode).
         capacity: the expert budget of every system (cache.capacity syntax).
         prefetch_distance: ``${model.prefetch_distance}`` for predictor configs.
         device, bandwidth_bps, num_threads, predictor_async, max_inflight, spec_depth,
@@ -95,7 +99,30 @@ class SimVsEngineSettings:
             the future (oracle) are not measured (0).
         outlier_mads: None fits mean times (the default: the engine's runs have the same
             slow tail); a number drops samples beyond that many MADs first.
+        calibration_dir: None (default) profiles the engine in every job; a directory
+            stores each fit as ``<key>.json``, ``key`` the sha256 of everything the profile
+            depends on (:func:`calibration_inputs`: model weights and dims, device, torch
+            threads and version, host, the engine settings, the profile settings and the
+            profiled token ids), and a later job with the same inputs reuses it (a file
+            whose recorded inputs differ, or that does not load, is reported and replaced).
         progress: progress bars.
+
+    Serving mode (``serving`` not None, :mod:`moeexp.backends.serving_point`): every
+    ``systems`` entry serves the test requests with continuous batching on both backends
+    under its ``scheduler`` (a conf/scheduler option, default fcfs; the run's own
+    ``scheduler`` group stays static):
+
+    Attributes:
+        serving: the budgets and SLO scales (:class:`ServingSettings` keys).
+        arrival_rate: Poisson req/s as the run's ``hardware`` profile would serve it (an
+            ``emoe_serving`` point); None = offline (all at 0).
+        rescale_rate: serve at ``arrival_rate`` x (mean unloaded end-to-end latency under
+            the hardware profile) / (the same under the calibrated model): the same load
+            (arrival rate x service time) on the calibrated machine; False serves at
+            ``arrival_rate`` as given.
+        test_requests: serve only the first N test requests (arrival order); None = all.
+        restricted_routing, renormalize: eMoE's lossy mode (the ``emoe`` system sets it).
+        batch_decode: the engine runs a pass's decoding requests as one padded forward.
     """
 
     systems: tuple[SystemEntry, ...]
@@ -115,7 +142,15 @@ class SimVsEngineSettings:
     copy_repeats: int = 6
     outlier_mads: float | None = None
     predictor_feed: bool = False
+    calibration_dir: str | None = None
     progress: bool = True
+    serving: Mapping[str, Any] | None = None
+    arrival_rate: float | None = None
+    rescale_rate: bool = True
+    test_requests: int | None = None
+    restricted_routing: bool = False
+    renormalize: bool = False
+    batch_decode: bool = False
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> SimVsEngineSettings:
@@ -135,12 +170,25 @@ class SimVsEngineSettings:
         if bad:
             raise ConfigError(f"backend=sim_vs_engine: unknown system(s) {bad}. Valid: "
                               f"{', '.join(valid)}")
+        scheds = group_options("scheduler")
+        bad = sorted({e.scheduler for e in entries if e.scheduler} - set(scheds))
+        if bad or (d.get("serving") is None and any(e.scheduler for e in entries)):
+            raise ConfigError(f"backend=sim_vs_engine: a systems entry's scheduler is one of "
+                              f"{', '.join(scheds)} and needs backend.serving (got {bad})")
         for k in ("length_fractions", "copy_factors"):
             if d.get(k) is not None:
                 d[k] = tuple(float(x) for x in d[k])
         out = typed(cls, {"systems": tuple(entries), **d}, "backend=sim_vs_engine")
         if not out.systems:
             raise ConfigError("backend=sim_vs_engine: systems is empty")
+        if out.serving is not None:
+            out.serving_settings()
+            if out.arrival_rate is not None and not out.arrival_rate > 0:
+                raise ConfigError(f"backend=sim_vs_engine: arrival_rate must be > 0 req/s or "
+                                  f"null, got {out.arrival_rate}")
+            if out.test_requests is not None and out.test_requests < 1:
+                raise ConfigError(f"backend=sim_vs_engine: test_requests must be >= 1 or null, "
+                                  f"got {out.test_requests}")
         from moeexp.engine.serve import check_serve_settings  # torch
 
         check_serve_settings(out.engine)  # device (CUDA present?) checked before any work
@@ -158,6 +206,12 @@ class SimVsEngineSettings:
         from moeexp.engine.build import engine_settings  # torch
 
         return engine_settings(self.engine)
+
+    def serving_settings(self) -> Any:
+        """The ``serving`` block as :class:`ServingSettings` (ConfigError naming a bad key)."""
+        from moeexp.serving.settings import ServingSettings
+
+        return typed(ServingSettings, dict(self.serving or {}), "backend.serving")
 
     def decode_tokens_for(self, prompts: Any) -> int:
         """Tokens generated per profiled request (``decode_tokens``, else the test length)."""
@@ -177,8 +231,59 @@ def _store_requests(store: Any, n: int, fractions: tuple[float, ...], new: int
     return out
 
 
-def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
-    """Profile + fit; writes calibration.json, profile_samples.json, conf/hardware/."""
+def calibration_inputs(ctx: Any, s: SimVsEngineSettings, reqs: list[tuple[list[int], int]]
+                       ) -> dict[str, Any]:
+    """Everything a profile of the engine depends on (JSON-able), for :func:`_calibrate`'s
+    store: the model (weights hash, dims), the machine (device, CUDA name, host, CPU,
+    torch version and threads), the engine settings and the profile's settings and
+    requests (their token ids, hashed)."""
+    import os
+    import platform
+
+    import torch
+
+    from moeexp.traces.store import weights_hash
+
+    device = next(ctx.loaded.model.parameters()).device
+    d = ctx.trace.dims
+    return {
+        "version": 1, "model": ctx.loaded.name, "weights": weights_hash(ctx.loaded.model),
+        "dims": [d.num_layers, d.num_experts, d.top_k, d.hidden_size, d.intermediate_size,
+                 d.expert_bytes],
+        "device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "host": platform.node(), "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(), "engine": {k: v for k, v in s.engine.items()},
+        "profile": {"copy_factors": list(s.copy_factors or COPY_FACTORS[device.type == "cuda"]),
+                    "copy_repeats": s.copy_repeats, "outlier_mads": s.outlier_mads,
+                    "warmup": s.warmup},
+        "requests": hashlib.sha256(json.dumps(reqs).encode()).hexdigest(),
+    }
+
+
+def _stored_calibration(path: Path, key: str, inputs: dict[str, Any]) -> Any:
+    """The calibration stored at ``path`` if it was fitted from exactly ``inputs``, else
+    None (a missing file silently; a corrupt or mismatched one with a warning)."""
+    if not path.is_file():
+        return None
+    try:
+        calib = CalibratedProfile.load(path)
+    except ConfigError as e:
+        log.warning("stored calibration %s does not load (%s): profiling again", path, e)
+        return None
+    got = calib.meta.get("calibration_inputs")
+    if calib.meta.get("calibration_key") != key or got != json.loads(json.dumps(inputs)):
+        differ = sorted(k for k in inputs if not isinstance(got, Mapping) or got.get(k) != inputs[k])
+        log.warning("stored calibration %s was fitted from other inputs (differ: %s): "
+                    "profiling again", path, ", ".join(differ) or "key")
+        return None
+    return calib
+
+
+def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bool]:
+    """Profile + fit (or reuse a matching stored fit, ``calibration_dir``); writes
+    calibration.json, conf/hardware/ and (when profiled) profile_samples.json. Returns
+    (the fit, whether it was reused)."""
     import torch
 
     from moeexp.engine.profile import profile_compute, profile_copy  # torch
@@ -186,6 +291,17 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
     est = s.engine_settings()
     new = s.decode_tokens_for(ctx.prompts)
     reqs = _store_requests(ctx.store, s.profile_requests, s.length_fractions, new)
+    store = key = inputs = None
+    if s.calibration_dir is not None:
+        inputs = calibration_inputs(ctx, s, reqs)
+        key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+        store = Path(s.calibration_dir).expanduser() / f"{key}.json"
+        calib = _stored_calibration(store, key, inputs)
+        if calib is not None:
+            log.info("calibration: reusing %s (same model, machine and profile settings)", store)
+            calib.save(run_dir / "calibration.json")
+            calib.write_hardware_yaml(run_dir / "conf")
+            return calib, True
     samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=s.warmup,
                               progress=s.progress)
     dims = ctx.trace.dims
@@ -205,6 +321,9 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
     calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
                         intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
                         outlier_mads=s.outlier_mads, meta=meta)
+    if store is not None:
+        calib.meta.update({"calibration_key": key, "calibration_inputs": inputs})
+        calib.save(store)
     calib.save(run_dir / "calibration.json")
     calib.write_hardware_yaml(run_dir / "conf")
     log.info("calibrated: layer %.0f us + %.2f us/token, expert %.0f us + %.2f us/token, "
@@ -212,7 +331,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> Any:
              calib.layer_s * 1e6, calib.dense_token_s * 1e6, calib.expert_s * 1e6,
              calib.expert_token_s * 1e6, calib.decode_pass_s * 1e6, calib.prefill_pass_s * 1e6,
              calib.prefill_token_s * 1e6, calib.copy_latency_s * 1e6, calib.copy_bytes_per_s / 1e6)
-    return calib
+    return calib, False
 
 
 def _mape(sim: list[float], eng: list[float]) -> float:
@@ -299,9 +418,14 @@ def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any],
     device = resolve_device(s.engine.get("device"), ctx.loaded.model)
     rows, reqs = [], []
     with run_on(ctx.loaded.model, device, s.engine.get("num_threads")):
-        calib = _calibrate(ctx, s, run_dir)
+        calib, reused = _calibrate(ctx, s, run_dir)
         cost = CalibratedCostModel.from_calibration(calib, ctx.trace.dims,
                                                     dtype_bytes=ctx.cost.dtype_bytes)
+        if s.serving is not None:
+            from moeexp.backends.serving_point import run_serving_point
+
+            point, cols = run_serving_point(ctx, s, cost, run_dir)
+            return {**point, **calibration_metrics(calib, reused, run_dir)}, cols
         for entry in s.systems:
             row, rr = _one_system(ctx, s, entry, cost)
             rows.append(row)
@@ -320,15 +444,23 @@ def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any],
         "tpot_mape_pct_mean": float(df["tpot_mape_pct"].mean()),
         "hit_rate_abs_diff_mean": float(df["hit_rate_diff"].abs().mean()),
         "systems": ",".join(df["system"]),
-        "calibration_file": str(run_dir / "calibration.json"),
     }
     for r in rows:
         for k in ("ttft_mape_pct", "tpot_mape_pct", "hit_rate_diff"):
             metrics[f"{r['system']}_{k}"] = r[k]
-    for k in ("layer_s", "dense_token_s", "expert_s", "expert_token_s", "decode_pass_s",
-              "prefill_pass_s", "copy_latency_s"):
-        metrics[f"calib_{k[:-2]}_us"] = getattr(calib, k) * 1e6
-    metrics["calib_copy_mbps"] = calib.copy_bytes_per_s / 1e6
+    metrics.update(calibration_metrics(calib, reused, run_dir))
     series = {c: df[c].tolist() for c in SUMMARY_COLUMNS[1:]}
     return metrics, series
+
+
+def calibration_metrics(calib: Any, reused: bool, run_dir: Path) -> dict[str, Any]:
+    """The fitted coefficients (us, MB/s), where the fit is, whether it was reused."""
+    out: dict[str, Any] = {"calibration_file": str(run_dir / "calibration.json"),
+                           "calibration_reused": float(reused),
+                           "calibration_key": str(calib.meta.get("calibration_key", ""))}
+    for k in ("layer_s", "dense_token_s", "expert_s", "expert_token_s", "decode_pass_s",
+              "prefill_pass_s", "copy_latency_s"):
+        out[f"calib_{k[:-2]}_us"] = getattr(calib, k) * 1e6
+    out["calib_copy_mbps"] = calib.copy_bytes_per_s / 1e6
+    return out
 
