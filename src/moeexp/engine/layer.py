@@ -17,8 +17,11 @@ Under ``prefetch_wait`` (the exact, deterministic mode) the copy order is the si
 earlier layers start and land first, then prefetching is held while this layer's
 observation runs (its predictions queue, its scores reach the policy) and its demand loads
 are submitted; only then may this layer's own prefetches start (after the layer, if the
-policy pauses prefetching on a miss). Without it the observation runs before the lock and
-a prediction's copies start as soon as the copy thread is free (thread timing decides).
+policy pauses prefetching on a miss). A prefill that streams through the budget then
+releases its computed experts one per refused victim search, in compute order (the
+simulator's demand load on a zero-time link waits for the next expert to finish), not a
+computed chunk at once. Without it the observation runs before the lock and a
+prediction's copies start as soon as the copy thread is free (thread timing decides).
 """
 
 from __future__ import annotations
@@ -149,18 +152,30 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
             pinned.append(keys[i])
     unreleased = set(keys)
     streamed = False
+    one_by_one = eng.settings.prefetch_wait
+    computed: list[Key] = []  # prefetch_wait: computed, released one per failed victim ask
 
     def flush() -> bool:
-        """Compute the pinned chunk and release it (prefill streaming)."""
+        """Compute the pinned chunk and release it (prefill streaming). Under
+        ``prefetch_wait`` the computed experts are released one per call, in compute
+        order, as the simulator's demand load on a zero-time link waits for the next
+        expert to finish and asks the policy again."""
         nonlocal streamed
+        if one_by_one and computed:
+            unreleased.discard(computed.pop(0))
+            return True
         if not pinned:
             return False
         chunk = list(pinned)
         pinned.clear()
         with eng.unlocked():  # the copy thread may start prefetches meanwhile
             compute_rows(chunk)
-        unreleased.difference_update(chunk)
         streamed = True
+        if one_by_one:
+            computed.extend(chunk)
+            unreleased.discard(computed.pop(0))
+        else:
+            unreleased.difference_update(chunk)
         return True
 
     for i in absent:

@@ -72,19 +72,24 @@ def _per_layer_hits(log: list[Event], num_layers: int) -> list[int]:
     return out
 
 
+@pytest.mark.parametrize("capacity", [0.25, 0.5])
 @pytest.mark.parametrize("system", ["finemoe_no_semantic", "moe_infinity", "mixtral_offloading"])
-def test_prefetch_wait_takes_the_simulators_order(system: str, test_trace: Trace,
-                                                  store_of) -> None:
+def test_prefetch_wait_takes_the_simulators_order(system: str, capacity: float,
+                                                  test_trace: Trace, store_of) -> None:
     """A prefetching system on the engine (routing replayed from the trace, inline
     predictor, ``prefetch_wait``) against the simulator on a link of zero copy time (the
     counterpart of ``prefetch_wait``): every access (hit or miss), insertion (demand or
     prefetch) and eviction is the same call in the same order, so the per-layer hits are
-    equal. Capacity 0.5 (8 of 16 slots): no layer needs more experts than fit, so no
-    prefill streams through the budget. Before this order, the engine started layer l's
-    own predictions ahead of layer l's demand loads and the first insertion differed."""
+    equal. Capacity 0.5 (8 of 16 slots): no layer needs more experts than fit; 0.25 (4
+    slots): a prefill needs all 8 experts of a layer and streams through the budget, the
+    computed experts released one per refused victim search, as the simulator's. Before
+    this order, the engine started layer l's own predictions ahead of layer l's demand
+    loads (the first insertion differed) and released a streamed chunk all at once (the
+    victims of a streaming prefill differed for every policy but LRU)."""
     dims = test_trace.dims
     store = store_of("mixtral")
-    pcfg, ccfg, _ = resolve_system(system, None, {"capacity": 0.5}, model={"prefetch_distance": 1})
+    pcfg, ccfg, _ = resolve_system(system, None, {"capacity": capacity},
+                                   model={"prefetch_distance": 1})
     prof = dataclasses.replace(load_profile("rtx3090_pcie4"), h2d_gbps=1e12, copy_latency_us=0.0)
     logs: dict[str, list[Event]] = {"sim": [], "engine": []}
     objs = {}
