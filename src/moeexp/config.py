@@ -25,6 +25,7 @@ model's dims are known (the cache capacity in slots needs the bytes of one exper
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -237,9 +238,10 @@ def _check_scheduler(spec: RunSpec) -> None:
     name = spec.scheduler.name
     if name == "static":
         return
-    if spec.backend.name not in ("sim", "engine"):
+    if spec.backend.name not in ("sim", "engine", "serving_quality"):
         raise ConfigError(f"scheduler={name}: continuous batching runs in the simulator and "
-                          f"the engine (backend=sim|engine); backend={spec.backend.name} "
+                          f"the engine (backend=sim|engine|serving_quality); "
+                          f"backend={spec.backend.name} "
                           "serves static batches (use scheduler=static)")
     kw = spec.backend.kwargs
     if (spec.backend.name == "engine" and not kw.get("replay_tokens", False)
@@ -266,6 +268,22 @@ def _check_scheduler(spec: RunSpec) -> None:
         raise ConfigError(f"scheduler={name}: backend.serving.max_batch_tokens={t_max} is "
                           f"below one prompt (dataset.input_len={ds.input_len}); T_max must "
                           f"be >= {ds.input_len} (no chunked prefill)")
+
+
+def _check_sensitivity_labels(spec: RunSpec) -> None:
+    """A per-task ``predictor.sensitivity`` map names only labels the run's task classifier
+    gives (``default`` aside): a profile measured on other labels would silently apply to
+    no request (moeexp.eval.sensitivity.check_profile_matches checks a stored profile)."""
+    sens = spec.predictor.kwargs.get("sensitivity")
+    if not isinstance(sens, Mapping) or spec.trace.source != "record":
+        return
+    labels = set(KEYWORD_TASKS if spec.dataset.task_classifier == "keyword" else LABELS)
+    unknown = sorted(set(map(str, sens)) - labels - {"default"})
+    if unknown:
+        raise ConfigError(f"predictor.sensitivity: unknown task label(s) "
+                          f"{', '.join(map(repr, unknown))} for dataset.task_classifier="
+                          f"{spec.dataset.task_classifier}; valid: {', '.join(sorted(labels))}, "
+                          "default")
 
 
 def _check_dataset(cfg: Any) -> DatasetConfig:
@@ -319,6 +337,7 @@ def validate(cfg: DictConfig) -> RunSpec:
         _check_imported(spec)
     check_cache(spec.cache)
     _check_scheduler(spec)
+    _check_sensitivity_labels(spec)
     BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
     LOGGERS.build(spec.logger.name, **spec.logger.kwargs)
     return spec

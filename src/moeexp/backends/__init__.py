@@ -226,3 +226,19 @@ class EvictionLandscapeBackend:
 
     def run(self, ctx: BackendContext) -> BackendResult:
         return self.impl.run(ctx)
+
+
+@BACKENDS.register("serving_quality")
+class ServingQualityBackend:
+    """eMoE's quality at a serving operating point (issue 13, ``+experiment=
+    emoe_serving_quality``): the simulator's substitution rate and the engine's measured
+    agreement / perplexity for the same requests (:mod:`moeexp.eval.serving_quality`).
+    Keys: those of :class:`moeexp.eval.serving_quality.ServingQualitySettings`."""
+
+    def __init__(self, **settings: Any) -> None:
+        from moeexp.eval.serving_quality import ServingQualityBackend as Impl  # torch: lazily
+
+        self.impl = Impl(**settings)
+
+    def run(self, ctx: BackendContext) -> BackendResult:
+        return self.impl.run(ctx)

@@ -100,9 +100,11 @@ class _EnginePasses:
 
     def __init__(self, pm: PassModel, reqs: list[_Req],
                  forced: Mapping[int, Sequence[int]] | None, future: Trace | None,
-                 eos: Sequence[int]) -> None:
+                 eos: Sequence[int], pass_seconds: Sequence[float] | None = None) -> None:
         self.pm, self.reqs = pm, reqs
         self.forced, self.future, self.eos = forced, future, list(eos)
+        self.pass_s = None if pass_seconds is None else [float(x) for x in pass_seconds]
+        self.clock = 0.0  # the simulated clock (pass_seconds given)
         self.passes: list[tuple[int, ...]] = []
         self.admitted: list[int] = []
         self.iter_rows: list[tuple[int, int, float, float]] = []  # hits, misses, stall, ms
@@ -111,9 +113,12 @@ class _EnginePasses:
         self.t0 = time.perf_counter()
 
     def now(self) -> float:
-        return time.perf_counter() - self.t0
+        return self.clock if self.pass_s is not None else time.perf_counter() - self.t0
 
     def wait_until(self, t: float) -> None:
+        if self.pass_s is not None:
+            self.clock = max(self.clock, t)
+            return
         time.sleep(max(0.0, t - self.now()))
 
     def start_requests(self, units: list[int], t: float) -> None:
@@ -149,6 +154,12 @@ class _EnginePasses:
         c = self.pm.engine.counters
         h0, a0, s0, w0 = c.hits, c.accesses, c.stall_s, time.perf_counter()
         out = self.pm.run_pass(mem, fut)
+        if self.pass_s is not None:
+            i = len(self.passes) - 1
+            if i >= len(self.pass_s):
+                raise ConfigError(f"pass_seconds holds {len(self.pass_s)} passes; the "
+                                  f"engine ran more (pass {i + 1})")
+            self.clock += self.pass_s[i]
         t = self.now()
         c = self.pm.engine.counters
         self.iter_rows.append((c.hits - h0, (c.accesses - a0) - (c.hits - h0),
@@ -216,7 +227,8 @@ def serve_continuous(pm: PassModel, prompts: Sequence[Any], scheduler: Scheduler
                      future: Trace | None = None,
                      slo_s: Mapping[int, tuple[float, float]] | None = None,
                      prompt_embeds: np.ndarray | None = None, eos_token_ids: Sequence[int] = (),
-                     progress: bool = False) -> ContinuousRun:
+                     progress: bool = False,
+                     pass_seconds: Sequence[float] | None = None) -> ContinuousRun:
     """Serve ``prompts`` on ``pm`` with continuous batching under ``scheduler``.
 
     Args:
@@ -237,6 +249,11 @@ def serve_continuous(pm: PassModel, prompts: Sequence[Any], scheduler: Scheduler
             no targets (SLO keys left out; eMoE then never refuses for an SLO).
         prompt_embeds: float32[n, E] prompt embeddings, or None.
         eos_token_ids: suppressed while greedy (exactly ``output_len`` tokens per request).
+        pass_seconds: None: the wall clock. Else a simulated clock: pass i lasts
+            ``pass_seconds[i]`` s (e.g. the simulator's ``iter_ms`` of the same requests),
+            arrivals wait on it, so admission and passes follow that timeline whatever
+            this machine's speed (:mod:`moeexp.eval.serving_quality`); the latencies
+            reported are then that clock's.
     """
     settings = settings or ServingSettings()
     pool = int(kv_pool_bytes) if kv_pool_bytes is not None else np.iinfo(np.int64).max
@@ -255,7 +272,7 @@ def serve_continuous(pm: PassModel, prompts: Sequence[Any], scheduler: Scheduler
     wall0 = time.perf_counter()
     runner = _EnginePasses(pm, reqs, forced,
                            future if "future" in pm.engine.runner.predictor.needs else None,
-                           eos_token_ids)
+                           eos_token_ids, pass_seconds)
     served = BatchingLoop([r.spec() for r in reqs], arrival, scheduler, settings, pool,
                           kv_per_token, runner, desc="engine serve", progress=progress).serve()
     metrics, series = _report(pm, runner, served, slo_s is not None, time.perf_counter() - wall0)

@@ -1,0 +1,148 @@
+"""eMoE's quality at a serving operating point (moeexp.eval.serving_quality): the logits the
+serving engine produces are scored against the plain model at the right positions (an
+exact system agrees everywhere, perplexity ratio 1), eMoE's restricted routing substitutes
+and disagrees, the greedy comparison counts first divergences, bad settings fail."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+from tests.unit.conftest import prompt_ids
+
+from moeexp.backends.base import BackendContext
+from moeexp.cache import build_cache
+from moeexp.costmodel import CostModel, load_profile
+from moeexp.data.prompts import Prompt
+from moeexp.errors import ConfigError
+from moeexp.eval.serving_quality import (
+    ServingQualitySettings,
+    greedy_metrics,
+    serving_quality,
+)
+from moeexp.models.adapters import adapter_for
+from moeexp.models.loading import LoadedModel
+from moeexp.models.toy_configs import toy_model
+from moeexp.predictors import build_predictor
+from moeexp.registry import GroupChoice
+from moeexp.systems import resolve_system
+
+OUT_LENS = (6, 3, 5, 4)
+
+
+@pytest.fixture(scope="module")
+def setup(store_of):  # type: ignore[no-untyped-def]
+    from moeexp.traces.recorder import record_trace
+
+    model = toy_model("mixtral")
+    loaded = LoadedModel(model=model, tokenizer=None, adapter=adapter_for(model), name="tiny",
+                         source="test")
+    prompts = [Prompt(request_id=200 + i, text=f"q{i}",
+                      input_ids=tuple(prompt_ids(6 + i, seed=40 + i)[0].tolist()),
+                      prompt_len=6 + i, output_len=OUT_LENS[i], split="test",
+                      dataset="synthetic") for i in range(len(OUT_LENS))]
+    ns = types.SimpleNamespace(model=model, tokenizer=None, adapter=adapter_for(model),
+                               name="tiny")
+    trace = record_trace(ns, prompts, sampling="greedy", spec_depth=2, record_hidden=False,
+                         prompt_embedder=None, progress=False)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), trace.dims)
+    return loaded, prompts, trace, store_of("mixtral"), cost
+
+
+def _ctx(setup, system: str, capacity: float):  # type: ignore[no-untyped-def]
+    loaded, prompts, trace, store, cost = setup
+    pcfg, ccfg, settings = resolve_system(system, None, {"capacity": capacity},
+                                          model={"prefetch_distance": 1})
+    pred, pol = build_predictor(pcfg, store.dims), build_cache(ccfg, store.dims)
+    pred.fit(store)
+    pol.fit(store)
+    ctx = BackendContext(loaded=loaded, prompts=prompts, trace=trace, predictor=pred,
+                         cache=pol, cost=cost, seed=0, store=store,
+                         scheduler=GroupChoice("fcfs", {}))
+    return ctx, bool(settings.get("restricted_routing", False))
+
+
+def _settings(restricted: bool, **kw) -> ServingQualitySettings:  # type: ignore[no-untyped-def]
+    base = {"arrival_rate": 2000.0, "num_requests": None, "time_scale": 1.0,
+            "modes": ("teacher_forced", "greedy"), "restricted_routing": restricted,
+            "serving": {"max_batch_tokens": 64, "max_running": 3},
+            "engine": {"device": "cpu", "warmup": 0, "predictor_async": False,
+                       "restricted_wait": True}}
+    return ServingQualitySettings(**{**base, **kw})
+
+
+def test_exact_system_agrees_everywhere(setup) -> None:
+    """deepspeed (exact) served with continuous batching: every generated position's argmax
+    is the plain model's (agreement 1, KL ~0, perplexity ratio 1), the free-running greedy
+    tokens are the plain model's for every request; positions = sum(output_len - 1)."""
+    ctx, restricted = _ctx(setup, "deepspeed", 0.25)
+    assert not restricted
+    res = serving_quality(ctx, _settings(restricted))
+    m = res.metrics
+    assert m["tf_positions"] == sum(n - 1 for n in OUT_LENS)
+    assert m["tf_token_agreement"] == 1.0
+    assert m["tf_recorded_is_argmax"] == 1.0  # a greedy trace: the recorded token is the argmax
+    assert abs(m["tf_perplexity_ratio"] - 1.0) < 1e-4 and m["tf_kl_mean"] < 1e-6
+    assert m["greedy_agreement"] == 1.0 and m["greedy_identical_requests"] == 1.0
+    assert m["greedy_first_divergence_mean"] == pytest.approx(sum(OUT_LENS) / len(OUT_LENS))
+    assert math.isnan(m["engine_substitution_rate"]) or m["engine_substitution_rate"] == 0.0
+    assert m["sim_batch_requests_mean"] >= 1.0 and m["requests_served"] == len(OUT_LENS)
+    # on the simulator's clock the engine runs the simulator's very passes
+    assert m["passes_match"] == 1.0 and m["greedy_passes_match"] == 1.0
+    assert m["engine_batch_requests_mean"] == m["sim_batch_requests_mean"] > 1.0
+    assert len(res.series["request_id"]) == len(OUT_LENS)
+
+
+def test_emoe_substitutes_and_loses_agreement(setup) -> None:
+    """eMoE at 2 of 8 experts per layer with restricted routing: the simulator and the
+    engine substitute, and the eMoE model's next-token distributions differ from the plain
+    model's (KL > 0, perplexity ratio != 1; a random toy model's argmax rarely flips);
+    num_requests serves the first n requests only."""
+    ctx, restricted = _ctx(setup, "emoe", 0.25)
+    assert restricted
+    m = serving_quality(ctx, _settings(restricted, num_requests=3)).metrics
+    assert m["requests_served"] == 3 and m["tf_positions"] == sum(n - 1 for n in OUT_LENS[:3])
+    assert m["sim_substitution_rate"] > 0 and m["engine_substitution_rate"] > 0
+    assert m["tf_token_agreement"] <= 1.0 and m["tf_kl_mean"] > 1e-6
+    assert abs(m["tf_perplexity_ratio"] - 1.0) > 1e-6
+    assert m["substitution_rate"] == m["sim_substitution_rate"] and m["passes_match"] == 1.0
+
+
+def test_greedy_metrics_hand_worked() -> None:
+    """ref [1,2,3,4] vs [1,2,9,4]: 3 of 4 agree, first divergence at 2; [5,6] vs [7,6]:
+    1 of 2, divergence 0; identical requests none -> pooled 4/6, mean divergence 1."""
+    m, per = greedy_metrics({1: [1, 2, 3, 4], 2: [5, 6]}, {1: [1, 2, 9, 4], 2: [7, 6]})
+    assert m["greedy_agreement"] == pytest.approx(4 / 6)
+    assert per["greedy_first_divergence"] == [2.0, 0.0]
+    assert m["greedy_first_divergence_mean"] == 1.0 and m["greedy_identical_requests"] == 0.0
+    m2, _ = greedy_metrics({1: [1, 2]}, {1: [1, 2]})
+    assert m2["greedy_identical_requests"] == 1.0 and m2["greedy_first_divergence_mean"] == 2.0
+
+
+@pytest.mark.parametrize("bad", [{"arrival_rate": 0}, {"time_scale": -1.0}, {"clock": "gpu"},
+                                 {"modes": ("bleu",)}, {"modes": ()}, {"num_requests": 0}])
+def test_bad_settings_fail(bad) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ConfigError, match="serving_quality"):
+        ServingQualitySettings(**bad)
+
+
+def test_static_scheduler_refused(setup) -> None:
+    ctx, restricted = _ctx(setup, "deepspeed", 0.25)
+    static = BackendContext(**{**ctx.__dict__, "scheduler": GroupChoice("static", {})})
+    with pytest.raises(ConfigError, match="continuous scheduler"):
+        serving_quality(static, _settings(restricted))
+
+
+def test_plain_reference_is_the_model_untouched(setup) -> None:
+    """The plain model after a serve is the plain model before (the engine restores it)."""
+    loaded, prompts, *_ = setup
+    ids = torch.tensor([list(prompts[0].input_ids)])
+    with torch.no_grad():
+        before = loaded.model(input_ids=ids).logits
+    ctx, restricted = _ctx(setup, "emoe", 0.25)
+    serving_quality(ctx, _settings(restricted, modes=("teacher_forced",), num_requests=1))
+    with torch.no_grad():
+        after = loaded.model(input_ids=ids).logits
+    assert torch.equal(before, after)
