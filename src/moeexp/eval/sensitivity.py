@@ -1,7 +1,7 @@
 """eMoE's task-sensitivity profiling (algorithms.md §6): which layers may skip prediction.
 
-For each task type (the keyword classifier's label of each prompt,
-:func:`moeexp.data.prompts.classify_task`) and each MoE layer l, the routing of layer l
+For each task type (each prompt's ``task``: the label of ``dataset.task_classifier``,
+:mod:`moeexp.data.tasks`; logreg by default) and each MoE layer l, the routing of layer l
 alone is randomised (every token gets K distinct experts drawn uniformly, seeded; the
 router's own top-K weights are kept) and the model's output is compared with the
 unmodified model's on the same inputs. A layer whose **output similarity stays above the
@@ -22,6 +22,14 @@ Output similarity (``metric``):
 Command line (prints the table and a ready ``predictor.sensitivity=...`` override)::
 
     python -m moeexp.eval.sensitivity [--num-prompts 64] [--threshold 0.85] [--out FILE]
+        [--set lengths=natural --set max_input_len=256 ...]   # dataset keys
+
+``--out`` writes the profile with its provenance (model, the dataset config the prompts
+came from, hence its ``task_classifier``, split, prompts per task). A profile is only
+valid for the labels it was measured on: :func:`check_profile_matches` compares a stored
+profile with a system bundle that uses it (same sensitivity map, same task classifier,
+same dataset keys) and names every mismatch; the test suite runs it on the shipped
+``emoe_sensitive`` bundle, so a profile left stale by a classifier or dataset change fails.
 """
 
 from __future__ import annotations
@@ -215,6 +223,52 @@ def profile_sensitivity(loaded: Any, prompts: Sequence[Any], *,
                               threshold=threshold, metric=metric, num_layers=L)
 
 
+def check_profile_matches(stored: Mapping[str, Any], bundle: Mapping[str, Any],
+                          dataset: Mapping[str, Any]) -> list[str]:
+    """Mismatches between a stored profile (``--out`` JSON) and what a run would use.
+
+    Args:
+        stored: the JSON (``sensitivity``, ``dataset`` provenance, ``model``).
+        bundle: the run's ``predictor.sensitivity`` mapping.
+        dataset: the run's dataset config (its ``task_classifier`` and the keys that
+            decide the text it labels: :data:`PROVENANCE_KEYS`).
+
+    Returns:
+        One line per mismatch (empty: the profile is this run's).
+    """
+    out = []
+    sens = {str(k): [float(x) for x in v] for k, v in dict(stored.get("sensitivity", {})).items()}
+    mine = {str(k): [float(x) for x in v] for k, v in dict(bundle).items()}
+    if sens != mine:
+        out.append(f"predictor.sensitivity differs from the stored profile's ({sorted(mine)} vs "
+                   f"{sorted(sens)}, or their values)")
+    prov = dict(stored.get("dataset") or {})
+    for key in PROVENANCE_KEYS:
+        a, b = prov.get(key), dataset.get(key)
+        if a != b:
+            out.append(f"dataset.{key}: the profile was measured with {a!r}, the run uses {b!r}")
+    return out
+
+
+#: Dataset keys that decide how a prompt is labelled (the classifier and the text it reads);
+#: which prompts were sampled (seed, num_prompts, store_fraction) does not.
+PROVENANCE_KEYS = ("name", "task_classifier", "task_threshold", "lengths", "input_len",
+                   "max_input_len", "template")
+
+
+def _dataset_sets(items: Sequence[str]) -> dict[str, Any]:
+    """``key=value`` strings -> {key: YAML-parsed value} (``--set``)."""
+    import yaml
+
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m moeexp.eval.sensitivity``: profile the tiny model on ShareGPT's store split."""
     parser = argparse.ArgumentParser(prog="python -m moeexp.eval.sensitivity",
@@ -226,7 +280,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threshold", type=float, default=0.85)
     parser.add_argument("--metric", default="token", choices=["token", "text"])
     parser.add_argument("--per-task", type=int, default=4, help="prompts per task")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="teacher-forced sequence cap (prompt + its real reply)")
     parser.add_argument("--out", default=None, help="write the profile as JSON here")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dataset key (repeatable), e.g. --set lengths=natural")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from moeexp.data.prompts import sample_prompts
@@ -237,16 +295,24 @@ def main(argv: list[str] | None = None) -> int:
     dcfg = load_group_yaml("dataset", args.dataset)
     if args.num_prompts:
         dcfg["num_prompts"] = args.num_prompts
+    unknown = sorted(set(_dataset_sets(args.set)) - set(dcfg))
+    if unknown:
+        raise ConfigError(f"--set: unknown dataset key(s) {unknown}; valid: {sorted(dcfg)}")
+    dcfg.update(_dataset_sets(args.set))
     prompts = [p for p in sample_prompts(dcfg, loaded.tokenizer)
                if args.split == "all" or p.split == args.split]
     prof = profile_sensitivity(loaded, prompts, dataset_cfg=dcfg, threshold=args.threshold,
-                               metric=args.metric, max_prompts_per_task=args.per_task)
+                               metric=args.metric, max_prompts_per_task=args.per_task,
+                               max_tokens=args.max_tokens)
     print(prof.markdown())
     print(prof.override())
     if args.out:
         from moeexp.atomic import write_json
 
-        write_json(args.out, {**asdict(prof), "sensitivity": prof.sensitivity()})
+        write_json(args.out, {**asdict(prof), "sensitivity": prof.sensitivity(),
+                              "model": args.model, "split": args.split,
+                              "per_task": args.per_task, "max_tokens": args.max_tokens,
+                              "dataset": dcfg})
     return 0
 
 

@@ -77,3 +77,60 @@ def test_threshold_rule_and_bad_arguments(loaded, prompts):
         profile_sensitivity(loaded, prompts, metric="bleu")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="threshold"):
         profile_sensitivity(loaded, prompts, threshold=1.5)
+
+
+def _sensitive_run() -> tuple[dict, dict]:
+    """(predictor.sensitivity, dataset) of emoe_serving's emoe_sensitive bundle, composed."""
+    from omegaconf import OmegaConf
+    from tests.unit.test_config import _compose
+
+    cfg = _compose(["+experiment=emoe_serving", "+experiment/serving=emoe_sensitive"])
+    return (OmegaConf.to_container(cfg.predictor.sensitivity),  # type: ignore[return-value]
+            OmegaConf.to_container(cfg.dataset))
+
+
+def test_shipped_profile_is_the_bundles_and_not_stale() -> None:
+    """emoe_sensitive's map is the stored profile's (experiments/emoe_serving/
+    sensitivity_profile.json) and that profile was measured on the labels the experiment
+    gives (same classifier, same text): a classifier or dataset change fails here."""
+    import json
+
+    from moeexp.eval.sensitivity import check_profile_matches
+    from moeexp.paths import REPO_DIR
+
+    stored = json.loads((REPO_DIR / "experiments/emoe_serving/sensitivity_profile.json")
+                        .read_text())
+    sens, dataset = _sensitive_run()
+    assert check_profile_matches(stored, sens, dataset) == []
+    stale = check_profile_matches(stored, sens, {**dataset, "task_classifier": "keyword"})
+    assert len(stale) == 1 and "task_classifier" in stale[0]
+    other = check_profile_matches(stored, {**sens, "chat": [1] * 8}, dataset)
+    assert len(other) == 1 and "differs" in other[0]
+    assert check_profile_matches({**stored, "dataset": {**stored["dataset"], "lengths": "fixed"}},
+                                 sens, dataset)[0].startswith("dataset.lengths")
+
+
+def test_unknown_sensitivity_label_fails_validation() -> None:
+    """A per-task map naming a label the run's classifier never gives fails validate()
+    before any work, naming the valid labels; under keyword labels, logreg-only ones
+    (summarisation, other) are unknown."""
+    from tests.unit.test_config import _compose
+
+    from moeexp.config import validate
+
+    base = ["+experiment=emoe_serving", "+experiment/serving=emoe_sensitive"]
+    validate(_compose(base))
+    with pytest.raises(ConfigError, match="unknown task label.*'poetry'"):
+        validate(_compose([*base, "+predictor.sensitivity.poetry=[1,1,1,1,1,1,1,1]"]))
+    with pytest.raises(ConfigError, match="'other', 'summarisation'"):
+        validate(_compose([*base, "dataset.task_classifier=keyword",
+                           "backend.serving.slo_task_scales={}"]))
+
+
+def test_dataset_sets_parse_yaml_values() -> None:
+    from moeexp.eval.sensitivity import _dataset_sets
+
+    assert _dataset_sets(["lengths=natural", "max_input_len=256", "template=null"]) == {
+        "lengths": "natural", "max_input_len": 256, "template": None}
+    with pytest.raises(ConfigError, match="key=value"):
+        _dataset_sets(["lengths"])
