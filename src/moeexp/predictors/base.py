@@ -30,6 +30,7 @@ oracle only). A predictor needing what a trace lacks is not applicable to it
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -122,6 +123,28 @@ class LayerObservation:
     hidden: np.ndarray | None = None
 
 
+def layer_observations(probs: np.ndarray, experts: Sequence[np.ndarray], counts: np.ndarray,
+                       spec_probs: np.ndarray | None,
+                       hidden: np.ndarray | None) -> list[LayerObservation]:
+    """One :class:`LayerObservation` per layer l = 0..L-1 of a pass, from layer-major
+    arrays: ``probs`` float32[L, T, J], ``counts`` int[L, J], ``spec_probs`` [L, T, D, J]
+    and ``hidden`` [L, T, H] (None: not recorded), ``experts`` L int arrays.
+
+    The same frozen objects as the constructor's, built by filling their ``__dict__``: the
+    frozen ``__init__`` sets each field through ``object.__setattr__``, three times slower,
+    and a replay builds one per layer of every pass."""
+    new, cls = object.__new__, LayerObservation
+    out: list[LayerObservation] = []
+    for layer in range(len(probs)):
+        obs = new(cls)
+        obs.__dict__.update(layer=layer, probs=probs[layer], experts=experts[layer],
+                            counts=counts[layer],
+                            spec_probs=None if spec_probs is None else spec_probs[layer],
+                            hidden=None if hidden is None else hidden[layer])
+        out.append(obs)
+    return out
+
+
 class Predictor:
     """Base class: predicts nothing. Subclasses override the hooks they need.
 
@@ -145,6 +168,21 @@ class Predictor:
 
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         return Prediction()
+
+    #: whether :meth:`preview_pass` does anything (the simulator skips the call otherwise)
+    previews: ClassVar[bool] = False
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """Optional speed hook (the simulator calls it when :attr:`previews`; the engine
+        never does): every layer's observation of the pass that starts, after
+        ``start_iteration`` and before ``observe_layer(obs[0])``.
+
+        A predictor may batch with it the numpy work that ``observe_layer(obs[l])`` would do
+        on ``obs[l]`` alone, with the same operations, so that what each ``observe_layer``
+        returns is bit-identical with or without the preview: never use a layer's
+        observation before that layer is observed. ``observe_layer`` must check that it
+        receives the previewed observations (else compute as without a preview). Default:
+        nothing."""
 
     def end_iteration(self) -> None:
         """The iteration finished (online predictors may learn from it here)."""

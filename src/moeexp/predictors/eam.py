@@ -40,6 +40,7 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -169,6 +170,7 @@ class EAMPredictor(Predictor):
         self._groups: list[np.ndarray] = []
         self._phase = phases[0]
         self._iter = np.zeros((0, L, J))
+        self._pre: tuple[list[np.ndarray], list[np.ndarray | None]] | None = None
         self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
         # one-request hooks: (phase, collection version, matched rows, layer) -> the hints
         # and the Prediction's parts, a function of those alone (cleared as versions move)
@@ -218,12 +220,45 @@ class EAMPredictor(Predictor):
         self._phase = self._phase_of(int(ctx.step))
         L, J = self.dims.num_layers, self.dims.num_experts
         self._iter = np.zeros((len(self._units), L, J))
+        self._pre = None
         for r in self._units:
             self._req.setdefault(int(r), {p: np.zeros((L, J)) for p in self.collections})
         return self._predict(layer=-1)
 
+    previews = True
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """``variant: paper``, one request: every layer's ``match_flat`` of the pass at once.
+
+        The query after layer l is the request's EAM so far plus this pass's counts of
+        layers 0..l (the same sums as in :meth:`_predict_one`); their unit rows are matched
+        by one stacked matmul (one matrix-vector product per layer, as there) and an argmax
+        per layer, so every match is bit-identical."""
+        self._pre = None
+        L = self.dims.num_layers
+        coll = self.collections[self._phase]
+        if (self.variant != "paper" or self.top_n != 1 or len(self._units) != 1
+                or not self.prefetch_enabled or coll.size == 0 or len(obs) != L
+                or self._iter.any()):
+            return
+        counts = [o.counts for o in obs]
+        req = self._req[int(self._units[0])][self._phase]
+        after = req + np.asarray(counts, dtype=np.float64)  # rows once observed: req + counts
+        upto = np.arange(L)[:, None, None] >= np.arange(L)[None, :, None]  # [l, row]: row <= l
+        queries = np.where(upto, after[None], req[None])[: L - 1]  # [L-1, L, J]
+        live: list[bool] = np.asarray(queries.reshape(L - 1, -1).any(axis=1)).tolist()
+        q = unit(queries.reshape(L - 1, -1))  # [L-1, L*J] unit rows
+        sims = np.matmul(coll.flat_n[: coll.size][None], q[:, :, None])[:, :, 0]
+        best = sims.argmax(axis=1)
+        rows: list[np.ndarray | None] = [np.array([int(r)]) if ok else None
+                                         for r, ok in zip(best.tolist(), live, strict=True)]
+        self._pre = (counts, rows)
+
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         layer = obs.layer
+        pre = self._pre
+        if pre is not None and (layer >= len(pre[0]) or pre[0][layer] is not obs.counts):
+            self._pre = pre = None  # not what was previewed: match as without a preview
         if len(self._groups) == 1:
             self._iter[0, layer] = obs.counts
         else:
@@ -291,10 +326,17 @@ class EAMPredictor(Predictor):
     def _predict_one(self, layer: int, coll: EAMCollection) -> Prediction:
         """:meth:`_predict` for a batch of one request: the match is searched at every
         hook, what it implies is memoised per (phase, collection version, rows, layer)."""
-        query = self._req[int(self._units[0])][self._phase] + self._iter[0]
-        if not query.any():
-            return Prediction()
-        rows = self._match(coll, query, layer)
+        pre = self._pre
+        if pre is not None and layer >= 0:  # previewed (paper): the same match, computed
+            got_rows = pre[1][layer]
+            if got_rows is None:  # an all-zero query
+                return Prediction()
+            rows = got_rows
+        else:
+            query = self._req[int(self._units[0])][self._phase] + self._iter[0]
+            if not query.any():
+                return Prediction()
+            rows = self._match(coll, query, layer)
         matched = tuple(rows.tolist())
         sent = (self._phase, coll.version, (matched,))
         hints, self._sent = sent != self._sent, sent

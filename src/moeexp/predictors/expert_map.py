@@ -152,6 +152,23 @@ class RowSelection(NamedTuple):
         return min(max(n, k), J)
 
 
+class _Preview(NamedTuple):
+    """One pass's trajectory searches (:meth:`ExpertMapPredictor.preview_pass`).
+
+    Attributes:
+        probs: the previewed observations' probabilities (identity-checked per layer).
+        dots: float64[L, B, n] running prefix dot products after each layer.
+        qsq: float64[L, B] running squared query norms.
+        rows: per layer, int64[B] matched rows; score: per layer, their cosines.
+    """
+
+    probs: list[np.ndarray]
+    dots: np.ndarray
+    qsq: np.ndarray
+    rows: list[np.ndarray]
+    score: list[Sequence[float]]
+
+
 def pool_keys(embed: np.ndarray, groups: list[np.ndarray], pooling: Pooling) -> np.ndarray:
     """float32[B, H]: one semantic key per group of token rows of ``embed`` (float[T, H])."""
     if pooling == "last_token":
@@ -250,6 +267,7 @@ class ExpertMapPredictor(Predictor):
         self._sem_rows = np.zeros(0, dtype=np.int64)
         self._sem_score = np.zeros(0)
         self._layer = -1
+        self._pre: _Preview | None = None  # preview_pass's trajectory searches of this pass
         self._memo: dict[bytes, tuple[int, float]] = {}
         self._memo_version = -1
         # single-query emits, per store version: (layer, row) -> its selection data, and
@@ -333,6 +351,7 @@ class ExpertMapPredictor(Predictor):
         self._qsq = np.zeros(B)
         self._next_layer = 0
         self._layer = -1
+        self._pre = None
         if self.mode == "online":
             self._buf_embed = embed.astype(np.float32, copy=True)
             self._buf_token_request = tok_req
@@ -385,20 +404,71 @@ class ExpertMapPredictor(Predictor):
         t0 = time.perf_counter()
         pred = Prediction()
         if self.use_trajectory:
-            queries = self._queries
-            if len(probs) == 1 or len(queries) == len(probs):  # one token per query: its row
-                q = probs.astype(np.float64)  # is its mean, exactly
-            elif len(queries) == 1:
-                q = probs.astype(np.float64).mean(axis=0, keepdims=True)
+            pre = self._pre
+            found: tuple[np.ndarray, Sequence[float]] | None
+            if pre is not None and pre.probs[layer] is obs.probs:
+                found = self._previewed(pre, layer)
+                found = found if want else None
             else:
-                q = np.stack([probs[g].astype(np.float64).mean(axis=0) for g in queries])
-            found = self._update_trajectory(layer, q, search=want)
+                if pre is not None:  # not what was previewed: the incremental path again
+                    self._resume_from(pre, layer)
+                found = self._update_trajectory(layer, self._query(probs), search=want)
             if found is not None:
                 self._emit(pred, target, found[0], found[1], distance=self.d)
         elif want:  # semantic only: its match keeps speaking for later layers
             self._emit(pred, target, self._sem_rows, self._sem_score, distance=self.d)
         self._t_traj.append(time.perf_counter() - t0)
         return pred
+
+    def _query(self, probs: np.ndarray) -> np.ndarray:
+        """float64[B, J]: each query's trajectory row of one layer (its tokens' mean)."""
+        queries = self._queries
+        if len(probs) == 1 or len(queries) == len(probs):  # one token per query: its row
+            return probs.astype(np.float64)  # is its mean, exactly
+        if len(queries) == 1:
+            return probs.astype(np.float64).mean(axis=0, keepdims=True)
+        return np.stack([probs[g].astype(np.float64).mean(axis=0) for g in queries])
+
+    previews = True
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """Every layer's trajectory search of the pass at once (:class:`_Preview`): the
+        operations of :meth:`_update_trajectory`, stacked over layers (one matmul, running
+        sums by ``cumsum``, one argmax), so each layer's match is bit-identical."""
+        self._pre = None
+        L = self.dims.num_layers
+        if (self._n == 0 or self._silent or not self.use_trajectory or len(obs) != L
+                or self._next_layer != 0):
+            return
+        probs = [o.probs for o in obs]
+        q = np.stack([self._query(np.asarray(p)) for p in probs])  # [L, B, J]
+        n = self._n
+        dots = np.matmul(q, self.store.maps[:, :n].transpose(0, 2, 1))  # [L, B, n]
+        add = np.add
+        for layer in range(1, L):  # the running sums, added in layer order (cumsum's
+            add(dots[layer - 1], dots[layer], out=dots[layer])  # strided loop is slower)
+        qsq = np.cumsum(np.einsum("lbj,lbj->lb", q, q), axis=0)  # [L, B]
+        sims = dots * self.store.inv_prefix_norm[:, None, :n]
+        rows = sims.argmax(axis=2)  # [L, B]
+        best = np.take_along_axis(sims, rows[:, :, None], axis=2)[:, :, 0]
+        if rows.shape[1] == 1:  # as _update_trajectory: Python floats
+            score: list[Sequence[float]] = [
+                (s / max(math.sqrt(z), 1e-300),)
+                for s, z in zip(best[:, 0].tolist(), qsq[:, 0].tolist(), strict=True)]
+        else:
+            score = list(best / np.maximum(np.sqrt(qsq), 1e-300))
+        self._pre = _Preview(probs, dots, qsq, list(rows), score)
+
+    def _previewed(self, pre: _Preview, layer: int) -> tuple[np.ndarray, Sequence[float]]:
+        """Layer ``layer``'s match from the preview; the running state as if computed."""
+        self._dots, self._qsq, self._layer = pre.dots[layer], pre.qsq[layer], layer
+        return pre.rows[layer], pre.score[layer]
+
+    def _resume_from(self, pre: _Preview, layer: int) -> None:
+        """Drop the preview, keeping the running sums of layers ``0..layer-1``."""
+        if layer:
+            self._dots, self._qsq = pre.dots[layer - 1].copy(), pre.qsq[layer - 1].copy()
+        self._pre = None
 
     def _update_trajectory(self, layer: int, q: np.ndarray, search: bool = True
                            ) -> tuple[np.ndarray, Sequence[float]] | None:

@@ -67,11 +67,19 @@ NEVER = 1 << 62  # next use of an expert never used again
 @dataclass(frozen=True)
 class SetSeq:
     """Layer sets, flat: set k's items are ``keys[off[k]:off[k+1]]`` (distinct within a
-    set), ``nxt`` the next set index > k holding each (or NEVER)."""
+    set, ints >= 0), ``nxt`` the next set index > k holding each (or NEVER).
+
+    ``entry[i]``: item ``keys[i]`` with next use ``nxt[i]`` as one int, ordered as the pair
+    (furthest next use first, then lowest item): ``(S - min(nxt, S)) * U + key``, with S the
+    number of sets and U = ``universe`` (1 + the largest item). :func:`min_copies` keeps
+    these in its heap (an int compares faster than a tuple).
+    """
 
     keys: list[int]
     nxt: list[int]
     off: list[int]
+    entry: list[int]
+    universe: int
 
     @property
     def num_sets(self) -> int:
@@ -94,7 +102,10 @@ class SetSeq:
             order = np.lexsort((np.arange(len(keys)), keys))  # by item, then position
             same = keys[order[1:]] == keys[order[:-1]]
             nxt[order[:-1][same]] = set_of[order[1:][same]]
-        return cls(keys.tolist(), nxt.tolist(), off.tolist())
+        universe = int(keys.max()) + 1 if len(keys) else 1
+        S = len(sizes)
+        entry = (S - np.minimum(nxt, S)) * universe + keys
+        return cls(keys.tolist(), nxt.tolist(), off.tolist(), entry.tolist(), universe)
 
 
 def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
@@ -103,7 +114,7 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
 
     Belady's MIN on the block problem of the module docstring: set k's items must all be
     resident together while at most ``capacity + |S_k| - 1`` items are; making room evicts
-    the item used furthest in the future, never one of S_k.
+    the item used furthest in the future (ties: the lowest item), never one of S_k.
 
     Args:
         seq: the sets; capacity: C, items that may be resident at once (>= 1).
@@ -113,63 +124,83 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
 
     Returns:
         One count per set of ``lo..hi-1``, non-decreasing.
+
+    A resident item's next use is kept as its :attr:`SetSeq.entry` (``cur``; -1: not
+    resident) in a lazy min-heap of those ints: an entry that is no longer its item's
+    ``cur`` is stale. A member of set k is resident with next use k, the nearest of all,
+    so it is popped only after every other resident (never, while C >= 1).
     """
-    keys, nxt, off = seq.keys, seq.nxt, seq.off
-    hi = seq.num_sets if hi is None else hi
-    start = set(resident)
-    nu: dict[int, int] = {}
-    if start:
-        for k in range(hi - 1, lo - 1, -1):  # first use of each resident item from lo
-            for x in keys[off[k]: off[k + 1]]:
-                if x in start:
-                    nu[x] = k
-        nu.update({x: NEVER for x in start if x not in nu})
-    heap = [(-n, x) for x, n in nu.items()]
+    keys, off, S = seq.keys, seq.off, seq.num_sets
+    hi = S if hi is None else hi
+    entry, U, cur = _start(seq, lo, hi, set(resident))
+    heap = [e for e in cur if e >= 0]
     heapify(heap)
+    size = len(heap)  # resident items
     push, pop = heappush, heappop
-    seen: set[int] = set()  # distinct items needed so far (free_start)
-    see = seen.add
-    count = 0
+    seen = [False] * U if free_start else []  # distinct items needed so far (free_start)
+    n_seen = count = 0
     out: list[int] = []
+    append = out.append
     for k in range(lo, hi):
         a, b = off[k], off[k + 1]
-        members = keys[a:b]
         missing = 0
-        for x in members:
-            if x in nu:
-                nu[x] = k  # needed now: never a victim while the set is served
-            else:
+        for i in range(a, b):
+            x = keys[i]
+            if cur[x] < 0:
                 missing += 1
-                if free_start:  # a resident item was seen (it was fetched, or free)
-                    see(x)
+                if free_start and not seen[x]:  # a resident item was seen (fetched)
+                    seen[x] = True
+                    n_seen += 1
         # room for the whole set within C + |S_k| - 1: a fetch, or the capacity shrinking
         # since a larger set, evicts the furthest next use
-        need = len(nu) + missing - (capacity + b - a - 1)
+        need = size + missing - (capacity + b - a - 1)
         if need > 0:
             aside = []
+            now = (S - k) * U  # entries of items next used at k lie in [now, now + U)
             while need > 0:
-                neg, v = pop(heap)
-                if nu.get(v) != -neg:
+                e = pop(heap)
+                x = e % U
+                if cur[x] != e:
                     continue  # stale
-                if -neg == k:  # a member: kept (cannot run out while C >= 1)
-                    aside.append((neg, v))
+                if now <= e < now + U:  # a member: kept (cannot run out while C >= 1)
+                    aside.append(e)
                     continue
-                del nu[v]
+                cur[x] = -1
+                size -= 1
                 need -= 1
-            for entry in aside:
-                push(heap, entry)
+            for e in aside:
+                push(heap, e)
         count += missing
-        for x, n in zip(members, nxt[a:b], strict=False):  # after the set: next uses
-            nu[x] = n
-            push(heap, (-n, x))
-        if (k & 255) == 0 and len(heap) > 4 * len(nu) + 1024:
-            heap = [(-n, x) for x, n in nu.items()]
+        size += missing
+        for i in range(a, b):  # after the set: next uses
+            e = entry[i]
+            cur[keys[i]] = e
+            push(heap, e)
+        if (k & 255) == 0 and len(heap) > 4 * size + 1024:
+            heap = [e for e in cur if e >= 0]
             heapify(heap)
-        if free_start:
-            out.append(max(0, count - min(capacity, len(seen))))
-        else:
-            out.append(count)
+        append(max(0, count - min(capacity, n_seen)) if free_start else count)
     return out
+
+
+def _start(seq: SetSeq, lo: int, hi: int, start: set[int]) -> tuple[list[int], int, list[int]]:
+    """:func:`min_copies`' encoding and state at ``lo``: (the entries, U, each item's
+    entry if resident in ``start``, else -1). Resident items no set holds widen U."""
+    keys, entry, off, U, S = seq.keys, seq.entry, seq.off, seq.universe, seq.num_sets
+    if start and max(start) >= U:
+        wide = max(start) + 1
+        entry = [(e // U) * wide + e % U for e in entry]
+        U = wide
+    cur = [-1] * U
+    if start:
+        first = dict.fromkeys(start, NEVER)
+        for k in range(hi - 1, lo - 1, -1):  # first use of each resident item from lo
+            for x in keys[off[k]: off[k + 1]]:
+                if x in first:
+                    first[x] = k
+        for x, n in first.items():
+            cur[x] = (S - min(n, S)) * U + x
+    return entry, U, cur
 
 
 def _floor(copies: list[int], comp: Sequence[float], min_ce: Sequence[float], copy_s: float,
