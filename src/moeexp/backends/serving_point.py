@@ -65,9 +65,15 @@ def unloaded_e2e_s(trace: Trace, cost: CostModel) -> float:
 
 def served_rate(s: Any, trace: Trace, hw_cost: CostModel, cost: CostModel
                 ) -> tuple[float | None, dict[str, float]]:
-    """The arrival rate to serve (module docstring) and how it was derived."""
+    """The arrival rate to serve (module docstring) and how it was derived (with both cost
+    regimes' copy / compute ratio: the rescaled load is the same, the regime is not)."""
+    from moeexp.costmodel.projection import copy_to_compute
+
     u_hw, u_cal = unloaded_e2e_s(trace, hw_cost), unloaded_e2e_s(trace, cost)
+    k = trace.dims.top_k
     info = {"unloaded_e2e_ms_hardware": u_hw * 1e3, "unloaded_e2e_ms_calibrated": u_cal * 1e3,
+            "copy_to_compute_hardware": copy_to_compute(hw_cost, k),
+            "copy_to_compute_calibrated": copy_to_compute(cost, k),
             "arrival_rate_hardware": float(s.arrival_rate) if s.arrival_rate else float("nan"),
             "rate_scale": u_hw / u_cal if s.rescale_rate else 1.0}
     if s.arrival_rate is None:
