@@ -113,8 +113,9 @@ def test_prefetching_system_hits_match_under_prefetch_wait(setup, system: str,
     simulator on a link of zero copy time, the per-pass hits are equal too, prefill
     streaming (capacity 0.25) included: the engine loads on demand before the layer's own
     prefetches, as the simulator does (moeexp.engine.layer). (moe_infinity still differs
-    here after a few passes: its request EAMs under continuous batching are not aligned
-    yet.)"""
+    here after a few passes: in a pass of several requests its EAM takes each request's
+    top-k from argsort(probs), the trace's float16 probabilities in the simulator against
+    the engine's float32 ones, and near-ties break differently.)"""
     import dataclasses
 
     loaded, prompts, trace, store, _ = setup
