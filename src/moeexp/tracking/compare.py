@@ -175,7 +175,7 @@ def paired_changes(df: pd.DataFrame, system: str = PAPER_SYSTEM,
     ch = baseline_changes(df, present)
     keys = [k for k in match_keys(df) if k != SEED_KEY]
     mine = ch[ch["system"].astype(str) == system]
-    ident = mine[keys].astype(str).agg("\x1f".join, axis=1) if keys else \
+    ident = mine[keys].map(str).agg("\x1f".join, axis=1) if keys else \
         pd.Series("", index=mine.index)
     rows = []
     for _, part in mine.groupby(ident, sort=False):

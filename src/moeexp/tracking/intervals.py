@@ -108,7 +108,7 @@ def _dedupe(df: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
     """Keep the last run of each (group, seed) (see module docstring)."""
     if SEED_KEY not in df.columns:
         return df
-    ident = df[[*keys, SEED_KEY]].astype(str).agg("\x1f".join, axis=1)
+    ident = df[[*keys, SEED_KEY]].map(str).agg("\x1f".join, axis=1)  # map: NaN -> "nan" (pandas 3)
     dup = ident.duplicated(keep="last")
     if dup.any():
         log.warning("%d run(s) repeat a configuration and seed already summarised by a later "
@@ -127,7 +127,7 @@ def aggregate(runs: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
         return runs.copy()
     keys = [k for k in keys if k in runs.columns]
     runs = _dedupe(runs, keys)
-    ident = (runs[keys].astype(str).agg("\x1f".join, axis=1) if keys
+    ident = (runs[keys].map(str).agg("\x1f".join, axis=1) if keys
              else pd.Series("", index=runs.index))
     metrics = [c for c in runs.columns if _is_metric(runs, c, keys)]
     rows = []

@@ -77,6 +77,17 @@ def test_aggregate_one_row_per_system_with_mean_interval_and_n() -> None:
     assert mo["not_applicable_reason"].startswith("not applicable")
 
 
+def test_aggregate_groups_a_null_key() -> None:
+    """A swept key that is null in some runs (``backend.arrival_rate=null``: NaN in the
+    frame) is a group of its own, not a crash (pandas 3's astype(str) keeps NaN)."""
+    runs = pd.DataFrame({"run": ["a", "b", "c"], "seed": [0, 0, 1],
+                         "arrival_rate": [100.0, float("nan"), float("nan")],
+                         "tpot_ms_mean": [1.0, 2.0, 4.0]})
+    rows = aggregate(runs, ["arrival_rate"])
+    assert list(rows["n"]) == [1, 2]
+    assert list(rows["tpot_ms_mean"]) == [1.0, 3.0]
+
+
 def test_paired_changes_pair_each_seed_with_the_same_seed() -> None:
     """FineMoE's TPOT change per seed is -10, -20, -30 % (the same seed's deepspeed row, not
     the same position: the rows are shuffled): mean -20 %, interval t(2) * 10 / sqrt(3); the
