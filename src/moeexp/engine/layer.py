@@ -13,7 +13,8 @@ on-demand loads in expert order, with ``now = pos0 + rank``::
     compute the remaining rows (lock released); resume_prefetch; sum over top-k
 
 Under ``prefetch_wait`` (the exact, deterministic mode) the copy order is the simulator's
-(algorithms.md §3: on-demand loads pre-empt queued prefetches): the copies queued by
+(algorithms.md §4, MoE-Infinity: on-demand loads pre-empt queued prefetches; §5, FineMoE:
+on a miss, pause prefetching and load on demand): the copies queued by
 earlier layers start and land first, then prefetching is held while this layer's
 observation runs (its predictions queue, its scores reach the policy) and its demand loads
 are submitted; only then may this layer's own prefetches start (after the layer, if the

@@ -1,5 +1,5 @@
 """One MoE layer's procedure (:mod:`moeexp.engine.layer`): under ``prefetch_wait`` the
-engine takes the simulator's copy order (algorithms.md §3: on-demand loads pre-empt queued
+engine takes the simulator's copy order (algorithms.md §4: on-demand loads pre-empt queued
 prefetches), so a prefetching system's every policy call equals the simulator's."""
 
 from __future__ import annotations
