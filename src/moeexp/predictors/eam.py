@@ -115,7 +115,7 @@ class EAMCollection:
         sims = self.flat_n[: self.size] @ unit(query.reshape(1, -1))[0]
         n = min(top_n, self.size)
         if n == 1:
-            return np.array([int(np.argmax(sims))])
+            return np.array([int(sims.argmax())])
         top = np.argpartition(-sims, n - 1)[:n]
         return top[np.argsort(-sims[top], kind="stable")]
 
@@ -124,7 +124,7 @@ class EAMCollection:
         q = unit(query[first_layer:]).reshape(-1)  # [L'·J]
         rows = self.rows_n[: self.size, first_layer:]
         sims = rows.reshape(self.size, -1) @ q  # Σ over layers of per-layer cosines
-        row = int(np.argmax(sims))
+        row = int(sims.argmax())
         self.access[row] += 1
         return row
 
@@ -334,7 +334,7 @@ class EAMPredictor(Predictor):
             rows = got_rows
         else:
             query = self._req[int(self._units[0])][self._phase] + self._iter[0]
-            if not query.any():
+            if not np.count_nonzero(query):  # query.any(), without its Python wrapper
                 return Prediction()
             rows = self._match(coll, query, layer)
         matched = tuple(rows.tolist())

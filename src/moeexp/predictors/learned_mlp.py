@@ -80,6 +80,37 @@ class MLP:
         return int(sum(w.size + b.size for w, b in zip(self.weights, self.biases, strict=True)))
 
 
+@dataclass
+class _Stacked:
+    """The nets of layers 0..n-1 with their parameters stacked on a leading layer axis:
+    ``mu``, ``sd`` float32[n, 1, H], ``weights[i]`` [n, in, out], ``biases[i]`` [n, 1, out]."""
+
+    mu: np.ndarray
+    sd: np.ndarray
+    weights: list[np.ndarray]
+    biases: list[np.ndarray]
+
+    @classmethod
+    def of(cls, nets: list[MLP]) -> _Stacked | None:
+        """None unless every net has the same shapes (one architecture)."""
+        if not nets or len({tuple(w.shape for w in n.weights) for n in nets}) != 1:
+            return None
+        return cls(np.stack([n.mu for n in nets])[:, None], np.stack([n.sd for n in nets])[:, None],
+                   [np.stack(ws) for ws in zip(*(n.weights for n in nets), strict=True)],
+                   [np.stack(bs)[:, None] for bs in zip(*(n.biases for n in nets), strict=True)])
+
+    def probs(self, x: np.ndarray) -> np.ndarray:
+        """float32[n, T, J]: :meth:`MLP.probs` of each layer's x[l] (float[n, T, H]), by the
+        same operations (standardise, Linear, ReLU, ..., sigmoid) broadcast over layers."""
+        a = ((np.asarray(x, dtype=np.float32) - self.mu) / self.sd).astype(np.float32,
+                                                                           copy=False)
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            a = np.matmul(a, w) + b
+            if i < len(self.weights) - 1:
+                a = np.maximum(a, 0.0)
+        return 1.0 / (1.0 + np.exp(-a))
+
+
 def k_hot(idx: np.ndarray, J: int) -> np.ndarray:
     """float32[N, J] multi-hot targets from int[N, K] indices."""
     y = np.zeros((idx.shape[0], J), dtype=np.float32)
@@ -182,6 +213,8 @@ class LearnedMLP(Predictor):
         self.aggregate: Aggregate = aggregate
         self.seed, self.progress = int(seed), bool(progress)
         self.nets: dict[int, MLP] = {}
+        self._stacked: _Stacked | None = None  # the nets' parameters stacked (preview_pass)
+        self._pre: tuple[list[np.ndarray], np.ndarray] | None = None
         self._fit_stats: dict[str, float] = {}
         self._query_ns = 0
         self._queries = 0
@@ -206,6 +239,7 @@ class LearnedMLP(Predictor):
         require_array(store, "hidden", "trace.record_hidden=true", self.name)
         assert store.hidden is not None
         t0 = time.perf_counter()
+        self._stacked, self._pre = None, None
         rng = np.random.default_rng(self.seed)
         train, held = self.split_rows(store, rng)
         if len(train) == 0:
@@ -236,6 +270,32 @@ class LearnedMLP(Predictor):
                  self._fit_stats["baseline_recall_at_k"],
                  self._fit_stats["params"], self._fit_stats["train_s"])
 
+    previews = True
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """Every layer's :meth:`MLP.probs` of the pass at once: the nets of layers
+        0..n-1 (n = L - d) stacked, the same operations on [n, T, ·] arrays (one
+        matrix product per layer and Linear, as there), so each layer's probabilities
+        are bit-identical."""
+        self._pre = None
+        n = self.dims.num_layers - self.distance
+        if len(obs) != self.dims.num_layers or any(o.hidden is None for o in obs[:n]):
+            return
+        st = self._stacked
+        if st is None:
+            st = self._stacked = _Stacked.of([self.nets[layer] for layer in range(n)])
+        if st is None:
+            return
+        hidden = [o.hidden for o in obs[:n] if o.hidden is not None]
+        self._pre = (hidden, st.probs(np.asarray(hidden)))
+
+    def _net_probs(self, net: MLP, hidden: np.ndarray, layer: int) -> np.ndarray:
+        """float32[T, J]: ``net.probs(hidden)``, from the preview when it saw ``hidden``."""
+        pre = self._pre
+        if pre is not None and layer < len(pre[0]) and pre[0][layer] is hidden:
+            return pre[1][layer]
+        return net.probs(hidden)
+
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         net = self.nets.get(obs.layer)
         if net is None:
@@ -244,7 +304,8 @@ class LearnedMLP(Predictor):
             raise ConfigError("learned_mlp: the mechanism passed no hidden state; record the "
                               "trace with trace.record_hidden=true")
         t0 = time.perf_counter_ns()
-        experts, mean = aggregate_topk(net.probs(obs.hidden), self.top_k, self.aggregate)
+        experts, mean = aggregate_topk(self._net_probs(net, obs.hidden, obs.layer), self.top_k,
+                                      self.aggregate)
         out = layer_prediction(obs.layer + self.distance, experts, mean, self.dims.num_layers)
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1

@@ -33,12 +33,14 @@ CASES = [
     ({"name": "expert_map", "prefetch_distance": 2, "mode": "online"}, "finemoe"),
     ({"name": "eam"}, "moe_infinity"),
     ({"name": "eam", "variant": "oss"}, "moe_infinity"),
+    ({"name": "learned_mlp", "distance": 2, "epochs": 2, "holdout": 0.0, "progress": False},
+     "lru"),
 ]
 
 
 def _trace() -> Trace:
     return random_trace(num_layers=6, num_experts=6, top_k=2, hidden_size=8, num_requests=12,
-                        prompt_len=5, output_len=6, seed=11)
+                        prompt_len=5, output_len=6, with_hidden=True, seed=11)
 
 
 def _replay(cfg: dict, cache_name: str, batch_size: int, previews: bool) -> dict[str, float]:
@@ -53,7 +55,8 @@ def _replay(cfg: dict, cache_name: str, batch_size: int, previews: bool) -> dict
     m = simulate(trace.split("test"), pred, cache, unit_cost(d), batch_size=batch_size,
                  progress=False).metrics
     return {k: v for k, v in m.items()
-            if not (k in ("wall_s", "sim_wall_s", "accesses_per_s") or "query_us" in k)}
+            if not (k in ("wall_s", "sim_wall_s", "accesses_per_s", "predictor_train_s")
+                    or "query_us" in k)}
 
 
 def _same(a: dict[str, float], b: dict[str, float]) -> bool:
@@ -79,7 +82,7 @@ def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
     ``other`` (equal copies are observed: the predictor must notice and compute anew)."""
     out = []
     L = trace.dims.num_layers
-    assert trace.embed is not None and trace.probs is not None
+    assert trace.embed is not None and trace.probs is not None and trace.hidden is not None
     for it in range(trace.num_iterations):
         sl, rid = trace.token_slice(it), int(trace.iter_request[it])
         T = sl.stop - sl.start
@@ -89,12 +92,14 @@ def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
         probs = np.ascontiguousarray(np.swapaxes(trace.probs[sl], 0, 1), dtype=np.float32)
         counts = trace.iteration_counts(it)
         experts = [np.flatnonzero(c) for c in counts]
-        seen = layer_observations(probs, experts, counts, None, None)
+        hidden = np.ascontiguousarray(np.swapaxes(trace.hidden[sl], 0, 1), dtype=np.float32)
+        seen = layer_observations(probs, experts, counts, None, hidden)
         if preview != "none":
             pred.preview_pass(seen)
         if preview == "other":  # equal values, other objects, from layer 2 on
             seen = seen[:2] + [LayerObservation(layer=o.layer, probs=o.probs.copy(),
-                                                experts=o.experts, counts=o.counts.copy())
+                                                experts=o.experts, counts=o.counts.copy(),
+                                                hidden=hidden[o.layer].copy())
                                for o in seen[2:]]
         for layer in range(L):
             out.append(pred.observe_layer(seen[layer]))
