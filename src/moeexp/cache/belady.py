@@ -85,6 +85,8 @@ class BeladyCache(CachePolicy):
             raise ConfigError(f"belady: prefetch_rule {prefetch_rule!r} is not one of {', '.join(self.RULES)}")
         self.prefetch_rule = prefetch_rule
         self._positions: dict[Key, list[int]] | None = None
+        self._stream: list[Key] = []  # the access stream (prepare_future)
+        self._after: list[float] = []  # position -> the next use of its key after it (or inf)
         self._schedule: dict[int, tuple[Key, int]] = {}  # MIN: miss position -> (victim, its last use)
         self._room_misses: set[int] = set()  # MIN: miss positions that found a free slot
         self._nu: dict[Key, float] = {}  # resident key -> its next use
@@ -97,6 +99,11 @@ class BeladyCache(CachePolicy):
         for i, key in enumerate(accesses):
             pos.setdefault(key, []).append(i)
         self._positions = pos
+        after = [_NEVER] * len(accesses)
+        for plist in pos.values():
+            for a, b in zip(plist, plist[1:], strict=False):
+                after[a] = b
+        self._stream, self._after = accesses, after
         if self.prefetch_rule != "aggressive":  # the only rule that never follows MIN's plan
             self._schedule, self._room_misses = self._plan_min(accesses, pos)
         for key in self.resident:
@@ -192,7 +199,10 @@ class BeladyCache(CachePolicy):
     def _track(self, key: Key, now: int) -> None:
         if self._positions is None:
             return
-        nu = self.next_use(key, now)
+        self._set(key, self.next_use(key, now))
+
+    def _set(self, key: Key, nu: float) -> None:
+        """Index ``key``'s next use ``nu``."""
         self._nu[key] = nu
         heapq.heappush(self._max, (-nu, key))
         heapq.heappush(self._min, (nu, key))
@@ -221,7 +231,11 @@ class BeladyCache(CachePolicy):
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         if key in self._nu:
-            self._track(key, now + 1)
+            stream = self._stream
+            if now < len(stream) and stream[now] == key:  # the access at ``now`` itself:
+                self._set(key, self._after[now])  # its next use is the next position
+            else:
+                self._track(key, now + 1)
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
