@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
@@ -74,14 +75,23 @@ def aggregate_topk(probs: np.ndarray, k: int, how: Aggregate = "union") -> tuple
 
 
 def layer_prediction(layer: int, experts: np.ndarray, scores: np.ndarray | None,
-                     num_layers: int) -> Prediction:
+                     num_layers: int,
+                     made: dict[tuple[int, int, int], Prefetch] | None = None) -> Prediction:
     """Prefetch ``experts`` (best first) for ``layer``; nearer layers get higher priority.
 
     Priority = (L - layer) - 1e-3 * rank, so a predictor's earlier target layers are issued
     before later ones and, within a layer, the better experts first.
     """
     base = float(num_layers - layer)
-    pf = [Prefetch(base - 1e-3 * i, layer, int(e)) for i, e in enumerate(experts)]
+    if made is None:
+        pf = [Prefetch(base - 1e-3 * i, layer, int(e)) for i, e in enumerate(experts)]
+    else:  # ``made``: the caller's memo of these immutable requests, by (layer, rank, expert)
+        pf = []
+        for i, e in enumerate(experts.tolist()):
+            got = made.get((layer, i, e))
+            if got is None:
+                got = made[(layer, i, e)] = Prefetch(base - 1e-3 * i, layer, e)
+            pf.append(got)
     out = Prediction(prefetch=pf, predicted={layer: np.asarray(experts, dtype=np.int64)})
     if scores is not None:
         out.scores[layer] = np.asarray(scores, dtype=np.float64)
@@ -113,6 +123,35 @@ class _SpecBase(Predictor):
         self.aggregate: Aggregate = aggregate
         self._query_ns = 0
         self._queries = 0
+        self._pre: tuple[list[np.ndarray], np.ndarray, np.ndarray] | None = None
+        self._made: dict[tuple[int, int, int], Prefetch] = {}
+
+    previews = True
+
+    def _source(self, obs: LayerObservation) -> np.ndarray | None:
+        """float[T, J]: what layer ``obs.layer`` ranks (its router, or the gate at offset)."""
+        if self.offset == 0:
+            return obs.probs
+        return None if obs.spec_probs is None else obs.spec_probs[:, self.offset - 1, :]
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """A pass of one token: every layer's :func:`aggregate_topk` at once (its one-token
+        branch: the float64 row and its stable descending order, by one argsort over the
+        stacked rows), bit-identical. Passes of several tokens are not previewed."""
+        self._pre = None
+        if len(obs) != self.dims.num_layers or self.offset != 0 and any(
+                o.spec_probs is None for o in obs):
+            return
+        src = [self._source(o) for o in obs]
+        if any(a is None or len(a) != 1 for a in src):
+            return
+        rows = np.asarray([a[0] for a in src if a is not None], dtype=np.float64)  # [L, J]
+        rows.setflags(write=False)
+        k = min(self.top_k, rows.shape[1])
+        order = np.argsort(-rows, axis=1, kind="stable")[:, :k].astype(np.int64)
+        order.setflags(write=False)
+        self._pre = ([obs[i].spec_probs if self.offset else obs[i].probs  # type: ignore[misc]
+                      for i in range(len(obs))], order, rows)
 
     def fit(self, store: Trace) -> None:
         if self.offset == 0:
@@ -130,16 +169,18 @@ class _SpecBase(Predictor):
         L = self.dims.num_layers
         if target >= L:
             return Prediction()
-        if self.offset == 0:
-            probs = obs.probs
+        pre = self._pre
+        if pre is not None and pre[0][obs.layer] is (obs.spec_probs if self.offset
+                                                     else obs.probs):
+            experts, mean = pre[1][obs.layer], pre[2][obs.layer]
         else:
-            if obs.spec_probs is None:
+            probs = self._source(obs)
+            if probs is None:
                 raise ConfigError(
                     f"predictor={self.name}: the mechanism passed no spec_probs; record the "
                     f"trace with trace.spec_depth >= {self.offset}")
-            probs = obs.spec_probs[:, self.offset - 1, :]
-        experts, mean = aggregate_topk(probs, self.top_k, self.aggregate)
-        out = layer_prediction(target, experts, mean, L)
+            experts, mean = aggregate_topk(probs, self.top_k, self.aggregate)
+        out = layer_prediction(target, experts, mean, L, self._made)
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1
         return out

@@ -142,20 +142,26 @@ class Device:
 
         The hot path: :meth:`_evict` and :meth:`_insert` inlined, what the loop reads bound
         to locals (the cache's calls leave ``protected``, ``next_access`` and the pause as
-        they are)."""
+        they are), but only once a first prefetch can start: most calls start none, and
+        binding them all first made those calls slower (moe_infinity_oss, issue 11)."""
         queue = self.queue
         if not queue.pending:
             return
-        ready, cache, pop, cur = self.ready, self.cache, queue.pop, self.cur_layer
+        free, paused, cur = self.copy_free, self.pause_until, self.cur_layer
+        got = queue.pop(cur, free if free >= paused else paused, t)
+        if got is None:
+            return
+        ready, cache, pop = self.ready, self.cache, queue.pop
         victim_of, on_insert, on_evict = cache.victim, cache.on_insert, cache.on_evict
         protected, now, copy_s = self.protected, self.next_access, self.copy_s
-        unused, paused, capacity = self.unused_prefetched, self.pause_until, self.capacity
-        free, chunked = self.copy_free, bool(self.chunk_s)
+        unused, capacity, chunked = self.unused_prefetched, self.capacity, bool(self.chunk_s)
         while True:
-            got = pop(cur, free if free >= paused else paused, t)
             if got is None:
-                return
+                got = pop(cur, free if free >= paused else paused, t)
+                if got is None:
+                    return
             key, start = got
+            got = None
             if key in ready:
                 continue
             try:

@@ -35,12 +35,15 @@ CASES = [
     ({"name": "eam", "variant": "oss"}, "moe_infinity"),
     ({"name": "learned_mlp", "distance": 2, "epochs": 2, "holdout": 0.0, "progress": False},
      "lru"),
+    ({"name": "speculative_gate", "distance": 1}, "lru_per_layer"),
+    ({"name": "promoe", "distance": 3}, "lru"),
+    ({"name": "promoe", "distance": 1}, "finemoe"),
 ]
 
 
 def _trace() -> Trace:
     return random_trace(num_layers=6, num_experts=6, top_k=2, hidden_size=8, num_requests=12,
-                        prompt_len=5, output_len=6, with_hidden=True, seed=11)
+                        prompt_len=5, output_len=6, with_hidden=True, spec_depth=2, seed=11)
 
 
 def _replay(cfg: dict, cache_name: str, batch_size: int, previews: bool) -> dict[str, float]:
@@ -83,6 +86,7 @@ def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
     out = []
     L = trace.dims.num_layers
     assert trace.embed is not None and trace.probs is not None and trace.hidden is not None
+    assert trace.spec_probs is not None
     for it in range(trace.num_iterations):
         sl, rid = trace.token_slice(it), int(trace.iter_request[it])
         T = sl.stop - sl.start
@@ -93,13 +97,15 @@ def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
         counts = trace.iteration_counts(it)
         experts = [np.flatnonzero(c) for c in counts]
         hidden = np.ascontiguousarray(np.swapaxes(trace.hidden[sl], 0, 1), dtype=np.float32)
-        seen = layer_observations(probs, experts, counts, None, hidden)
+        spec = np.ascontiguousarray(np.swapaxes(trace.spec_probs[sl], 0, 1), dtype=np.float32)
+        seen = layer_observations(probs, experts, counts, spec, hidden)
         if preview != "none":
             pred.preview_pass(seen)
         if preview == "other":  # equal values, other objects, from layer 2 on
             seen = seen[:2] + [LayerObservation(layer=o.layer, probs=o.probs.copy(),
                                                 experts=o.experts, counts=o.counts.copy(),
-                                                hidden=hidden[o.layer].copy())
+                                                hidden=hidden[o.layer].copy(),
+                                                spec_probs=spec[o.layer].copy())
                                for o in seen[2:]]
         for layer in range(L):
             out.append(pred.observe_layer(seen[layer]))
