@@ -22,8 +22,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from heapq import heappop, heappush
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from moeexp.cache import CACHES
 from moeexp.cache.capacity import capacity_slots
@@ -73,6 +76,36 @@ BEFORE: dict[str, tuple[float, float]] = {
 }
 #: Accesses of the default protocol, which the :data:`BEFORE` figures were measured on.
 BEFORE_ACCESSES = 150440.0
+
+
+#: CPU s of :func:`reference_workload` (best of 3) when the ``AFTER`` figures were taken;
+#: ``machine_factor`` = today's reference / this (> 1: the machine runs slower today).
+REFERENCE_S = float("nan")
+
+
+def reference_workload(rounds: int = 3) -> float:
+    """Best-of-``rounds`` CPU s of a fixed workload shaped like a replay (tuple keys in
+    dicts and sets, a heap, list appends, small numpy calls on an [L, J] matrix), timed
+    in the same run as the replays: it moves with the machine's speed, not with the code,
+    so the JSON's ``machine_factor`` tells drift of a shared VM from a real change."""
+    best = float("inf")
+    for _ in range(rounds):
+        c0 = time.process_time()
+        prio = np.zeros((32, 8))
+        ready: dict[tuple[int, int], float] = {}
+        heap: list[tuple[float, int, tuple[int, int]]] = []
+        out: list[int] = []
+        for i in range(300000):
+            key = ((i * 7) % 32, (i * 5) % 8)
+            ready[key] = i * 1e-3
+            heappush(heap, (-float(i % 97), i, key))
+            if len(heap) > 64:
+                heappop(heap)
+            if key in ready and i % 3 == 0:
+                prio[key] += 1.0
+                out.append(int((prio + 0.5).argmin()))
+        best = min(best, time.process_time() - c0)
+    return best
 
 
 def mixtral_dims(dims: TraceDims) -> TraceDims:
@@ -164,6 +197,7 @@ def run(num_prompts: int = 64, prompt_len: int = 43, output_len: int = 122, capa
         hardware: str = "rtx3090_pcie4", repeats: int = 2, presets: bool = True) -> dict[str, Any]:
     """Replay each system; returns CPU and wall seconds, accesses/s (before and after the
     speed-up) and headline metrics per system."""
+    ref0 = reference_workload()
     t0 = time.perf_counter()
     trace = random_trace(num_layers=32, num_experts=8, top_k=2, hidden_size=16, spec_depth=4,
                          num_requests=num_prompts, prompt_len=prompt_len, output_len=output_len,
@@ -182,7 +216,11 @@ def run(num_prompts: int = 64, prompt_len: int = 43, output_len: int = 122, capa
         systems[system] = _timed(system, build, test, cost, repeats)
     presets_out = _replay_presets(trace, dims, cost, capacity, repeats) if presets else {}
     cpus = [s["cpu_s"] for s in (*systems.values(), *presets_out.values()) if "cpu_s" in s]
+    ref = min(ref0, reference_workload())  # before and after the replays
+    log.info("reference workload: %.3f CPU s (machine factor %.2f)", ref, ref / REFERENCE_S)
     return {
+        "machine": {"reference_cpu_s": ref, "reference_cpu_s_then": REFERENCE_S,
+                    "machine_factor": ref / REFERENCE_S},
         "protocol": {"prompts": num_prompts, "test_requests": len(test.requests),
                      "prompt_len": prompt_len, "output_len": output_len, "capacity": capacity,
                      "hardware": hardware, "shape": "L=32 J=8 K=2 (Mixtral-8x7B dims)",
