@@ -66,6 +66,28 @@ TARGET_S = 2.0
 #: ~0.25 s of every replay. Still over 2 s: oracle, finemoe, finemoe_no_semantic,
 #: moe_infinity, moe_infinity_oss, promoe_learned (their time is mostly the predictor and
 #: the policy, outside the mechanism).
+#: Third step (a per-pass ``Predictor.preview_pass`` speed hook: expert_map's trajectory
+#: searches, eam paper's matches, learned_mlp's nets and the speculative predictors' top-k
+#: batched per pass with the same numpy operations; observations built without the frozen
+#: ``__init__``; ``min_copies`` on int heap entries; belady's next use from a table; every
+#: metric and per-request series of all 12 systems identical): commit 466ca8c -> e9bc615,
+#: ``python -m moeexp.bench simulator`` of both trees side by side (simultaneous processes,
+#: OMP_NUM_THREADS=1 as ``make bench``), two pairs, 2026-12-01 15:02-15:12 UTC, load 5-11
+#: from other sweeps, CPU s best of 2, pair 1 / pair 2: no_offload 0.73 -> 0.59 / 1.01 ->
+#: 0.89, deepspeed 0.94 -> 0.90 / 1.54 -> 1.39, oracle 2.96 -> 2.57 / 3.98 -> 3.54, emoe
+#: 2.51 -> 2.31 / 3.65 -> 2.71, finemoe 4.86 -> 4.23 / 5.31 -> 4.91, finemoe_no_semantic
+#: 5.05 -> 3.97 / 5.35 -> 4.73, mixtral_offloading 2.31 -> 1.97 / 2.63 -> 2.27,
+#: moe_infinity 3.62 -> 2.40 / 4.37 -> 3.37, moe_infinity_oss 5.55 -> 5.10 / 4.12 -> 4.48
+#: (no change beyond the noise: its match is a memory-bound matrix-vector product per
+#: layer that cannot be batched bit-identically), oracle_aggressive 3.05 -> 2.61 / 2.50 ->
+#: 2.32, promoe 2.36 -> 2.15 / 2.30 -> 2.04, promoe_learned 3.04 -> 2.36 / 3.00 -> 2.53.
+#: On the lead's idle run of the before tree (13:36 UTC, load 0.7) every system but
+#: no_offload and deepspeed took over 2 s; under today's load only no_offload, deepspeed
+#: and mixtral_offloading (pair 1) are within 2 CPU s after the step. The reference
+#: workload took 0.285 / 0.281 CPU s in the two after runs (:data:`REFERENCE_S`) while
+#: pair 2's first replays ran up to 50 % slower than pair 1's (the load rose, then fell):
+#: it fits in the caches, so it sees the CPU's speed but not the cache and memory
+#: contention of the other processes.
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
@@ -78,9 +100,10 @@ BEFORE: dict[str, tuple[float, float]] = {
 BEFORE_ACCESSES = 150440.0
 
 
-#: CPU s of :func:`reference_workload` (best of 3) when the ``AFTER`` figures were taken;
-#: ``machine_factor`` = today's reference / this (> 1: the machine runs slower today).
-REFERENCE_S = float("nan")
+#: CPU s of :func:`reference_workload` (best of 3) in the run of the third step's figures
+#: (2026-12-01 15:06 UTC, load ~6-11); ``machine_factor`` = the run's reference / this
+#: (> 1: the machine runs slower than then).
+REFERENCE_S = 0.285
 
 
 def reference_workload(rounds: int = 3) -> float:
