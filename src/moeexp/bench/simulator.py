@@ -87,7 +87,15 @@ TARGET_S = 2.0
 #: workload took 0.285 / 0.281 CPU s in the two after runs (:data:`REFERENCE_S`) while
 #: pair 2's first replays ran up to 50 % slower than pair 1's (the load rose, then fell):
 #: it fits in the caches, so it sees the CPU's speed but not the cache and memory
-#: contention of the other processes.
+#: contention of the other processes. Then, with the machine nearly idle (load 4-5, wall
+#: = CPU), before / after / before in sequence (15:17-15:23 UTC, 466ca8c vs 8711f4a, best
+#: of 2): no_offload 0.71/0.71 -> 0.62, deepspeed 0.89/0.88 -> 0.75, oracle 2.31/2.35 ->
+#: 2.13, emoe 2.04/2.07 -> 2.04, finemoe 3.54/3.73 -> 3.33, finemoe_no_semantic 3.36/3.62
+#: -> 2.96, mixtral_offloading 1.85/1.89 -> 1.45, moe_infinity 2.44/2.49 -> 1.81,
+#: moe_infinity_oss 3.06/2.91 -> 2.71, oracle_aggressive 1.94/1.78 -> 1.58, promoe
+#: 1.98/1.91 -> 1.47, promoe_learned 2.74/3.28 -> 1.77 (machine factor 0.94): within 2 CPU
+#: s: no_offload, deepspeed, mixtral_offloading, moe_infinity, oracle_aggressive, promoe,
+#: promoe_learned; still over: oracle, emoe, finemoe, finemoe_no_semantic, moe_infinity_oss.
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
