@@ -88,6 +88,15 @@ def _at(sub: pd.DataFrame, s: str, x: float) -> pd.Series | None:
     return m.iloc[0] if len(m) else None
 
 
+def _floor(sub: pd.DataFrame, x: float, bound: str) -> float:
+    """The floor at ratio ``x``: the same for every system of a seed, so taken from the
+    rows with the most seeds there (a row over fewer seeds averages other prompts)."""
+    at = sub[sub["_x"].round(6) == x]
+    at = at[pd.to_numeric(at["n"], errors="coerce") == pd.to_numeric(at["n"], errors="coerce").max()]
+    b = pd.to_numeric(at[bound], errors="coerce")
+    return float(b.mean()) if b.notna().any() else math.nan
+
+
 def _header(first: str, xs: Sequence[float]) -> list[str]:
     return [f"| {first} | " + " | ".join(f"{x:.3g}" for x in xs) + " |",
             "|---|" + "---|" * len(xs)]
@@ -106,10 +115,7 @@ def metric_table(sub: pd.DataFrame, col: str, title: str, bound: str | None = No
             cells.append(_pct(m, h) if pct else _pm(m, h))
         lines.append(f"| {s} | " + " | ".join(cells) + " |")
     if bound:
-        cells = []
-        for x in xs:
-            b = pd.to_numeric(sub[sub["_x"].round(6) == x][bound], errors="coerce")
-            cells.append(_pm(float(b.mean()), math.nan) if b.notna().any() else "-")
+        cells = [_pm(_floor(sub, x, bound), math.nan) for x in xs]
         lines.append("| **bound (floor)** | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -159,8 +165,9 @@ def _crossing_cell(per_seed: list[tuple[list[tuple[float, str]], float]]) -> str
         return "none: faster everywhere" if signs == {True} else \
             "none: slower everywhere" if signs == {False} else "none (sign differs by seed)"
     if len(kinds) > 1:
-        return "; ".join("seed: " + (", ".join(f"{k} {x:.2g}" for x, k in c) or "none")
-                         for c, _ in per_seed)
+        return "differs by seed: " + "; ".join(
+            f"#{i} " + (", ".join(f"{k} {x:.2g}" for x, k in c) or "none")
+            for i, (c, _) in enumerate(per_seed))
     parts = []
     for i, kind in enumerate(next(iter(kinds))):
         m, h, n = mean_ci([c[i][0] for c, _ in per_seed])
@@ -183,8 +190,7 @@ def oracle_table(sub: pd.DataFrame, q: str) -> str:
         pick = max(vals, key=lambda v: v[1]) if q == "hit_rate" else min(vals, key=lambda v: v[1])
         best.append(pick)
     if q != "hit_rate":
-        b = [float(pd.to_numeric(sub[sub["_x"].round(6) == x][f"bound_{col}"],
-                                 errors="coerce").mean()) for x in xs]
+        b = [_floor(sub, x, f"bound_{col}") for x in xs]
         lines.append("| bound (floor) | " + " | ".join(_pm(v, math.nan) for v in b) + " |")
     for o in ORACLES:
         cells = []
@@ -237,16 +243,25 @@ def main(argv: Sequence[str]) -> int:
     eb = float(pd.to_numeric(rows["cost_expert_bytes"], errors="coerce").iloc[0])
     for cap in sorted(rows["_cap"].unique()):
         sub = rows[np.isclose(rows["_cap"], cap)]
-        print(f"## budget {cap:.0%} (n = {int(sub['n'].min())}-{int(sub['n'].max())} seeds)\n")
+        lo, hi = int(sub["n"].min()), int(sub["n"].max())
+        print(f"## budget {cap:.0%} (n = {lo if lo == hi else f'{lo}-{hi}'} seeds per row)\n")
         for q in qs:
             print(metric_table(sub, f"{q}_norm_mean", f"{q.upper()} / no_offload",
                                bound=f"bound_{q}_norm_mean"))
             print(metric_table(sub, f"{q}_vs_{ON_DEMAND}_pct",
                                f"{q.upper()} change vs on-demand LRU, % (paired)", pct=True))
         print(metric_table(sub, "hit_rate", "hit rate"))
+        print("Crossovers: where a system starts or stops beating on-demand LRU (the paired "
+              "change crosses 0), per seed by log-linear interpolation between sweep points, "
+              "within the swept ratios only:\n")
         print(crossover_table(runs, cap, qs))
+        print("The oracles against the floor and against the best exact non-oracle system at "
+              "each ratio (latency over no_offload's; for the hit rate, higher is better):\n")
         for q in [*qs, "hit_rate"]:
             print(oracle_table(sub, q))
+        print("Where the bytes and the stalls go (copies = bytes / expert bytes; per token = "
+              "per output token, the prefill's included; stalls summed over the test "
+              "requests):\n")
         print(decomposition(sub, at, eb))
     return 0
 

@@ -83,10 +83,15 @@ def _draw(ax: Axes, x: np.ndarray, y: np.ndarray, err: np.ndarray | None, **kw: 
 
 
 def _bound(ax: Axes, sub: pd.DataFrame, ratio_c: str, sys_c: str, kind: str, q: str) -> None:
-    """The floor ``bound_<q>_norm_mean`` (one value per link: the same for every system),
-    over no_offload's (``norm``) or over on-demand loading's mean latency (``vs``)."""
-    b = pd.Series(_num(sub, f"bound_{q}_norm_mean"), index=_num(sub, ratio_c)).dropna()
-    b = b.groupby(level=0).mean()
+    """The floor ``bound_<q>_norm_mean`` (one value per link: the same for every system of
+    a seed, so taken from the rows over the most seeds), over no_offload's (``norm``) or
+    over on-demand loading's mean latency (``vs``)."""
+    n = _num(sub, "n") if "n" in sub.columns else np.ones(len(sub))
+    frame = pd.DataFrame({"x": _num(sub, ratio_c), "b": _num(sub, f"bound_{q}_norm_mean"),
+                          "n": np.nan_to_num(n, nan=1.0)}).dropna()
+    # the same for every system of a seed: take it from the rows with the most seeds
+    frame = frame[frame["n"] == frame.groupby("x")["n"].transform("max")]
+    b = frame.groupby("x")["b"].mean()
     if b.empty:
         return
     y = b.to_numpy()
@@ -128,6 +133,20 @@ def _decorate(ax: Axes, kind: str, q: str, cap: float) -> None:
     ax.set_title(f"budget {cap:.0%}", fontsize=9)
 
 
+def _labels(df: pd.DataFrame, sys_c: str, systems: list[str]) -> dict[str, str]:
+    """Each system's legend label; one measured over fewer seeds than the most says so
+    (``moe_infinity (n=1-2)``), so a point without error bars is not read as exact."""
+    n = _num(df, "n")
+    top = np.nanmax(n) if np.isfinite(n).any() else 1.0
+    out = {}
+    for s in systems:
+        ns = n[(df[sys_c] == s).to_numpy()]
+        ns = ns[np.isfinite(ns)]
+        lo, hi = (int(ns.min()), int(ns.max())) if len(ns) else (int(top), int(top))
+        out[s] = str(s) if lo == top else f"{s} (n={lo})" if lo == hi else f"{s} (n={lo}-{hi})"
+    return out
+
+
 def regime_map(df: pd.DataFrame) -> Figure:
     """The figure from a regime map's ``summary.csv`` (module docstring)."""
     import matplotlib
@@ -146,12 +165,13 @@ def regime_map(df: pd.DataFrame) -> Figure:
     systems = [s for s in dict.fromkeys(df[sys_c]) if s != REFERENCE]
     tab = iter(plt.get_cmap("tab10").colors)  # type: ignore[attr-defined]
     colours = {s: _COLOURS.get(s) or next(tab) for s in systems}
+    labels = _labels(df, sys_c, systems)
     for i, cap in enumerate(caps):
         sub = df[df[cap_c].astype(float) == cap]
         for ax, (kind, q) in zip(axes[i], panels, strict=True):
             for s in systems:
                 pts = sub[sub[sys_c] == s].sort_values(ratio_c, key=lambda c: c.astype(float))
-                _system_line(ax, pts, ratio_c, kind, q, str(s), colours[s])
+                _system_line(ax, pts, ratio_c, kind, q, labels[s], colours[s])
             if kind != "hit":
                 _bound(ax, sub, ratio_c, sys_c, kind, q)
             _decorate(ax, kind, q, cap)

@@ -67,3 +67,10 @@ def test_no_ttft_panels_without_a_prefill_and_no_not_applicable_line() -> None:
     labels = {lab for ax in fig.axes for lab in _lines(ax)}
     assert "na" not in labels
     assert fig.axes[2].get_ylabel().startswith("cache hit rate")
+
+
+def test_a_system_over_fewer_seeds_says_so_in_its_label() -> None:
+    df = _summary()
+    df.loc[df["system"] == "a", "n"] = 1
+    labels = set(_lines(regime_map(df).axes[0]))
+    assert "a (n=1)" in labels and "deepspeed" in labels
