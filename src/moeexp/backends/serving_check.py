@@ -34,7 +34,7 @@ from moeexp.costmodel.roofline import CostModel
 from moeexp.predictors import build_predictor
 from moeexp.schedulers import build_scheduler
 from moeexp.serving.settings import ServingSettings
-from moeexp.simulator.continuous import serve
+from moeexp.simulator.continuous import serve, slo_targets_s
 from moeexp.simulator.plan import Plan
 from moeexp.simulator.serving_profile import fit_serving_profile
 from moeexp.systems import resolve_system
@@ -47,13 +47,8 @@ def slo_targets(trace: Trace, cost: CostModel, settings: ServingSettings
     latency alone with every expert resident under ``cost`` (the simulator's targets;
     NaN TTFT without a prefill)."""
     plan = Plan(trace, cost, batch_size=1, arrival_rate=None, num_requests=None, seed=0)
-    start, first, finish = plan.no_offload_times()
-    out = {}
-    for u, meta in enumerate(plan.unit_request):
-        st, se = settings.scales(meta.task)
-        ttft = st * (first[u] - start[u]) if plan.has_prefill(u) else float("nan")
-        out[meta.request_id] = (ttft, se * (finish[u] - start[u]))
-    return out
+    return {meta.request_id: t
+            for meta, t in zip(plan.unit_request, slo_targets_s(plan, settings), strict=True)}
 
 
 def kv_pool_bytes(cost: CostModel, settings: ServingSettings, capacity_slots: int) -> int:

@@ -87,23 +87,35 @@ class _Units:
         return len(self.iters)
 
 
+def slo_targets_s(plan: Plan, settings: ServingSettings) -> list[tuple[float, float]]:
+    """Per unit of ``plan`` (batch_size 1: one request each), its (TTFT, e2e) SLO targets in
+    seconds: the task's scales (``settings.scales``) x the request's latency alone with every
+    expert resident under the plan's cost model; TTFT NaN without a prefill. The one rule
+    both backends' serving runs are held to."""
+    start, first, finish = plan.no_offload_times()  # alone, every expert resident
+    out = []
+    for u, meta in enumerate(plan.unit_request):
+        sc_ttft, sc_e2e = settings.scales(meta.task)
+        out.append((sc_ttft * (first[u] - start[u]) if plan.has_prefill(u) else float("nan"),
+                    sc_e2e * (finish[u] - start[u])))
+    return out
+
+
 def _units(plan: Plan, settings: ServingSettings, profile: ServingProfile,
            kv_per_token: int, offline_at_zero: bool) -> _Units:
     """The :class:`_Units` of ``plan`` (built with batch_size 1: one batch per unit)."""
     lens = np.diff(plan.trace.iter_offsets)
     iters = [[i for g in b.groups for i in g] for b in plan.batches]
     n = len(iters)
-    start, first, finish = plan.no_offload_times()  # alone, every expert resident
+    targets = slo_targets_s(plan, settings)
     specs = []
     for u, meta in enumerate(plan.unit_request):
         prefill = plan.has_prefill(u)
         prompt = int(lens[iters[u][0]]) if prefill and iters[u] else int(meta.prompt_len)
-        sc_ttft, sc_e2e = settings.scales(meta.task)
         specs.append(RequestSpec(
             task=meta.task, pass_tokens=[int(lens[i]) for i in iters[u]],
             kv_bytes=kv_reservation_bytes(kv_per_token, prompt, meta.task, profile),
-            slo_ttft_s=sc_ttft * (first[u] - start[u]) if prefill else float("nan"),
-            slo_e2e_s=sc_e2e * (finish[u] - start[u]), has_prefill=prefill,
+            slo_ttft_s=targets[u][0], slo_e2e_s=targets[u][1], has_prefill=prefill,
             cached_tokens=0 if prefill else prompt))
     arrival = plan.arrivals if plan.arrivals is not None else np.zeros(n)
     return _Units(iters=iters, specs=specs,
