@@ -11,15 +11,12 @@ import math
 
 import pandas as pd
 import pytest
-from tests.unit.engine.test_continuous import _prompts, _record
+from tests.unit.engine.test_continuous import serving_case
 
 from moeexp.backends import BACKENDS, BackendContext
 from moeexp.backends.serving_point import served_rate, unloaded_e2e_s
-from moeexp.costmodel import CostModel, load_profile
+from moeexp.costmodel import CostModel
 from moeexp.errors import ConfigError
-from moeexp.models.adapters import adapter_for
-from moeexp.models.loading import LoadedModel
-from moeexp.models.toy_configs import toy_model
 from moeexp.registry import GroupChoice
 
 #: a small profile (4 store requests, 8 tokens generated, 1 and 64 experts copied 3 times each
@@ -31,13 +28,7 @@ PROFILE = {"profile_requests": 4, "decode_tokens": 8, "copy_repeats": 3,
 
 @pytest.fixture(scope="module")
 def setup(store_of):  # type: ignore[no-untyped-def]
-    model = toy_model("mixtral")
-    loaded = LoadedModel(model=model, tokenizer=None, adapter=adapter_for(model), name="tiny",
-                         source="test")
-    prompts = _prompts()
-    trace = _record(model, prompts)
-    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), trace.dims)
-    return loaded, prompts, trace, store_of("mixtral"), cost
+    return serving_case(store_of("mixtral"))
 
 
 def _ctx(setup, run_dir) -> BackendContext:  # type: ignore[no-untyped-def]

@@ -60,6 +60,21 @@ def _record(model: torch.nn.Module, prompts: list[Prompt]):  # type: ignore[no-u
                         prompt_embedder=None, progress=False)
 
 
+def serving_case(store):  # type: ignore[no-untyped-def]
+    """(loaded toy Mixtral, prompts, their greedy trace, ``store``, rtx3090_pcie4 cost model):
+    the one case the engine-vs-simulator serving tests share."""
+    from moeexp.costmodel import CostModel, load_profile
+    from moeexp.models.loading import LoadedModel
+
+    model = toy_model("mixtral")
+    loaded = LoadedModel(model=model, tokenizer=None, adapter=adapter_for(model), name="tiny",
+                         source="test")
+    prompts = _prompts()
+    trace = _record(model, prompts)
+    return loaded, prompts, trace, store, CostModel.from_profile(load_profile("rtx3090_pcie4"),
+                                                                 trace.dims)
+
+
 def _policies(system: str, store, capacity):  # type: ignore[no-untyped-def]
     pcfg, ccfg, settings = resolve_system(system, None, {"capacity": capacity},
                                           model={"prefetch_distance": 1})

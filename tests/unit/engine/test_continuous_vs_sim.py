@@ -11,23 +11,14 @@ import pytest
 
 from moeexp.backends.serving_check import sim_vs_engine_serving, slo_targets
 from moeexp.costmodel import CostModel, load_profile
-from moeexp.models.adapters import adapter_for
-from moeexp.models.loading import LoadedModel
-from moeexp.models.toy_configs import toy_model
 from moeexp.serving.settings import ServingSettings
 
-from .test_continuous import _prompts, _record
+from .test_continuous import serving_case
 
 
 @pytest.fixture(scope="module")
 def setup(store_of):  # type: ignore[no-untyped-def]
-    model = toy_model("mixtral")
-    loaded = LoadedModel(model=model, tokenizer=None, adapter=adapter_for(model), name="tiny",
-                         source="test")
-    prompts = _prompts()
-    trace = _record(model, prompts)
-    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), trace.dims)
-    return loaded, prompts, trace, store_of("mixtral"), cost
+    return serving_case(store_of("mixtral"))
 
 
 @pytest.mark.parametrize("batch_decode", [False, True])
