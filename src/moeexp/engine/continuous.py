@@ -100,8 +100,10 @@ class _EnginePasses:
 
     def __init__(self, pm: PassModel, reqs: list[_Req],
                  forced: Mapping[int, Sequence[int]] | None, future: Trace | None,
-                 eos: Sequence[int], pass_seconds: Sequence[float] | None = None) -> None:
+                 eos: Sequence[int], pass_seconds: Sequence[float] | None = None,
+                 residency: Sequence[Sequence[Sequence[int]]] | None = None) -> None:
         self.pm, self.reqs = pm, reqs
+        self.residency = residency
         self.forced, self.future, self.eos = forced, future, list(eos)
         self.pass_s = None if pass_seconds is None else [float(x) for x in pass_seconds]
         self.clock = 0.0  # the simulated clock (pass_seconds given)
@@ -153,7 +155,16 @@ class _EnginePasses:
                else pass_future(self.future, [(m.request_id, m.step) for m in mem]))
         c = self.pm.engine.counters
         h0, a0, s0, w0 = c.hits, c.accesses, c.stall_s, time.perf_counter()
-        out = self.pm.run_pass(mem, fut)
+        if self.residency is not None:
+            i = len(self.passes) - 1
+            if i >= len(self.residency):
+                raise ConfigError(f"the residency replay holds {len(self.residency)} passes; "
+                                  f"the engine ran more (pass {i + 1})")
+            self.pm.engine.residency = self.residency[i]
+        try:
+            out = self.pm.run_pass(mem, fut)
+        finally:
+            self.pm.engine.residency = None
         if self.pass_s is not None:
             i = len(self.passes) - 1
             if i >= len(self.pass_s):
@@ -228,7 +239,9 @@ def serve_continuous(pm: PassModel, prompts: Sequence[Any], scheduler: Scheduler
                      slo_s: Mapping[int, tuple[float, float]] | None = None,
                      prompt_embeds: np.ndarray | None = None, eos_token_ids: Sequence[int] = (),
                      progress: bool = False,
-                     pass_seconds: Sequence[float] | None = None) -> ContinuousRun:
+                     pass_seconds: Sequence[float] | None = None,
+                     residency: Sequence[Sequence[Sequence[int]]] | None = None
+                     ) -> ContinuousRun:
     """Serve ``prompts`` on ``pm`` with continuous batching under ``scheduler``.
 
     Args:
@@ -254,6 +267,10 @@ def serve_continuous(pm: PassModel, prompts: Sequence[Any], scheduler: Scheduler
             arrivals wait on it, so admission and passes follow that timeline whatever
             this machine's speed (:mod:`moeexp.eval.serving_quality`); the latencies
             reported are then that clock's.
+        residency: restricted routing only: per pass, per layer, the experts a lossy layer
+            may use (e.g. the simulator's ``series["restricted_usable"]`` of the same
+            passes, so the model computes under the simulated operating point's residency;
+            those the engine lacks load on demand); None: what the engine holds ready.
     """
     settings = settings or ServingSettings()
     pool = int(kv_pool_bytes) if kv_pool_bytes is not None else np.iinfo(np.int64).max
@@ -268,11 +285,14 @@ def serve_continuous(pm: PassModel, prompts: Sequence[Any], scheduler: Scheduler
     if "future" in pm.engine.runner.predictor.needs and future is None:
         raise ConfigError(f"{pm.engine.runner.predictor.name} needs the future accesses: pass "
                           "future=<trace of these requests> (and forced=its tokens)")
+    if residency is not None and not pm.engine.settings.restricted_routing:
+        raise ConfigError("a residency replay needs restricted routing (an exact layer loads "
+                          "what it needs whatever is resident)")
     scheduler.fit(profile)
     wall0 = time.perf_counter()
     runner = _EnginePasses(pm, reqs, forced,
                            future if "future" in pm.engine.runner.predictor.needs else None,
-                           eos_token_ids, pass_seconds)
+                           eos_token_ids, pass_seconds, residency)
     served = BatchingLoop([r.spec() for r in reqs], arrival, scheduler, settings, pool,
                           kv_per_token, runner, desc="engine serve", progress=progress).serve()
     metrics, series = _report(pm, runner, served, slo_s is not None, time.perf_counter() - wall0)

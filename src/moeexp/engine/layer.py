@@ -36,6 +36,7 @@ from torch import nn
 from moeexp.engine.kernel import restrict_routing
 from moeexp.engine.runtime import Engine
 from moeexp.engine.store import Key
+from moeexp.errors import ConfigError
 from moeexp.predictors.base import LayerObservation
 
 
@@ -199,8 +200,16 @@ def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tenso
                 needed: list[int], pos0: int
                 ) -> tuple[list[Key], torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Lossy mode (lock held): substitute non-ready experts; nothing is loaded (with
-    ``restricted_wait`` every copy has landed by now: ``settle_prefetches``)."""
-    usable = [e for e in range(eng.J) if eng.state_of((layer, e)) == "ready"]
+    ``restricted_wait`` every copy has landed by now: ``settle_prefetches``). Under a
+    residency replay (``eng.residency``) the usable experts are the replayed ones, and
+    those of them this engine lacks are loaded (outputs then depend on the replayed
+    residency only, never on this engine's copies)."""
+    given = eng.residency
+    usable = (sorted({int(e) for e in given[layer]}) if given is not None
+              else [e for e in range(eng.J) if eng.state_of((layer, e)) == "ready"])
+    if given is not None and len(usable) > eng.pool.num_slots:
+        raise ConfigError(f"the residency replay gives layer {layer} {len(usable)} usable "
+                          f"experts, more than the engine's {eng.pool.num_slots} slots")
     mask = torch.zeros(eng.J, dtype=torch.bool, device=idx.device)
     if usable:
         mask[usable] = True
@@ -222,4 +231,6 @@ def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tenso
     c.hits += hit
     chunk = [(layer, e) for e in used]
     eng.protect(chunk)
+    if given is not None:
+        eng.load_missing(chunk, pos0)
     return chunk, new_idx.reshape(-1), new_w.reshape(-1), keep

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -173,6 +173,11 @@ class Engine:
         #: routing replay (moeexp.engine.routing_replay.RoutingReplay): observations take
         #: the trace's probabilities, speculative gates and hidden states; None = the model's
         self.replay: Any = None
+        #: residency replay (restricted routing only): per layer of the running pass, the
+        #: experts a lossy layer may use (e.g. the simulator's ready set at that layer,
+        #: :func:`moeexp.simulator.continuous.serve`'s ``record_usable``), loaded on demand
+        #: when this engine lacks them; None = what this engine holds ready
+        self.residency: Sequence[Sequence[int]] | None = None
         self.iteration = -1  # forward passes begun so far - 1
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
         try:
@@ -441,6 +446,14 @@ class Engine:
         self.cache.on_insert(key, now, False)
         self.counters.demand_loads += 1
         self._account_slot()
+
+    def load_missing(self, keys: list[Key], now: int) -> None:
+        """Residency replay (lock held): demand-load those of ``keys`` this engine holds no
+        slot for, none of ``keys`` a victim; compute waits for them as for any copy."""
+        pending = set(keys)
+        for key in keys:
+            if self.state_of(key) == "absent":
+                self.demand(key, now, pending, lambda: False)
 
     def settle_prefetches(self) -> None:
         """``restricted_wait``: before a lossy layer computes, let the copy thread start

@@ -46,9 +46,18 @@ GPU, so on the wall clock the same arrival rate would load it much less. ``clock
 - ``wall``: the wall clock, the engine's arrivals stretched by ``time_scale`` (engine
   arrivals = the simulator's x time_scale); both ``*_batch_requests_mean`` are reported.
 
-The engine's copies keep their own timing (``engine.bandwidth_bps``, ``restricted_wait``):
-what is resident when a lossy layer runs is the engine's, not the simulator's, so the two
-substitution rates are reported side by side.
+**Residency.** What a lossy layer may use is the operating point's too by default
+(``residency=simulator``): the simulator records, per pass and layer, the experts resident
+and ready when that layer ran (on its link timing, ``rtx3090_pcie4`` for instance), and the
+engine's pass i computes its layers under exactly those sets (loading what it lacks;
+:func:`~moeexp.engine.continuous.serve_continuous`'s ``residency``), so the quality is the
+quality of the simulated point and no longer depends on this machine's copies. The
+engine's routing still is its own (after a substitution the hidden states, hence later
+layers' routing, differ from the trace's), so ``engine_substitution_rate`` differs from
+``sim_substitution_rate`` by that divergence only. ``residency=engine``: the engine's own
+copies decide (``engine.restricted_wait``: a zero-time link; else thread timing): eMoE's
+cold-start streaming of the first prompt then lands far more experts per layer than the
+simulated link does, and the engine holds a different residency at the same budget.
 """
 
 from __future__ import annotations
@@ -75,6 +84,7 @@ from moeexp.simulator.serving_profile import fit_serving_profile
 
 NAN = float("nan")
 MODES = ("teacher_forced", "greedy")
+RESIDENCIES = ("simulator", "engine")
 GREEDY_WINDOW = 8  # emoe_accuracy's quality_new_tokens
 
 
@@ -88,6 +98,8 @@ class ServingQualitySettings:
         clock: ``simulator`` | ``wall`` (module docstring).
         time_scale: ``clock=wall``: engine arrival times = the simulator's x this (> 0).
         modes: ``teacher_forced`` and/or ``greedy`` engine serves.
+        residency: ``simulator`` (default; needs ``clock=simulator``) | ``engine``: whose
+            residency a lossy layer uses (module docstring); unused for exact systems.
         restricted_routing: eMoE's lossy routing (the system bundle sets it).
         serving: budgets and SLO scales (:class:`ServingSettings` keys).
         engine: engine settings (conf/backend/engine.yaml keys: device, num_threads,
@@ -101,6 +113,7 @@ class ServingQualitySettings:
     clock: str = "simulator"
     time_scale: float = 1.0
     modes: Sequence[str] = ("teacher_forced",)
+    residency: str = "simulator"
     restricted_routing: bool = False
     serving: Mapping[str, Any] = field(default_factory=dict)
     engine: Mapping[str, Any] = field(default_factory=dict)
@@ -117,6 +130,11 @@ class ServingQualitySettings:
             bad.append(f"time_scale={self.time_scale!r} (> 0)")
         if self.clock not in ("simulator", "wall"):
             bad.append(f"clock={self.clock!r} (simulator | wall)")
+        if self.residency not in RESIDENCIES:
+            bad.append(f"residency={self.residency!r} ({' | '.join(RESIDENCIES)})")
+        elif self.residency == "simulator" and self.clock != "simulator":
+            bad.append("residency=simulator needs clock=simulator (the engine's pass i must "
+                       "be the simulator's pass i; use residency=engine with clock=wall)")
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             bad.append(f"modes={list(self.modes)!r} (a non-empty subset of {list(MODES)})")
@@ -225,7 +243,8 @@ def _engine_serve(ctx: BackendContext, prompts: Sequence[Any], st: ServingQualit
                   forced: Mapping[int, Sequence[int]] | None, scorer: _Scorer,
                   *, profile: Any, serving: ServingSettings, kv: int, pool: int,
                   slo: Mapping[int, tuple[float, float]], arrivals: list[float],
-                  pass_seconds: Sequence[float] | None) -> Any:
+                  pass_seconds: Sequence[float] | None,
+                  residency: Sequence[Sequence[Sequence[int]]] | None) -> Any:
     """One continuous serve on the engine with fresh copies of the fitted policies."""
     assert ctx.scheduler is not None
     from moeexp.engine.batch_pass import build_pass_model
@@ -255,7 +274,7 @@ def _engine_serve(ctx: BackendContext, prompts: Sequence[Any], st: ServingQualit
                 pm, prompts, build_scheduler(ctx.scheduler), profile, settings=serving,
                 kv_bytes_per_token=kv, kv_pool_bytes=pool, arrivals_s=arrivals,
                 forced=forced, slo_s=slo, eos_token_ids=eos_ids(loaded.model),
-                progress=st.progress, pass_seconds=pass_seconds)
+                progress=st.progress, pass_seconds=pass_seconds, residency=residency)
         finally:
             pm.close()
 
@@ -347,16 +366,20 @@ def serving_quality(ctx: BackendContext, st: ServingQualitySettings) -> BackendR
     pool = kv_pool_bytes(ctx.cost, serving, slots)
     slo = slo_targets(trace, ctx.cost, serving)
     t0 = time.perf_counter()
+    replayed = bool(st.restricted_routing) and st.residency == "simulator"
     sim = serve(trace, copy.deepcopy(ctx.predictor), copy.deepcopy(ctx.cache), ctx.cost,
                 build_scheduler(ctx.scheduler), profile, settings=serving,
                 kv_bytes_per_token=kv, arrival_rate=float(st.arrival_rate),
-                restricted_routing=bool(st.restricted_routing), seed=ctx.seed, progress=False)
+                restricted_routing=bool(st.restricted_routing), seed=ctx.seed, progress=False,
+                record_usable=replayed)
+    usable = sim.series.pop("restricted_usable", None)
     metrics: dict[str, Any] = {
         "requests_served": float(n), "arrival_rate": float(st.arrival_rate),
         "clock": st.clock, "time_scale": float(st.time_scale) if not st.clock == "simulator"
         else 1.0, "engine_arrival_rate": (st.arrival_rate if st.clock == "simulator"
                                           else st.arrival_rate / st.time_scale),
-        "sim_wall_s": time.perf_counter() - t0, **_prefixed("sim", sim.metrics, SIM_KEYS)}
+        "sim_wall_s": time.perf_counter() - t0, **_prefixed("sim", sim.metrics, SIM_KEYS),
+        "residency": st.residency if st.restricted_routing else "exact"}
     series: dict[str, list[Any]] = {}
     sim_clock = st.clock == "simulator"
     arrivals = (poisson_arrivals(float(st.arrival_rate), n, int(ctx.seed))
@@ -365,7 +388,7 @@ def serving_quality(ctx: BackendContext, st: ServingQualitySettings) -> BackendR
     eos = eos_ids(ctx.loaded.model)
     recorded = recorded_tokens(trace, prompts)
     common = {"profile": profile, "serving": serving, "kv": kv, "pool": pool, "slo": slo,
-              "arrivals": arrivals, "pass_seconds": pass_s}
+              "arrivals": arrivals, "pass_seconds": pass_s, "residency": usable}
 
     def same_passes(run: Any) -> float:
         return float(list(run.series["iter_requests"]) == list(sim.series["iter_requests"])

@@ -199,7 +199,7 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
           settings: ServingSettings | None = None, kv_bytes_per_token: int | None = None,
           arrival_rate: float | None = None, restricted_routing: bool = False, seed: int = 0,
           progress: bool = True, num_requests: int | None = None,
-          predictor_feed_s: float = 0.0) -> SimResult:
+          predictor_feed_s: float = 0.0, record_usable: bool = False) -> SimResult:
     """Serve ``trace_test`` with continuous batching under ``scheduler``.
 
     Args:
@@ -215,6 +215,10 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
             request arrives at t = 0 (``scheduler=static``: each when its batch starts, as in
             ``simulate``).
         num_requests: requests to serve (None: each test request once; more cycles them).
+        record_usable: restricted routing only: ``series["restricted_usable"]`` holds, per
+            forward pass, per layer, the experts resident and ready when the layer ran
+            (sorted ints): the simulated residency, which the engine can replay
+            (:func:`moeexp.engine.continuous.serve_continuous`'s ``residency``).
 
     Raises:
         ConfigError: bad settings, a prompt over T_max, a request whose KV reservation
@@ -243,8 +247,13 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
         _check_budgets(units, settings, pool, weights, memory, trace_test)
     scheduler.fit(profile)
     reference = copy.deepcopy(scheduler)
+    if record_usable and not restricted_routing:
+        raise ConfigError("record_usable needs restricted_routing (only restricted layers "
+                          "read residency without loading)")
     replay = Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
                      feed_s=predictor_feed_s)
+    if record_usable:
+        replay.dev.usable_log = []
     served = _loop(plan, units, scheduler, settings, pool, kv_per_token, replay, progress)
     alone = _loop(plan, units, reference, settings, pool, kv_per_token, None, False)
     metrics, series = serving_metrics(
@@ -253,7 +262,22 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
         tasks=[s.task for s in units.specs],
         restricted=restricted_routing, wall_s=perf_counter() - wall0,
         extras=_extras(scheduler, settings, pool, weights))
+    if record_usable:
+        series["restricted_usable"] = _per_pass(replay.dev.usable_log or [],
+                                                trace_test.dims.num_layers,
+                                                len(served.it_requests))
     return SimResult(metrics=metrics, series=series)
+
+
+def _per_pass(log: list[tuple[int, ...]], num_layers: int,
+              passes: int) -> list[list[list[int]]]:
+    """The usable-expert log (one entry per restricted layer call, in order) cut into
+    forward passes: [pass][layer] -> sorted expert ids."""
+    if len(log) != passes * num_layers:
+        raise RuntimeError(f"restricted residency log holds {len(log)} layer calls, expected "
+                           f"{passes} passes x {num_layers} layers")
+    return [[list(log[p * num_layers + layer]) for layer in range(num_layers)]
+            for p in range(passes)]
 
 
 def _extras(scheduler: Scheduler, settings: ServingSettings, pool: int,

@@ -82,6 +82,10 @@ class Device:
         self.prefetches_wasted = 0  # prefetched copies evicted unused
         self.waste_bytes = 0
         self.peak_resident = 0
+        #: restricted routing: when a list, each :meth:`serve_restricted` call appends the
+        #: experts it found usable (sorted), in call order (L per forward pass): the
+        #: residency the engine replays to score quality at this operating point
+        self.usable_log: list[tuple[int, ...]] | None = None
         # stall seconds by cause: a demand copy's own transfer, a copy already in flight
         # when the layer needed it (a late prefetch), a demand copy queued behind others
         self.stall_demand_s = 0.0
@@ -379,6 +383,8 @@ class Device:
             r = ready.get((layer, e))
             if r is not None and r <= t:
                 usable.add(e)
+        if self.usable_log is not None:
+            self.usable_log.append(tuple(sorted(usable)))
         hits = 0
         for e in needed:
             if e in usable:

@@ -330,3 +330,60 @@ def test_lossy_emoe_runs_under_continuous_batching(store_of) -> None:
     assert {rid: len(t) for rid, t in run.tokens.items()} == {p.request_id: p.output_len
                                                               for p in prompts}
     assert 0.0 <= run.metrics["substitution_rate"] <= 1.0
+
+
+def _lossy_serve(store, residency, system="emoe", capacity=0.25, **kw):  # type: ignore[no-untyped-def]
+    """``system``'s policies with restricted routing and threaded copies (thread timing
+    decides what lands), served with continuous batching under a residency replay."""
+    model = toy_model("mixtral")
+    prompts = _prompts()
+    pred, pol, _ = _policies(system, store, capacity)
+    eng = EngineSettings(spec_depth=2, predictor_async=True, restricted_routing=True, **kw)
+    pm = build_pass_model(model, adapter_for(model), pred, pol, eng, max_members=8)
+    try:
+        run = serve_continuous(pm, prompts, build_scheduler({"name": "fcfs"}), PROFILE,
+                               settings=ServingSettings(max_batch_tokens=64, max_running=3),
+                               eos_token_ids=[2], residency=residency)
+    finally:
+        pm.close()
+    return model, prompts, run
+
+
+def test_residency_replay_of_every_expert_is_exact(store_of) -> None:
+    """deepspeed's policies (no prefetch: nothing is ever resident unless loaded) under
+    restricted routing and a replayed residency holding every expert of every layer
+    (capacity 1.0: 16 slots): no choice is substituted, every request's tokens are the
+    plain model's alone, and each of the 2 x 8 experts was loaded on demand exactly once.
+    At capacity 0.25 (4 slots) the same replay is refused: a layer's 8 usable experts
+    cannot be held at once."""
+    J, L = 8, 2  # the toy Mixtral
+    every = [[list(range(J))] * L] * 64
+    model, prompts, run = _lossy_serve(store_of("mixtral"), every, "deepspeed", 1.0)
+    assert run.metrics["substitution_rate"] == 0.0
+    assert run.metrics["routing_dropped_rate"] == 0.0
+    assert run.tokens == {p.request_id: _alone(model, p) for p in prompts}
+    assert run.metrics["demand_loads_total"] == J * L
+    with pytest.raises(ConfigError, match="8 usable experts, more than the engine's 4 slots"):
+        _lossy_serve(store_of("mixtral"), every, "deepspeed", 0.25)
+
+
+def test_residency_replay_of_one_expert_hand_worked(store_of) -> None:
+    """Only expert 0 usable in every layer (top-2 routing): each token keeps or gets expert
+    0 once and drops its other choice, so exactly half the routed choices drop; the same
+    replay gives the same tokens whatever the engine's copies do (restricted_wait on/off)."""
+    one = [[[0], [0]]] * 64
+    _, _, run = _lossy_serve(store_of("mixtral"), one)
+    m = run.metrics
+    assert m["routing_dropped_rate"] == pytest.approx(0.5)
+    _, _, again = _lossy_serve(store_of("mixtral"), one, restricted_wait=True)
+    assert again.tokens == run.tokens
+
+
+def test_residency_replay_refused_for_exact_and_too_short(store_of) -> None:
+    """A residency replay needs restricted routing; one shorter than the passes run fails."""
+    model = toy_model("mixtral")
+    pred, pol, _ = _policies("deepspeed", store_of("mixtral"), 0.25)
+    with pytest.raises(ConfigError, match="restricted routing"):
+        _serve(model, pred, pol, _prompts(), residency=[[[0], [0]]])
+    with pytest.raises(ConfigError, match="residency replay holds 1 passes"):
+        _lossy_serve(store_of("mixtral"), [[[0], [0]]])

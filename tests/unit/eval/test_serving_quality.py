@@ -5,6 +5,7 @@ and disagrees, the greedy comparison counts first divergences, bad settings fail
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import types
 
@@ -121,8 +122,42 @@ def test_greedy_metrics_hand_worked() -> None:
     assert m2["greedy_identical_requests"] == 1.0 and m2["greedy_first_divergence_mean"] == 2.0
 
 
+def test_emoe_quality_uses_the_simulated_residency(setup) -> None:
+    """residency=simulator (default): the engine's lossy layers use the simulator's ready
+    sets of the same pass and layer, so the measured quality no longer depends on the
+    engine's own copies (a zero-time link under restricted_wait, or thread timing without
+    it): every teacher-forced and greedy number is the same either way."""
+    ctx, restricted = _ctx(setup, "emoe", 0.25)
+    eng = {"device": "cpu", "warmup": 0, "predictor_async": True}
+    keys = ("tf_token_agreement", "tf_kl_mean", "tf_perplexity", "engine_substitution_rate",
+            "engine_routing_dropped_rate", "greedy_agreement", "greedy_first_divergence_mean")
+    runs = [serving_quality(ctx, _settings(restricted, engine={**eng, "restricted_wait": w}))
+            for w in (True, False)]
+    assert runs[0].metrics["residency"] == "simulator"
+    assert [runs[0].metrics[k] for k in keys] == [runs[1].metrics[k] for k in keys]
+    own = serving_quality(ctx, _settings(restricted, residency="engine")).metrics
+    assert own["residency"] == "engine" and own["passes_match"] == 1.0
+    # a link so slow that no simulated copy ever lands: the simulated point drops every
+    # routed choice, and so does the engine computing under its residency; the engine's
+    # own zero-time copies (residency=engine, restricted_wait) keep most choices
+    loaded, prompts, trace, store, cost = setup
+    slow = CostModel.from_profile(dataclasses.replace(load_profile("rtx3090_pcie4"),
+                                                      h2d_gbps=1e-9), trace.dims)
+    sctx = BackendContext(**{**ctx.__dict__, "cost": slow})
+    tf = {"modes": ("teacher_forced",)}
+    sim_res = serving_quality(sctx, _settings(restricted, **tf)).metrics
+    assert sim_res["sim_routing_dropped_rate"] == 1.0
+    assert sim_res["engine_routing_dropped_rate"] == 1.0
+    eng_res = serving_quality(sctx, _settings(restricted, residency="engine", **tf)).metrics
+    assert eng_res["engine_routing_dropped_rate"] < 0.5
+    exact, _ = _ctx(setup, "deepspeed", 0.25)
+    assert serving_quality(exact, _settings(False, modes=("teacher_forced",))
+                           ).metrics["residency"] == "exact"
+
+
 @pytest.mark.parametrize("bad", [{"arrival_rate": 0}, {"time_scale": -1.0}, {"clock": "gpu"},
-                                 {"modes": ("bleu",)}, {"modes": ()}, {"num_requests": 0}])
+                                 {"modes": ("bleu",)}, {"modes": ()}, {"num_requests": 0},
+                                 {"residency": "gpu"}, {"clock": "wall"}])
 def test_bad_settings_fail(bad) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match="serving_quality"):
         ServingQualitySettings(**bad)

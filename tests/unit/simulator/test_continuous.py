@@ -277,3 +277,24 @@ def test_same_seed_same_metrics() -> None:
     a = _serve(tr, "emoe", arrival_rate=200.0, num_requests=15).metrics
     b = _serve(tr, "emoe", arrival_rate=200.0, num_requests=15).metrics
     assert not _same(a, b, [k for k in a if isinstance(a[k], float) and k not in WALL])
+
+
+def test_record_usable_logs_each_pass_and_layer_and_changes_nothing() -> None:
+    """``record_usable``: per pass (one row per ``iter_ms``), per layer, the sorted ready
+    experts the restricted layer saw; recording leaves every metric as it was. With no
+    predictor nothing ever loads under restricted routing, so every set is empty; the log
+    is refused without restricted routing."""
+    tr = _trace(3)
+    kw = dict(arrival_rate=50.0, num_requests=10, restricted_routing=True)
+    plain = _serve(tr, "fcfs", predictor="speculative_gate", cache="lfu", **kw)
+    rec = _serve(tr, "fcfs", predictor="speculative_gate", cache="lfu", record_usable=True, **kw)
+    log = rec.series["restricted_usable"]
+    assert len(log) == len(rec.series["iter_ms"]) and all(len(p) == 4 for p in log)
+    assert all(list(s) == sorted(set(s)) and set(s) <= set(range(8)) for p in log for s in p)
+    assert any(s for p in log for s in p)
+    assert "restricted_usable" not in plain.series
+    assert not _same(plain.metrics, rec.metrics, [k for k in plain.metrics if k not in WALL])
+    empty = _serve(tr, "fcfs", record_usable=True, **kw).series["restricted_usable"]
+    assert all(s == [] for p in empty for s in p)
+    with pytest.raises(ConfigError, match="record_usable needs restricted_routing"):
+        _serve(tr, "fcfs", record_usable=True, arrival_rate=50.0, num_requests=10)
