@@ -18,7 +18,8 @@ latency under ``cost``). What must match when the admission does not depend on t
 ``prefetch_wait``): the admission order, every pass's members, hence its tokens, and for
 a deterministic system (deepspeed, no_offload) the hits of every pass. Timing is the cost
 model's against the wall clock: ``*_err_pct`` = (sim - engine) / engine of the means, and
-request-by-request MAPE.
+request-by-request MAPE; ``*_pass_ms_intercept`` / ``*_pass_ms_per_request``: each
+backend's least-squares line of a pass's time against its requests (:func:`pass_line`).
 """
 
 from __future__ import annotations
@@ -79,6 +80,18 @@ def _mape(sim: Sequence[float], eng: Sequence[float]) -> float:
     pairs = [(a, b) for a, b in zip(sim, eng, strict=True)
              if np.isfinite(a) and np.isfinite(b) and b > 0]
     return float(np.mean([abs(a - b) / b for a, b in pairs]) * 100) if pairs else float("nan")
+
+
+def pass_line(requests: Sequence[float], ms: Sequence[float]) -> dict[str, float]:
+    """Least-squares line of each pass's milliseconds against its requests:
+    ``pass_ms_intercept`` + ``pass_ms_per_request`` x requests (NaN with fewer than two
+    distinct request counts)."""
+    x, y = np.asarray(requests, dtype=np.float64), np.asarray(ms, dtype=np.float64)
+    ok = np.isfinite(x) & np.isfinite(y)
+    if len(np.unique(x[ok])) < 2:
+        return {"pass_ms_intercept": float("nan"), "pass_ms_per_request": float("nan")}
+    slope, icpt = np.polyfit(x[ok], y[ok], 1)
+    return {"pass_ms_intercept": float(icpt), "pass_ms_per_request": float(slope)}
 
 
 def _sim_admission(series: Mapping[str, list[Any]]) -> list[int]:
@@ -177,6 +190,9 @@ def _compare(system: str, sm: dict[str, Any], ss: Mapping[str, list[Any]], em: d
                               and list(ss["iter_tokens"]) == list(es["iter_tokens"])),
         "pass_hits_match": float(list(map(float, ss["iter_hits"])) == list(es["iter_hits"])),
     })
+    for side, src in (("sim", ss), ("engine", es)):
+        out.update({f"{side}_{k}": v for k, v in pass_line(src["iter_requests"],
+                                                           src["iter_ms"]).items()})
     n = max(len(ss["iter_requests"]), len(es["iter_requests"]))
 
     def at(src: Mapping[str, list[Any]], key: str, i: int) -> float:

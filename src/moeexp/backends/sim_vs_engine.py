@@ -48,6 +48,9 @@ log = logging.getLogger(__name__)
 DEFAULT_SYSTEMS: tuple[Any, ...] = (
     "no_offload", "deepspeed", "mixtral_offloading", "moe_infinity", "finemoe",
     {"name": "static", "system": "deepspeed", "cache": "static"}, "oracle")
+#: The multi-member pass profile (moeexp.engine.profile.profile_passes): member counts,
+#: decode passes per count, sweeps (the per-member term of the fit).
+PASS_PROFILE: dict[str, Any] = {"batch_sizes": [1, 2, 4, 8, 12], "steps": 8, "repeats": 3}
 SUMMARY_COLUMNS = ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean", "engine_tpot_ms_mean",
                    "sim_tpot_ms_mean", "engine_hit_rate", "sim_hit_rate"]
 
@@ -247,7 +250,7 @@ def calibration_inputs(ctx: Any, s: SimVsEngineSettings, reqs: list[tuple[list[i
     device = next(ctx.loaded.model.parameters()).device
     d = ctx.trace.dims
     return {
-        "version": 1, "model": ctx.loaded.name, "weights": weights_hash(ctx.loaded.model),
+        "version": 2, "model": ctx.loaded.name, "weights": weights_hash(ctx.loaded.model),
         "dims": [d.num_layers, d.num_experts, d.top_k, d.hidden_size, d.intermediate_size,
                  d.expert_bytes],
         "device": str(device), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
@@ -256,7 +259,7 @@ def calibration_inputs(ctx: Any, s: SimVsEngineSettings, reqs: list[tuple[list[i
         "cpus": os.cpu_count(), "engine": {k: v for k, v in s.engine.items()},
         "profile": {"copy_factors": list(s.copy_factors or COPY_FACTORS[device.type == "cuda"]),
                     "copy_repeats": s.copy_repeats, "outlier_mads": s.outlier_mads,
-                    "warmup": s.warmup},
+                    "warmup": s.warmup, "passes": PASS_PROFILE, "batch_decode": s.batch_decode},
         "requests": hashlib.sha256(json.dumps(reqs).encode()).hexdigest(),
     }
 
@@ -286,7 +289,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
     (the fit, whether it was reused)."""
     import torch
 
-    from moeexp.engine.profile import profile_compute, profile_copy  # torch
+    from moeexp.engine.profile import profile_compute, profile_copy, profile_passes  # torch
 
     est = s.engine_settings()
     new = s.decode_tokens_for(ctx.prompts)
@@ -304,6 +307,8 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
             return calib, True
     samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=s.warmup,
                               progress=s.progress)
+    profile_passes(ctx.loaded, reqs, settings=est, batch_decode=s.batch_decode,
+                   warmup=s.warmup, samples=samples, **PASS_PROFILE)  # the member term
     dims = ctx.trace.dims
     device = next(ctx.loaded.model.parameters()).device
     dtype = next(ctx.loaded.model.parameters()).dtype
@@ -313,7 +318,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
                  dtype=dtype, samples=samples)
     meta = {"device": str(device), "torch_threads": torch.get_num_threads(),
             "emulated_bandwidth_bps": est.bandwidth_bps if device.type == "cpu" else None,
-            "profile_requests": len(reqs),
+            "profile_requests": len(reqs), "batch_decode": s.batch_decode,
             "decode_tokens": new, "model": ctx.loaded.name,
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
     write_text(run_dir / "profile_samples.json",  # before the fit: kept if the fit fails
@@ -327,10 +332,12 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
     calib.save(run_dir / "calibration.json")
     calib.write_hardware_yaml(run_dir / "conf")
     log.info("calibrated: layer %.0f us + %.2f us/token, expert %.0f us + %.2f us/token, "
-             "decode pass %.0f us, prefill pass %.0f us + %.1f us/token, copy %.0f us + %.1f MB/s",
+             "decode pass %.0f us, prefill pass %.0f us + %.1f us/token, copy %.0f us + %.1f MB/s, "
+             "%.0f us per pass member beyond the first (residual ms by members: %s)",
              calib.layer_s * 1e6, calib.dense_token_s * 1e6, calib.expert_s * 1e6,
              calib.expert_token_s * 1e6, calib.decode_pass_s * 1e6, calib.prefill_pass_s * 1e6,
-             calib.prefill_token_s * 1e6, calib.copy_latency_s * 1e6, calib.copy_bytes_per_s / 1e6)
+             calib.prefill_token_s * 1e6, calib.copy_latency_s * 1e6, calib.copy_bytes_per_s / 1e6,
+             calib.member_s * 1e6, calib.fit.get("member_residuals"))
     return calib, False
 
 
@@ -459,7 +466,7 @@ def calibration_metrics(calib: Any, reused: bool, run_dir: Path) -> dict[str, An
                            "calibration_reused": float(reused),
                            "calibration_key": str(calib.meta.get("calibration_key", ""))}
     for k in ("layer_s", "dense_token_s", "expert_s", "expert_token_s", "decode_pass_s",
-              "prefill_pass_s", "copy_latency_s"):
+              "prefill_pass_s", "copy_latency_s", "member_s"):
         out[f"calib_{k[:-2]}_us"] = getattr(calib, k) * 1e6
     out["calib_copy_mbps"] = calib.copy_bytes_per_s / 1e6
     return out

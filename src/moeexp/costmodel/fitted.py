@@ -6,8 +6,8 @@ samples into a :class:`CalibratedProfile` and a :class:`CalibratedCostModel`, a 
 fitted model is linear in the quantities the simulator already hands its cost model::
 
     expert_s(n)            = expert_s + expert_token_s * n              (n > 0 tokens)
-    dense_s(T, ctx, kv)    = layer_s + dense_token_s * T + dense_ctx_s * ctx
-                             + pass overhead / L
+    dense_s(T, ctx, kv, B) = layer_s + dense_token_s * T + dense_ctx_s * ctx
+                             + (pass overhead + member_s * (B - 1)) / L
         pass overhead      = prefill_pass_s + prefill_token_s * T      (prefill: kv == T)
                            | decode_pass_s                              (decode:  kv >  T)
     copy_s                 = copy_latency_s + expert_bytes / copy_bytes_per_s
@@ -18,6 +18,19 @@ pass of ``generate`` costs outside its MoE layers (embedding, LM head, sampling,
 loop, ``generate``'s set-up for the prefill), spread evenly over the L layers because the
 simulator advances time layer by layer. A prefill is recognised by ``kv == tokens`` (every
 KV entry is new), which holds for every group the simulator builds.
+
+``member_s`` is what each member of a pass beyond the first costs the continuous engine
+outside the experts calls (``PassModel.run_pass``: a member's own forward call on its own
+thread, or its row of the padded decode forward with ``batch_decode``, its KV cache
+stacked and unstacked, its next token), per pass, spread over the L layers like the pass
+overhead. The layer and pass parts above are fitted on single requests (``generate``); the
+member term on multi-member passes (:func:`moeexp.engine.profile.profile_passes`): the
+residual of each pass's time outside its experts calls after the single-request model,
+against ``B - 1`` with an intercept (the continuous path's one-member offset from
+``generate``, reported in ``fit["member"]["offset_ms"]``, not applied: a one-member pass
+costs what it cost before, so every single-request time stays as it was). A stored
+profile written before this term (``format_version`` < :data:`PROFILE_FORMAT`) is refused
+with a message saying to refit it.
 
 Fits are least squares with non-negative coefficients, i.e. of the *mean* time, which is
 what the simulator's latencies are compared on: on a shared machine a few samples are
@@ -46,6 +59,10 @@ from moeexp.errors import ConfigError
 from moeexp.traces.schema import TraceDims
 
 log = logging.getLogger(__name__)
+
+#: The stored profile's format: 2 added ``member_s`` (the per-member term of a
+#: continuous-batching pass); a profile of another format is refused on load.
+PROFILE_FORMAT = 2
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -133,6 +150,11 @@ class ProfileSamples:
     pass outside its MoE layers, plus the gap since the previous pass ended or, for a
     prefill, since ``generate`` was called).
     Per copy: ``copy_bytes`` and ``copy_s`` (submit to data ready, one copy at a time).
+    Per multi-member pass of the continuous engine (:func:`moeexp.engine.profile.profile_passes`):
+    ``batch_members`` B, ``batch_prefills`` (members at their prefill), ``batch_tokens``,
+    ``batch_ctx`` and ``batch_kv`` (summed over the members as the simulator's
+    ``Plan.group`` sums them), ``batch_s`` (the whole pass: members built, forward calls,
+    next tokens) and ``batch_experts_s`` (its served experts calls, every MoE layer).
     """
 
     layer_tokens: list[float] = field(default_factory=list)
@@ -146,6 +168,13 @@ class ProfileSamples:
     pass_s: list[float] = field(default_factory=list)
     copy_bytes: list[float] = field(default_factory=list)
     copy_s: list[float] = field(default_factory=list)
+    batch_members: list[float] = field(default_factory=list)
+    batch_prefills: list[float] = field(default_factory=list)
+    batch_tokens: list[float] = field(default_factory=list)
+    batch_ctx: list[float] = field(default_factory=list)
+    batch_kv: list[float] = field(default_factory=list)
+    batch_s: list[float] = field(default_factory=list)
+    batch_experts_s: list[float] = field(default_factory=list)
 
     def arrays(self) -> dict[str, np.ndarray]:
         return {f.name: np.asarray(getattr(self, f.name), dtype=np.float64) for f in fields(self)}
@@ -160,7 +189,12 @@ class CalibratedProfile:
         num_layers / hidden_size / intermediate_size / expert_bytes: the model profiled.
         layer_s ... decode_pass_s: compute coefficients.
         copy_latency_s, copy_bytes_per_s: the copy path (bytes/s achieved).
-        fit: per part ``{rms_ms, r2, n, kept}``.
+        member_s: seconds per pass and member beyond the first (continuous engine); NaN
+            when the profile had no multi-member passes (then only one-member passes are
+            priced: :meth:`CalibratedCostModel.dense_s` refuses more).
+        format_version: :data:`PROFILE_FORMAT` (what :meth:`from_mapping` accepts).
+        fit: per part ``{rms_ms, r2, n, kept}`` (``member`` also ``offset_ms``;
+            ``member_residuals``: mean residual ms per member count, after the fit).
         meta: provenance (device, threads, emulated bandwidth, sample counts...).
     """
 
@@ -178,13 +212,16 @@ class CalibratedProfile:
     decode_pass_s: float
     copy_latency_s: float
     copy_bytes_per_s: float
+    member_s: float
     name: str = "calibrated"
+    format_version: int = PROFILE_FORMAT
     fit: dict[str, dict[str, float]] = field(default_factory=dict)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         bad = [f.name for f in fields(self) if f.type == "float"
-               and not (np.isfinite(getattr(self, f.name)) and getattr(self, f.name) >= 0)]
+               and not (np.isfinite(getattr(self, f.name)) and getattr(self, f.name) >= 0)
+               and not (f.name == "member_s" and np.isnan(self.member_s))]
         if not self.copy_bytes_per_s > 0:
             bad.append("copy_bytes_per_s")
         if bad:
@@ -207,9 +244,20 @@ class CalibratedProfile:
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> CalibratedProfile:
+        """A profile from :meth:`to_dict`'s mapping (ConfigError: another format, unknown or
+        missing keys)."""
+        version = data.get("format_version", 1)
+        if version != PROFILE_FORMAT:
+            raise ConfigError(
+                f"calibrated profile of format {version}, this code reads format "
+                f"{PROFILE_FORMAT} (format 2 added member_s, the per-member cost of a "
+                "continuous-batching pass; an older fit lacks it and would under-price full "
+                "passes): refit with `python -m moeexp +experiment=sim_vs_engine` (a "
+                "backend.calibration_dir store is refitted on its own)")
         names = {f.name for f in fields(cls)}
+        optional = ("name", "fit", "meta", "format_version")
         unknown, missing = sorted(set(data) - names), sorted(
-            f.name for f in fields(cls) if f.name not in data and f.name not in ("name", "fit", "meta"))
+            f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if unknown or missing:
             raise ConfigError(f"calibrated profile: unknown key(s) {unknown}, missing key(s) "
                               f"{missing}. Keys: {', '.join(sorted(names))}")
@@ -237,8 +285,9 @@ class CalibratedProfile:
 
         Expert GEMM throughput from ``expert_token_s`` (6 H I FLOPs per token), device
         memory fast enough never to bind, the copy path as measured; the launch overheads
-        take the per-layer constant and the decode pass overhead. Prefill overhead and
-        the dense part's slopes have no roofline counterpart: use :class:`CalibratedCostModel`
+        take the per-layer constant and the decode pass overhead. Prefill overhead, the
+        per-member term and the dense part's slopes have no roofline counterpart: use
+        :class:`CalibratedCostModel`
         (``backend.cost_profile=``) for the full fit.
         """
         flops = 6.0 * self.hidden_size * self.intermediate_size / max(self.expert_token_s, 1e-15)
@@ -295,6 +344,9 @@ def fit_profile(samples: ProfileSamples, *, num_layers: int, hidden_size: int,
     cp = fit(np.c_[np.ones(len(a["copy_s"])), a["copy_bytes"]], a["copy_s"])
     if cp.coef[1] <= 0:
         raise ConfigError("fit_profile: copy time does not grow with bytes (bandwidth undefined)")
+    member, member_q, by_size = _fit_members(
+        a, num_layers=int(num_layers), dense=dense.coef, prefill=pf.coef, decode_pass_s=dec.coef[0],
+        outlier_mads=outlier_mads)
 
     def q(f: LinearFit) -> dict[str, float]:
         return {"rms_ms": f.rms * 1e3, "r2": f.r2, "n": f.n, "kept": f.kept}
@@ -305,10 +357,60 @@ def fit_profile(samples: ProfileSamples, *, num_layers: int, hidden_size: int,
         layer_s=dense.coef[0] + ex.coef[0], dense_token_s=dense.coef[1],
         dense_ctx_s=dense.coef[2], expert_s=ex.coef[1], expert_token_s=ex.coef[2],
         prefill_pass_s=pf.coef[0], prefill_token_s=pf.coef[1], decode_pass_s=dec.coef[0],
-        copy_latency_s=cp.coef[0], copy_bytes_per_s=1.0 / cp.coef[1],
+        copy_latency_s=cp.coef[0], copy_bytes_per_s=1.0 / cp.coef[1], member_s=member,
         fit={"experts": q(ex), "dense": q(dense), "prefill_pass": q(pf), "decode_pass": q(dec),
-             "copy": q(cp)},
+             "copy": q(cp), "member": member_q, "member_residuals": by_size},
         meta=dict(meta or {}))
+
+
+def member_residuals(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Sequence[float],
+                     prefill: Sequence[float], decode_pass_s: float) -> np.ndarray:
+    """float[n]: each multi-member pass sample's seconds outside its experts calls minus
+    what the single-request model gives for it (L x (dense intercept + dense_token_s T +
+    dense_ctx_s ctx) + the pass overhead: prefill's when every member prefills, kv == T).
+
+    ``dense``: the dense part's (intercept, per token, per context token) per layer;
+    ``prefill``: the prefill pass's (intercept, per token).
+    """
+    T, ctx, kv = a["batch_tokens"], a["batch_ctx"], a["batch_kv"]
+    per_pass = np.where(kv <= T, prefill[0] + prefill[1] * T, decode_pass_s)
+    model = num_layers * (dense[0] + dense[1] * T + dense[2] * ctx) + per_pass
+    return np.asarray(a["batch_s"] - a["batch_experts_s"] - model, dtype=np.float64)
+
+
+def _fit_members(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Sequence[float],
+                 prefill: Sequence[float], decode_pass_s: float, outlier_mads: float | None
+                 ) -> tuple[float, dict[str, float], dict[str, float]]:
+    """(member_s, its fit quality, mean residual ms per member count after the fit): the
+    residuals of :func:`member_residuals` ~ offset + member_s x (B - 1) (module docstring).
+
+    No multi-member samples at all: (NaN, ``{"n": 0}``, {}): the term is not fitted.
+
+    Raises:
+        ConfigError: fewer than two member counts among the multi-member pass samples.
+    """
+    B = a["batch_members"]
+    if len(B) == 0:
+        log.info("calibration: no multi-member pass samples; the per-member term is not "
+                 "fitted (member_s NaN: passes of one request only)")
+        return float("nan"), {"n": 0}, {}
+    if len(np.unique(B)) < 2:
+        raise ConfigError(f"fit_profile: multi-member pass samples of {len(np.unique(B))} "
+                          "member count(s) (need >= 2: moeexp.engine.profile.profile_passes)")
+    r = member_residuals(a, num_layers=num_layers, dense=dense, prefill=prefill,
+                         decode_pass_s=decode_pass_s)
+    X = np.c_[np.ones(len(B)), B - 1]
+    f = fit_linear(X, r, nonneg=False, outlier_mads=outlier_mads)
+    slope = f.coef[1]
+    if slope < 0:
+        log.warning("calibration: a pass's time falls with its members (slope %.0f us per "
+                    "member): member_s set to 0", slope * 1e6)
+        slope = 0.0
+    left = r - slope * (B - 1)
+    by_size = {str(int(b)): float(left[B == b].mean() * 1e3) for b in np.unique(B)}
+    quality = {"rms_ms": f.rms * 1e3, "r2": f.r2, "n": f.n, "kept": f.kept,
+               "offset_ms": f.coef[0] * 1e3}
+    return float(slope), quality, by_size
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -351,12 +453,22 @@ class CalibratedCostModel(CostModel):
             return 0.0
         return self._c.expert_s + self._c.expert_token_s * tokens
 
-    def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int) -> float:
+    def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int, members: int = 1) -> float:
+        """One layer's dense part (module docstring); ``members`` > 1 adds
+        ``member_s x (members - 1) / L`` (a one-member pass is the single-request fit)."""
         c = self._c
         if kv_tokens <= tokens:  # prefill: every KV entry is new
             per_pass = c.prefill_pass_s + c.prefill_token_s * tokens
         else:
             per_pass = c.decode_pass_s
+        if members > 1:
+            if np.isnan(c.member_s):
+                raise ConfigError(
+                    f"calibrated profile {c.name!r} was fitted without multi-member passes "
+                    f"(member_s unknown) and cannot price a pass of {members} requests: refit "
+                    "it with moeexp.engine.profile.profile_passes samples "
+                    "(`python -m moeexp +experiment=sim_vs_engine` does)")
+            per_pass = per_pass + c.member_s * (members - 1)
         return (c.layer_s + c.dense_token_s * tokens + c.dense_ctx_s * ctx_tokens
                 + per_pass / self.num_layers)
 

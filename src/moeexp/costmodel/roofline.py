@@ -131,13 +131,18 @@ class CostModel:
             self._expert_cache[tokens] = t
         return t
 
-    def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int) -> float:
+    def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int, members: int = 1) -> float:
         """Seconds for one layer's dense part (attention + router + shared experts).
 
         Args:
             tokens: tokens processed in this iteration (all sequences of the batch).
             ctx_tokens: sum over those tokens of the context each attends to.
             kv_tokens: KV-cache entries read (prefill: the prompt; decode: the context).
+            members: requests in the pass (the simulator's ``len(iters)``). Ignored here:
+                a batched GPU engine runs the dense part once per pass, so the roofline
+                prices tokens and bytes, not members; a calibrated engine with a
+                per-member cost (:class:`~moeexp.costmodel.fitted.CalibratedCostModel`)
+                adds it.
         """
         # bytes: the layer's weights + K and V (H elements each) of every KV entry read
         H, b = self.hidden_size, self.dtype_bytes

@@ -19,10 +19,11 @@ Two measurements, both through the engine's own code paths:
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -180,6 +181,152 @@ def profile_compute(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], 
                 _generate(om, ids, new)
         finally:
             timer.remove()
+    return samples
+
+
+class _PassTimer:
+    """Hooks on every MoE layer's experts module of a :class:`PassModel`: per layer, the
+    served experts call's seconds. A pass's member threads meet at each MoE layer and the
+    last one in serves the layer for all (:mod:`moeexp.engine.batch_pass`), so the call
+    runs between the last thread's arrival (latest pre-hook) and the first thread's return
+    (earliest post-hook): that span, summed over the layers, is the pass's experts time."""
+
+    def __init__(self, loaded: Any, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.lock = threading.Lock()
+        self.arrive: dict[int, float] = {}
+        self.leave: dict[int, float] = {}
+        self.handles: list[Any] = []
+        for ml in loaded.adapter.moe_layers():
+            self.handles.append(ml.experts.register_forward_pre_hook(self._pre(ml.index)))
+            self.handles.append(ml.experts.register_forward_hook(self._post(ml.index)))
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def _pre(self, index: int) -> Any:
+        def hook(module: Any, args: Any) -> None:
+            t = self.now()
+            with self.lock:
+                self.arrive[index] = max(self.arrive.get(index, t), t)
+        return hook
+
+    def _post(self, index: int) -> Any:
+        def hook(module: Any, args: Any, output: Any) -> None:
+            t = self.now()
+            with self.lock:
+                self.leave[index] = min(self.leave.get(index, t), t)
+        return hook
+
+    def begin(self) -> float:
+        self.arrive, self.leave = {}, {}
+        return self.now()
+
+    def experts_s(self) -> float:
+        """Seconds of the pass's served experts calls (every MoE layer)."""
+        return float(sum(self.leave[k] - self.arrive[k] for k in self.arrive))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+@dataclass
+class _Running:
+    """One profiled request inside :func:`profile_passes`: prompt ids, KV cache, step."""
+
+    ids: list[int]
+    cache: Any = None
+    step: int = 0
+    last: int = 0
+
+
+def _timed_pass(pm: Any, timer: _PassTimer, reqs: Sequence[_Running], samples: ProfileSamples
+                ) -> None:
+    """One pass of ``reqs`` through ``pm.run_pass``, timed as the continuous engine's loop
+    times it (members built, the pass, each member's greedy next token); one sample."""
+    from moeexp.engine.batch_pass import Member
+
+    dev = pm.engine.device
+    prefills = sum(r.step == 0 for r in reqs)
+    tokens = ctx = kv = 0
+    for r in reqs:
+        T = len(r.ids) if r.step == 0 else 1
+        c = len(r.ids) + r.step
+        tokens, ctx, kv = tokens + T, ctx + (T * (T + 1) // 2 if r.step == 0 else c), kv + (
+            T if r.step == 0 else c)
+    t0 = timer.begin()
+    members = [Member(request_id=i, step=r.step, cache=r.cache, input_ids=torch.tensor(
+        [r.ids if r.step == 0 else [r.last]], dtype=torch.long, device=dev))
+        for i, r in enumerate(reqs)]
+    out = pm.run_pass(members)
+    for r, (logits, cache) in zip(reqs, out, strict=True):
+        r.cache, r.last, r.step = cache, int(torch.argmax(logits[0]).item()), r.step + 1
+    dt = timer.now() - t0
+    s = samples
+    s.batch_members.append(float(len(reqs)))
+    s.batch_prefills.append(float(prefills))
+    s.batch_tokens.append(float(tokens))
+    s.batch_ctx.append(float(ctx))
+    s.batch_kv.append(float(kv))
+    s.batch_s.append(dt)
+    s.batch_experts_s.append(timer.experts_s())
+
+
+def profile_passes(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *,
+                   settings: EngineSettings | None = None,
+                   batch_sizes: Sequence[int] = (1, 2, 4, 8), steps: int = 6,
+                   batch_decode: bool = False, mixed: bool = True, repeats: int = 1,
+                   warmup: int = 1, samples: ProfileSamples | None = None) -> ProfileSamples:
+    """Time multi-member passes through the continuous engine's path (``build_pass_model``
+    + ``PassModel.run_pass``, every expert resident, no predictor).
+
+    For each B in ``batch_sizes``: B requests (``requests`` cycled; their prompt ids, the
+    token counts ignored) prefill together in one pass, then decode ``steps`` passes
+    together (greedy, B members each); with ``mixed`` and B >= 2, one more pass of B - 1
+    of them decoding and the next request's prefill; the whole sweep ``repeats`` times
+    (each time on the next requests). ``batch_decode`` as the serving run's (the decoders
+    of a pass as one padded forward). ``warmup`` untimed rounds of a two-member prefill and
+    decode first. Each pass appends one ``batch_*`` sample
+    (:class:`ProfileSamples`); the model must be on the profiled device.
+    """
+    from moeexp.cache import CACHES
+    from moeexp.engine.batch_pass import build_pass_model
+    from moeexp.predictors import PREDICTORS
+
+    if not requests or not batch_sizes or min(batch_sizes) < 1 or steps < 1 or repeats < 1:
+        raise ValueError("profile_passes: needs requests, batch sizes >= 1, steps >= 1 and "
+                         "repeats >= 1")
+    samples = samples if samples is not None else ProfileSamples()
+    st = replace(settings or EngineSettings(), restricted_routing=False, predictor_async=False)
+    device = next(loaded.model.parameters()).device
+    dims = trace_dims(loaded.adapter, st.spec_depth)
+    n = dims.num_layers * dims.num_experts
+    pol = CACHES.build("resident", capacity_slots=n, num_layers=dims.num_layers,
+                       num_experts=dims.num_experts)
+    pm = build_pass_model(loaded.model, loaded.adapter, PREDICTORS.build("none", dims=dims),
+                          pol, st, system="profile", max_members=max(max(batch_sizes), 2),
+                          batch_decode=batch_decode)
+    prompts = [list(map(int, ids)) for ids, _ in requests]
+    timer = _PassTimer(loaded, device)
+    scratch = ProfileSamples()
+    try:
+        nxt = 0
+        for rnd, B in enumerate([2] * warmup + list(batch_sizes) * repeats):
+            out = scratch if rnd < warmup else samples
+            reqs = [_Running(prompts[(nxt + i) % len(prompts)]) for i in range(B)]
+            nxt += B
+            for _ in range(1 + (1 if rnd < warmup else steps)):
+                _timed_pass(pm, timer, reqs, out)
+            if mixed and B >= 2 and rnd >= warmup:
+                _timed_pass(pm, timer, [*reqs[1:], _Running(prompts[nxt % len(prompts)])], out)
+                nxt += 1
+    finally:
+        timer.remove()
+        pm.close()
     return samples
 
 

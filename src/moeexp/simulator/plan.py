@@ -196,7 +196,7 @@ class Plan:
             else:
                 c = self._prompt_len[rid] + int(tr.iter_step[i])
                 tokens, ctx, kv = tokens + T, ctx + T * c, kv + c
-        dense = self.cost.dense_s(tokens, ctx, kv)
+        dense = self.cost.dense_s(tokens, ctx, kv, len(iters))
         req_ids = np.asarray([int(tr.iter_request[i]) for i in iters], dtype=np.int64)
         tok_req = np.repeat(req_ids, [int(self._lens[i]) for i in iters])
         return GroupData(iters=iters, step=step, rows=rows, counts=counts, experts=experts, ce=ces, dense_s=dense,

@@ -119,3 +119,28 @@ def test_serving_mode_refuses_bad_settings() -> None:
         BACKENDS.build("sim_vs_engine", **ok, serving={}, test_requests=0)
     with pytest.raises(ConfigError, match="backend.serving"):
         BACKENDS.build("sim_vs_engine", **ok, serving={"max_running": 0})
+
+
+def test_a_stored_fit_without_the_member_term_is_profiled_again(tmp_path, caplog) -> None:
+    """A calibration_dir file of format 1 (written before member_s) under the very key and
+    inputs of the job is not used: the job is told why (its format, the missing term) and
+    profiles again; the same file in format 2 is reused."""
+    from moeexp.backends.sim_vs_engine import _stored_calibration
+    from moeexp.costmodel.fitted import CalibratedProfile
+
+    inputs = {"version": 2, "model": "t"}
+    prof = CalibratedProfile(
+        num_layers=2, hidden_size=8, intermediate_size=16, expert_bytes=1536, layer_s=1e-4,
+        dense_token_s=0.0, dense_ctx_s=0.0, expert_s=1e-5, expert_token_s=0.0,
+        prefill_pass_s=1e-3, prefill_token_s=0.0, decode_pass_s=1e-3, copy_latency_s=0.0,
+        copy_bytes_per_s=1e8, member_s=5e-4, meta={"calibration_key": "k",
+                                                    "calibration_inputs": inputs})
+    path = prof.save(tmp_path / "k.json")
+    assert _stored_calibration(path, "k", inputs) == prof
+    data = json.loads(path.read_text())
+    del data["member_s"], data["format_version"]
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="moeexp.backends.sim_vs_engine"):
+        assert _stored_calibration(path, "k", inputs) is None
+    assert "profiling again" in caplog.text and "format 1" in caplog.text
+    assert "member_s" in caplog.text

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from moeexp.costmodel.fitted import (
+    PROFILE_FORMAT,
     CalibratedCostModel,
     CalibratedProfile,
     ProfileSamples,
@@ -22,7 +23,10 @@ DIMS = TraceDims(num_layers=L, num_experts=16, top_k=2, hidden_size=H, spec_dept
 #: The "true" machine of the synthetic profiles (seconds, bytes/s).
 TRUE = {"layer_s": 300e-6, "dense_token_s": 4e-6, "dense_ctx_s": 2e-8, "expert_s": 40e-6,
         "expert_token_s": 1.5e-6, "prefill_pass_s": 2e-3, "prefill_token_s": 10e-6,
-        "decode_pass_s": 1.2e-3, "copy_latency_s": 80e-6, "copy_bytes_per_s": 50e6}
+        "decode_pass_s": 1.2e-3, "copy_latency_s": 80e-6, "copy_bytes_per_s": 50e6,
+        "member_s": 0.7e-3}
+#: The continuous engine's one-member offset from the single-request passes (not applied).
+OFFSET_S = -0.4e-3
 
 
 def _synthetic(noise: float, outliers: int, seed: int = 0) -> ProfileSamples:
@@ -57,10 +61,39 @@ def _synthetic(noise: float, outliers: int, seed: int = 0) -> ProfileSamples:
             t = TRUE["copy_latency_s"] + nbytes / TRUE["copy_bytes_per_s"]
             s.copy_bytes.append(nbytes)
             s.copy_s.append(t * (1 + noise * rng.standard_normal()))
+    _synthetic_passes(s, noise, rng, k0)
     for j in range(outliers):  # preemption: a few layer and pass samples 5 ms late
         s.layer_s[7 * j] += 5e-3
         s.pass_s[3 * j + 1] += 5e-3
+        s.batch_s[5 * j + 2] += 5e-3
     return s
+
+
+def _synthetic_passes(s: ProfileSamples, noise: float, rng: np.random.Generator, k0: float) -> None:
+    """Multi-member passes of B = 1, 2, 4, 8 (one all-prefill, eight decode, one mixed per
+    B): outside the experts calls the single-request model + OFFSET_S + member_s (B - 1)."""
+    for B in (1, 2, 4, 8):
+        prompts = rng.integers(4, 60, B)
+        for step in range(10):
+            pre = np.zeros(B, bool) if 0 < step < 9 else (np.ones(B, bool) if step == 0
+                                                           else np.arange(B) == B - 1)
+            T = int(np.where(pre, prompts, 1).sum())
+            ctx = int(np.where(pre, prompts * (prompts + 1) // 2, prompts + step).sum())
+            kv = int(np.where(pre, prompts, prompts + step).sum())
+            per_pass = (TRUE["prefill_pass_s"] + TRUE["prefill_token_s"] * T if kv <= T
+                        else TRUE["decode_pass_s"])
+            outside = (L * (TRUE["layer_s"] - k0 + TRUE["dense_token_s"] * T
+                            + TRUE["dense_ctx_s"] * ctx) + per_pass
+                       + OFFSET_S + TRUE["member_s"] * (B - 1))
+            experts = L * (k0 + 2 * TRUE["expert_s"] + TRUE["expert_token_s"] * 2 * T)
+            e = 1 + noise * rng.standard_normal(2)
+            s.batch_members.append(B)
+            s.batch_prefills.append(int(pre.sum()))
+            s.batch_tokens.append(T)
+            s.batch_ctx.append(ctx)
+            s.batch_kv.append(kv)
+            s.batch_experts_s.append(experts * e[0])
+            s.batch_s.append(experts * e[0] + outside * e[1])
 
 
 def _fit(s: ProfileSamples, outlier_mads: float | None = None) -> CalibratedProfile:
@@ -102,6 +135,71 @@ def test_fit_profile_recovers_known_parameters(noise: float, outliers: int, rel:
         tol = 0.5 if (k == "dense_ctx_s" and noise) else rel
         assert getattr(p, k) == pytest.approx(v, rel=tol), k
     assert p.fit["copy"]["n"] == 30
+    assert p.fit["member"]["offset_ms"] == pytest.approx(OFFSET_S * 1e3, abs=0.05 if noise else 1e-6)
+    assert set(p.fit["member_residuals"]) == {"1", "2", "4", "8"}
+    if not noise:
+        assert all(abs(v - OFFSET_S * 1e3) < 1e-6 for v in p.fit["member_residuals"].values())
+
+
+def test_member_term_is_refused_without_two_member_counts() -> None:
+    """Multi-member passes of one member count cannot give a per-member slope."""
+    s = _synthetic(0.0, 0)
+    keep = [i for i, b in enumerate(s.batch_members) if b == 4]
+    for k in ("batch_members", "batch_prefills", "batch_tokens", "batch_ctx", "batch_kv",
+              "batch_s", "batch_experts_s"):
+        setattr(s, k, [getattr(s, k)[i] for i in keep])
+    with pytest.raises(ConfigError, match="member count"):
+        _fit(s)
+
+
+def test_a_fit_without_multi_member_passes_prices_one_member_passes_only() -> None:
+    """No multi-member samples (a single-request profile, e.g. bench/real_scale): member_s
+    is NaN, a one-member pass is priced as before, a pass of two requests is refused."""
+    s = _synthetic(0.0, 0)
+    for k in ("batch_members", "batch_prefills", "batch_tokens", "batch_ctx", "batch_kv",
+              "batch_s", "batch_experts_s"):
+        setattr(s, k, [])
+    p = _fit(s)
+    assert np.isnan(p.member_s) and p.fit["member"] == {"n": 0}
+    cm = CalibratedCostModel.from_calibration(p, DIMS)
+    assert cm.dense_s(1, 50, 50) == pytest.approx((300 + 4 + 1 + 150) * 1e-6)
+    with pytest.raises(ConfigError, match="without multi-member passes"):
+        cm.dense_s(2, 100, 100, 2)
+
+
+def test_a_pass_of_members_adds_member_s_per_extra_member() -> None:
+    """dense_s of a B-member pass = the one-member layer + member_s (B - 1) / L; a
+    one-member pass (the default) is the single-request fit to the bit."""
+    p = CalibratedProfile(num_layers=L, hidden_size=H, intermediate_size=INTER,
+                          expert_bytes=EB, **TRUE)
+    cm = CalibratedCostModel.from_calibration(p, DIMS)
+    c = TRUE
+    one = c["layer_s"] + c["dense_token_s"] * 4 + c["dense_ctx_s"] * 200 + c["decode_pass_s"] / L
+    assert cm.dense_s(4, 200, 200) == cm.dense_s(4, 200, 200, 1) == one
+    assert cm.dense_s(4, 200, 200, 4) == pytest.approx(one + 3 * c["member_s"] / L, rel=1e-12)
+    pre = c["layer_s"] + c["dense_token_s"] * 8 + c["dense_ctx_s"] * 36 + (
+        c["prefill_pass_s"] + c["prefill_token_s"] * 8 + c["member_s"]) / L
+    assert cm.dense_s(8, 36, 8, 2) == pytest.approx(pre, rel=1e-12)
+
+
+def test_a_profile_without_the_member_term_is_refused(tmp_path) -> None:
+    """A stored fit of format 1 (before member_s) does not load: the message names the
+    format, the missing term and how to refit; a profile of format 2 missing member_s is a
+    missing key."""
+    import json
+
+    p = CalibratedProfile(num_layers=L, hidden_size=H, intermediate_size=INTER,
+                          expert_bytes=EB, **TRUE)
+    data = p.to_dict()
+    assert data["format_version"] == PROFILE_FORMAT == 2
+    old = {k: v for k, v in data.items() if k not in ("member_s", "format_version")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ConfigError, match="format 1.*member_s.*refit"):
+        CalibratedProfile.load(tmp_path / "old.json")
+    with pytest.raises(ConfigError, match="format 1"):
+        load_cost_model(tmp_path / "old.json", DIMS)
+    with pytest.raises(ConfigError, match=r"missing key\(s\) \['member_s'\]"):
+        CalibratedProfile.from_mapping({k: v for k, v in data.items() if k != "member_s"})
 
 
 def test_default_fit_is_of_the_mean_time() -> None:

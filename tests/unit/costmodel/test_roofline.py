@@ -48,6 +48,40 @@ def test_dense_part_and_overheads() -> None:
     assert c.expert_s(1) == pytest.approx((352_321_536 + (2 * 4096 + 3 * 14336) * 2) / 500e9 + 5e-6)
 
 
+def test_the_roofline_ignores_a_pass_members() -> None:
+    """A batched GPU engine runs the dense part once per pass: dense_s of 1, 2 or 16
+    members is the same number to the bit, decode and prefill, on every shipped profile;
+    and a static batch of 4 builds its groups' dense time as the three-argument call does."""
+    from moeexp.simulator.plan import Plan
+    from moeexp.traces.synthetic import random_trace
+
+    for name in ("rtx3090_pcie4", "a5000_pcie4", "a100_80g_pcie4", "h100_pcie5"):
+        c = CostModel.from_profile(load_profile(name), MIXTRAL)
+        for args in ((1, 100, 100), (16, 1600, 1600), (300, 45150, 300)):
+            assert {c.dense_s(*args, m) for m in (1, 2, 16)} == {c.dense_s(*args)}
+    tr = random_trace(num_requests=8, num_layers=4, num_experts=8, top_k=2, output_len=3)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), tr.dims)
+    plan = Plan(tr, cost, batch_size=4, arrival_rate=None, num_requests=None, seed=0)
+    for b in plan.batches:
+        for iters in b.groups:
+            gd = plan.group(iters)
+            assert len(iters) == 4
+            assert gd.dense_s == cost.dense_s(*_sums(plan, iters))
+
+
+def _sums(plan, iters):  # type: ignore[no-untyped-def]
+    """(tokens, ctx, kv) of a group as Plan sums them."""
+    tr, tokens, ctx, kv = plan.trace, 0, 0, 0
+    for i in iters:
+        T = int(plan._lens[i])
+        if int(tr.iter_step[i]) == 0:
+            tokens, ctx, kv = tokens + T, ctx + T * (T + 1) // 2, kv + T
+        else:
+            c = plan._prompt_len[int(tr.iter_request[i])] + int(tr.iter_step[i])
+            tokens, ctx, kv = tokens + T, ctx + T * c, kv + c
+    return tokens, ctx, kv
+
+
 def test_fallbacks_when_dims_are_sparse() -> None:
     """intermediate from expert_bytes / (3 H dtype); dense part from 4 H^2 parameters."""
     d = TraceDims(num_layers=2, num_experts=4, top_k=1, hidden_size=64, spec_depth=0,

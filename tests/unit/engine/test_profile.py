@@ -10,7 +10,7 @@ import torch
 from tests.unit.conftest import prompt_ids
 
 from moeexp.costmodel.fitted import fit_linear
-from moeexp.engine.profile import profile_compute, profile_copy, profile_feed
+from moeexp.engine.profile import profile_compute, profile_copy, profile_feed, profile_passes
 from moeexp.models.adapters import adapter_for
 
 
@@ -30,6 +30,28 @@ def test_profile_compute_times_every_layer_and_pass(mixtral) -> None:
     assert (a["layer_rows"] == 2 * a["layer_tokens"]).all()
     assert (a["experts_s"] > 0).all() and (a["layer_s"] >= a["experts_s"]).all()
     assert (a["pass_s"] > 0).all() and (a["layer_active"] >= 2).all()
+    assert mixtral.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("batch_decode", [False, True])
+def test_profile_passes_times_multi_member_passes(mixtral, batch_decode: bool) -> None:
+    """B = 1, 2, 3 on the 2-layer tiny Mixtral (prompts of 5, 3, 4 tokens cycled), 2 decode
+    steps, the mix pass for B >= 2: per B a prefill pass of B members, 2 decode passes, then
+    (B >= 2) B - 1 decoders with the next prompt's prefill; tokens, context and KV summed
+    as the simulator's Plan.group sums them; the experts calls inside each pass; the model
+    plain again afterwards."""
+    loaded = types.SimpleNamespace(model=mixtral, adapter=adapter_for(mixtral), name="t")
+    reqs = [(prompt_ids(n, seed)[0].tolist(), 1) for seed, n in enumerate((5, 3, 4))]
+    s = profile_passes(loaded, reqs, batch_sizes=(1, 2, 3), steps=2, warmup=1,
+                       batch_decode=batch_decode)
+    a = s.arrays()
+    assert a["batch_members"].tolist() == [1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert a["batch_prefills"].tolist() == [1, 0, 0, 2, 0, 0, 1, 3, 0, 0, 1]
+    # warm-up took prompts 5, 3; B=1: 4; B=2: 5, 3 (+ 4 mixed in); B=3: 5, 3, 4 (+ 5)
+    assert a["batch_tokens"].tolist() == [4, 1, 1, 8, 2, 2, 5, 12, 3, 3, 7]
+    assert a["batch_ctx"].tolist() == [10, 5, 6, 21, 10, 12, 16, 31, 15, 18, 28]
+    assert a["batch_kv"].tolist() == [4, 5, 6, 8, 10, 12, 10, 12, 15, 18, 18]
+    assert ((a["batch_experts_s"] > 0) & (a["batch_s"] > a["batch_experts_s"])).all()
     assert mixtral.config._experts_implementation == "grouped_mm"
 
 
