@@ -26,7 +26,8 @@ stacked and unstacked, its next token), per pass, spread over the L layers like 
 overhead. The layer and pass parts above are fitted on single requests (``generate``); the
 member term on multi-member passes (:func:`moeexp.engine.profile.profile_passes`): the
 residual of each pass's time outside its experts calls after the single-request model,
-against ``B - 1`` with an intercept (the continuous path's one-member offset from
+against ``B - 1`` with an intercept (grossly preempted passes dropped:
+:data:`MEMBER_OUTLIER_MADS`; the continuous path's one-member offset from
 ``generate``, reported in ``fit["member"]["offset_ms"]``, not applied: a one-member pass
 costs what it cost before, so every single-request time stays as it was). A stored
 profile written before this term (``format_version`` < :data:`PROFILE_FORMAT`) is refused
@@ -63,6 +64,10 @@ log = logging.getLogger(__name__)
 #: The stored profile's format: 2 added ``member_s`` (the per-member term of a
 #: continuous-batching pass); a profile of another format is refused on load.
 PROFILE_FORMAT = 2
+#: Outlier rejection of the member fit when ``outlier_mads`` is None: it rests on ~150
+#: passes, a few per member count, where one preempted pass (hundreds of ms on a shared
+#: CPU) moves the slope by milliseconds per member; 6 MADs drops only such passes.
+MEMBER_OUTLIER_MADS = 6.0
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -194,7 +199,7 @@ class CalibratedProfile:
             priced: :meth:`CalibratedCostModel.dense_s` refuses more).
         format_version: :data:`PROFILE_FORMAT` (what :meth:`from_mapping` accepts).
         fit: per part ``{rms_ms, r2, n, kept}`` (``member`` also ``offset_ms``;
-            ``member_residuals``: mean residual ms per member count, after the fit).
+            ``member_residuals``: median residual ms per member count, after the fit).
         meta: provenance (device, threads, emulated bandwidth, sample counts...).
     """
 
@@ -381,8 +386,10 @@ def member_residuals(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Seq
 def _fit_members(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Sequence[float],
                  prefill: Sequence[float], decode_pass_s: float, outlier_mads: float | None
                  ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(member_s, its fit quality, mean residual ms per member count after the fit): the
-    residuals of :func:`member_residuals` ~ offset + member_s x (B - 1) (module docstring).
+    """(member_s, its fit quality, median residual ms per member count after the fit): the
+    residuals of :func:`member_residuals` ~ offset + member_s x (B - 1) (module docstring),
+    samples beyond ``outlier_mads`` (None: :data:`MEMBER_OUTLIER_MADS`) MADs dropped; the
+    per-count residuals are medians over every sample.
 
     No multi-member samples at all: (NaN, ``{"n": 0}``, {}): the term is not fitted.
 
@@ -400,14 +407,15 @@ def _fit_members(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Sequenc
     r = member_residuals(a, num_layers=num_layers, dense=dense, prefill=prefill,
                          decode_pass_s=decode_pass_s)
     X = np.c_[np.ones(len(B)), B - 1]
-    f = fit_linear(X, r, nonneg=False, outlier_mads=outlier_mads)
+    f = fit_linear(X, r, nonneg=False,
+                   outlier_mads=MEMBER_OUTLIER_MADS if outlier_mads is None else outlier_mads)
     slope = f.coef[1]
     if slope < 0:
         log.warning("calibration: a pass's time falls with its members (slope %.0f us per "
                     "member): member_s set to 0", slope * 1e6)
         slope = 0.0
     left = r - slope * (B - 1)
-    by_size = {str(int(b)): float(left[B == b].mean() * 1e3) for b in np.unique(B)}
+    by_size = {str(int(b)): float(np.median(left[B == b]) * 1e3) for b in np.unique(B)}
     quality = {"rms_ms": f.rms * 1e3, "r2": f.r2, "n": f.n, "kept": f.kept,
                "offset_ms": f.coef[0] * 1e3}
     return float(slope), quality, by_size
