@@ -173,9 +173,12 @@ def _model_and_prompts(spec: RunSpec, times: dict[str, float]) -> tuple[Any, lis
     is replayed as it is (no model, its own requests)."""
     if spec.trace.source != "record":
         return None, []
+    from moeexp.paths import results_dir
+
     loaded = _load_checked(spec, times)
     return loaded, sample_prompts(spec.dataset, loaded.tokenizer,
-                                  max_positions=_context_positions(loaded))
+                                  max_positions=_context_positions(loaded),
+                                  label_cache=results_dir() / "cache" / "task_labels")
 
 
 def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:

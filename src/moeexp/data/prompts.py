@@ -55,22 +55,25 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from moeexp.data.label_cache import cached_task_labels
 from moeexp.data.tasks import (
     CLASSIFIERS,
     LABELS,
     check_threshold,
     classify_task,
-    classify_tasks,
 )
 from moeexp.errors import ConfigError, DataError
 from moeexp.registry import unknown_keys
@@ -206,11 +209,8 @@ def _sharegpt_cached(path: str | None, stamp: tuple[int, int]) -> list[dict[str,
 def _sharegpt_source(c: DatasetConfig) -> tuple[list[int], PairGetter]:
     from moeexp.data.sharegpt import first_pair, is_model_heldout
 
-    stamp = (0, 0)
-    if c.path is not None and os.path.exists(c.path):  # re-read when the file changes
-        st = os.stat(c.path)
-        stamp = (st.st_mtime_ns, st.st_size)
-    convs = _sharegpt_cached(c.path, stamp)  # parsed once per process (~1 s), never mutated
+    # parsed once per process (~1 s), never mutated; re-read when the file changes
+    convs = _sharegpt_cached(c.path, _file_stamp(c.path))
     idx = [i for i in range(len(convs)) if c.pool == "all" or is_model_heldout(i)]
     return idx, lambda i: first_pair(convs[i])
 
@@ -237,6 +237,17 @@ _ONLY_FOR_OTHER: dict[str, set[str]] = {"sharegpt": {"language"}, "lmsys": {"poo
 
 
 # ---------------------------------------------------------------------------- sampling
+def tokenizer_hash(tokenizer: Any) -> str:
+    """sha256 of the tokenizer's vocabulary and special tokens ("none" without a tokenizer)."""
+    if tokenizer is None:
+        return "none"
+    vocab = sorted(tokenizer.get_vocab().items())
+    special = {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())}
+    blob = json.dumps({"cls": type(tokenizer).__name__, "vocab": vocab, "special": special,
+                       "bos": getattr(tokenizer, "bos_token_id", None)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
 def encode_prompt(tokenizer: Any, text: str) -> list[int]:
     """``[bos] + encode(text)`` (bos only if the tokenizer has one): the ids fed to the model."""
     ids = list(tokenizer.encode(text, add_special_tokens=False))
@@ -324,7 +335,8 @@ def _user_text(t: _Template, tokenizer: Any, ids: Sequence[int]) -> str:
 
 
 def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
-                   max_positions: int | None = None) -> list[Prompt]:
+                   max_positions: int | None = None,
+                   label_cache: str | Path | None = None) -> list[Prompt]:
     """Seeded prompts with a store/test split (see the module docstring for every rule).
 
     Args:
@@ -332,6 +344,8 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
         tokenizer: an HF tokenizer (``encode``, ``decode``, ``bos_token_id``).
         max_positions: the model's context (``max_position_embeddings``); None = unlimited.
             Fixed lengths beyond it fail; natural ones are truncated to it with a warning.
+        label_cache: a directory where the task labels of a sample are stored and read
+            back (:mod:`moeexp.data.label_cache`); None = always computed.
 
     Returns:
         ``num_prompts`` prompts ordered by ``request_id`` (store first, then test).
@@ -343,6 +357,34 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
     c = cfg if isinstance(cfg, DatasetConfig) else DatasetConfig.from_mapping(cfg)
     ctx = None if max_positions is None else int(max_positions)
     _check_context(c, ctx)
+    # a sweep run in one process (Hydra's basic or joblib launcher) samples the same few
+    # datasets again and again: the sample is a pure function of this key (the data file's
+    # stamp included), so it is drawn once per process
+    key = (c, tokenizer_hash(tokenizer), ctx, _file_stamp(c.path),
+           None if label_cache is None else str(label_cache))
+    hit = _SAMPLES.get(key)
+    if hit is None:
+        hit = _SAMPLES[key] = tuple(_sample(c, tokenizer, ctx, label_cache))
+        while len(_SAMPLES) > _SAMPLES_KEPT:
+            _SAMPLES.pop(next(iter(_SAMPLES)))
+    return list(hit)
+
+
+_SAMPLES: dict[tuple[Any, ...], tuple[Prompt, ...]] = {}
+_SAMPLES_KEPT = 8
+
+
+def _file_stamp(path: str | None) -> tuple[int, int]:
+    """(mtime ns, size) of a data file, (0, 0) for a packaged default or a missing path."""
+    if path is None or not os.path.exists(path):
+        return (0, 0)
+    st = os.stat(path)
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _sample(c: DatasetConfig, tokenizer: Any, ctx: int | None,
+            label_cache: str | Path | None) -> list[Prompt]:
+    """The sample of :func:`sample_prompts` (drawn afresh)."""
     candidates, get_pair = DATASETS[c.name](c)
     tpl = _template(c, tokenizer, ctx)
     rng = np.random.default_rng(c.seed)
@@ -385,7 +427,7 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
             f"qualify but num_prompts={c.num_prompts} (rejected: {why}). To fix: {hint}, or pass "
             "a larger dataset.path.")
     _warn_cut(c, ctx, cut, len(chosen))
-    prompts = _split(c, chosen)
+    prompts = _split(c, chosen, label_cache)
     log.info("sampled %d %s prompts (%d store / %d test, lengths=%s, tasks by %s, test order "
              "%s) from %d candidates", len(prompts), c.name,
              sum(p.split == "store" for p in prompts), sum(p.split == "test" for p in prompts),
@@ -393,14 +435,15 @@ def sample_prompts(cfg: DatasetConfig | Mapping[str, Any], tokenizer: Any,
     return prompts
 
 
-def _split(c: DatasetConfig, chosen: Sequence[tuple[str, tuple[int, ...], int]]) -> list[Prompt]:
+def _split(c: DatasetConfig, chosen: Sequence[tuple[str, tuple[int, ...], int]],
+           label_cache: str | Path | None = None) -> list[Prompt]:
     """(text, fed ids, output_len) candidates -> prompts: seeded store/test split, task
     labels, and the test split in ``c.prompt_order`` (module docstring, steps 5-7)."""
     split_order = np.random.default_rng([c.seed, 1]).permutation(len(chosen))
     n_store = int(round(c.store_fraction * len(chosen)))
     ordered = [chosen[int(j)] for j in split_order]
-    tasks = classify_tasks([text for text, _, _ in ordered], c.task_classifier,
-                           c.task_threshold)
+    tasks = cached_task_labels([text for text, _, _ in ordered], c.task_classifier,
+                               c.task_threshold, label_cache)
     test = serving_order(tasks[n_store:], c.prompt_order)
     order = list(range(n_store)) + [n_store + i for i in test]
     prompts = []

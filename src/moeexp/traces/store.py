@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moeexp.data.prompts import tokenizer_hash
 from moeexp.errors import ConfigError, TraceError
 from moeexp.traces import io
 from moeexp.traces.schema import SCHEMA_VERSION, Trace
@@ -126,17 +127,6 @@ def weights_hash(model: Any) -> str:
     digest = ("s:" if sampled else "") + h.hexdigest()
     _WEIGHT_HASHES[model] = digest
     return digest
-
-
-def tokenizer_hash(tokenizer: Any) -> str:
-    """sha256 of the tokenizer's vocabulary and special tokens ("none" without a tokenizer)."""
-    if tokenizer is None:
-        return "none"
-    vocab = sorted(tokenizer.get_vocab().items())
-    special = {k: str(v) for k, v in sorted(getattr(tokenizer, "special_tokens_map", {}).items())}
-    blob = json.dumps({"cls": type(tokenizer).__name__, "vocab": vocab, "special": special,
-                       "bos": getattr(tokenizer, "bos_token_id", None)}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def _settings(trace_cfg: Mapping[str, Any]) -> dict[str, Any]:

@@ -293,3 +293,34 @@ def test_classifier_and_order_change_the_trace_cache_key(tokenizer):
     hashes = {content_hash(loaded, ps, {}) for ps in (kw, lr, cl)}
     assert len(hashes) == 3
     assert content_hash(loaded, kw, {}) == content_hash(loaded, sample_prompts(cfg, tokenizer), {})
+
+
+def test_a_sample_is_drawn_once_per_process_per_input(tokenizer, tmp_path, monkeypatch):
+    """The same config, tokenizer and data file give the memoised sample (not drawn
+    again); another seed, or the data file changing on disk, draws afresh."""
+    import json
+    import os
+
+    import moeexp.data.prompts as pr
+
+    drawn = []
+    real = pr._sample
+    monkeypatch.setattr(pr, "_sample", lambda *a: drawn.append(a[0].seed) or real(*a))
+    monkeypatch.setattr(pr, "_SAMPLES", {})
+    a = sample_prompts(sharegpt_cfg(), tokenizer)
+    assert sample_prompts(sharegpt_cfg(), tokenizer) == a and drawn == [0]
+    sample_prompts(sharegpt_cfg(seed=1), tokenizer)
+    assert drawn == [0, 1]
+    path = tmp_path / "sg.json"
+    convs = [{"id": str(i), "conversations": [
+        {"from": "human", "value": f"question number {i} " * 8},
+        {"from": "gpt", "value": f"answer {i} " * 8}]} for i in range(30)]
+    path.write_text(json.dumps(convs))
+    cfg = sharegpt_cfg(path=str(path), pool="all", num_prompts=4)
+    first = sample_prompts(cfg, tokenizer)
+    assert sample_prompts(cfg, tokenizer) == first and len(drawn) == 3
+    convs.reverse()
+    path.write_text(json.dumps(convs))
+    os.utime(path, ns=(1, 1))  # another stamp even if the size and the clock tick agree
+    sample_prompts(cfg, tokenizer)
+    assert len(drawn) == 4
