@@ -52,6 +52,7 @@ class CachePolicy:
         self.resident_mask = np.zeros((num_layers, num_experts), dtype=bool)  # = resident
         # 0 where resident, +inf elsewhere: lowest_priority's mask in one addition
         self._absent = np.full((num_layers, num_experts), np.inf)
+        self._work = np.empty((num_layers, num_experts))  # lowest_priority's scratch
 
     # ---- learning -------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -113,7 +114,7 @@ class CachePolicy:
         done with one addition and one argmin (protected and avoided keys are masked one
         by one: they are few)."""
         resident, inf = self.resident, np.inf
-        work = prio + self._absent  # +inf outside the resident set
+        work = np.add(prio, self._absent, out=self._work)  # +inf outside the resident set
         blocked = 0
         for k in protected:
             if k in resident:

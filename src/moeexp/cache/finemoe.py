@@ -68,7 +68,7 @@ class FineMoECache(CachePolicy):
         self._prio = self.p * self.freq
         self._checked: dict[int, np.ndarray] = {}  # id -> read-only score rows already checked
         self._accesses = 0  # accesses seen so far (an event counter, not a clock)
-        self._layer_ran = np.zeros(num_layers, dtype=np.int64)  # access number of latest use
+        self._layer_ran = [0] * num_layers  # access number of each layer's latest use
         self._pending: dict[Key, int] = {}  # prefetched, not used yet -> accesses at insert
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
@@ -116,11 +116,14 @@ class FineMoECache(CachePolicy):
             self._pending[key] = self._accesses
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
-        self._accesses += 1
-        self._layer_ran[key[0]] = self._accesses
-        self.freq[key] += 1
-        self._prio[key] = self.p[key] * self.freq[key]
-        self._pending.pop(key, None)
+        n = self._accesses = self._accesses + 1
+        self._layer_ran[key[0]] = n
+        freq = self.freq
+        f = freq[key] + 1
+        freq[key] = f
+        self._prio[key] = self.p[key] * f
+        if self._pending:
+            self._pending.pop(key, None)
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)

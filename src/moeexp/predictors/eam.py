@@ -121,7 +121,13 @@ class EAMCollection:
 
     def match_layer_mean(self, query: np.ndarray, first_layer: int) -> int:
         """Row of highest mean per-layer cosine over layers ``first_layer..L−1`` (oss)."""
-        q = unit(query[first_layer:]).reshape(-1)  # [L'·J]
+        return self.match_unit_rows(unit(query[first_layer:]), first_layer)
+
+    def match_unit_rows(self, q_rows: np.ndarray, first_layer: int) -> int:
+        """:meth:`match_layer_mean` of a query whose layers ``first_layer..L−1`` are already
+        unit rows (float64[L − first_layer, J]; ``unit`` is row-wise, so the suffix of a
+        whole query's unit rows is the unit rows of its suffix, bit for bit)."""
+        q = q_rows.reshape(-1)  # [L'·J]
         rows = self.rows_n[: self.size, first_layer:]
         sims = rows.reshape(self.size, -1) @ q  # Σ over layers of per-layer cosines
         row = int(sims.argmax())
@@ -171,6 +177,9 @@ class EAMPredictor(Predictor):
         self._phase = phases[0]
         self._iter = np.zeros((0, L, J))
         self._pre: tuple[list[np.ndarray], list[np.ndarray | None]] | None = None
+        # oss preview: (the previewed counts, unit rows of the request's EAM at the pass
+        # start, per layer whether the query after it is non-zero)
+        self._pre_oss: tuple[list[np.ndarray], np.ndarray, list[bool]] | None = None
         self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
         # one-request hooks: (phase, collection version, matched rows, layer) -> the hints
         # and the Prediction's parts, a function of those alone (cleared as versions move)
@@ -220,7 +229,7 @@ class EAMPredictor(Predictor):
         self._phase = self._phase_of(int(ctx.step))
         L, J = self.dims.num_layers, self.dims.num_experts
         self._iter = np.zeros((len(self._units), L, J))
-        self._pre = None
+        self._pre = self._pre_oss = None
         for r in self._units:
             self._req.setdefault(int(r), {p: np.zeros((L, J)) for p in self.collections})
         return self._predict(layer=-1)
@@ -234,12 +243,14 @@ class EAMPredictor(Predictor):
         layers 0..l (the same sums as in :meth:`_predict_one`); their unit rows are matched
         by one stacked matmul (one matrix-vector product per layer, as there) and an argmax
         per layer, so every match is bit-identical."""
-        self._pre = None
+        self._pre = self._pre_oss = None
         L = self.dims.num_layers
         coll = self.collections[self._phase]
-        if (self.variant != "paper" or self.top_n != 1 or len(self._units) != 1
-                or not self.prefetch_enabled or coll.size == 0 or len(obs) != L
-                or self._iter.any()):
+        if (self.top_n != 1 or len(self._units) != 1 or not self.prefetch_enabled
+                or coll.size == 0 or len(obs) != L or self._iter.any()):
+            return
+        if self.variant == "oss":
+            self._preview_oss(obs)
             return
         counts = [o.counts for o in obs]
         req = self._req[int(self._units[0])][self._phase]
@@ -254,11 +265,28 @@ class EAMPredictor(Predictor):
                                          for r, ok in zip(best.tolist(), live, strict=True)]
         self._pre = (counts, rows)
 
+    def _preview_oss(self, obs: Sequence[LayerObservation]) -> None:
+        """``variant: oss``, one request: the query after layer l is the request's EAM so far
+        plus this pass's counts of layers 0..l, and its match reads layers l+1.. only, which
+        no layer of this pass has changed yet: their unit rows are the EAM's, computed once
+        per pass instead of once per layer (the same rows, bit for bit)."""
+        counts = [o.counts for o in obs]
+        req = self._req[int(self._units[0])][self._phase]
+        seen = bool(np.count_nonzero(req))
+        live: list[bool] = []
+        for c in counts:  # the query after layer l is non-zero: the EAM or counts 0..l
+            seen = seen or bool(np.count_nonzero(c))
+            live.append(seen)
+        self._pre_oss = (counts, unit(req), live)
+
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         layer = obs.layer
         pre = self._pre
         if pre is not None and (layer >= len(pre[0]) or pre[0][layer] is not obs.counts):
             self._pre = pre = None  # not what was previewed: match as without a preview
+        oss = self._pre_oss
+        if oss is not None and (layer >= len(oss[0]) or oss[0][layer] is not obs.counts):
+            self._pre_oss = None
         if len(self._groups) == 1:
             self._iter[0, layer] = obs.counts
         else:
@@ -332,6 +360,11 @@ class EAMPredictor(Predictor):
             if got_rows is None:  # an all-zero query
                 return Prediction()
             rows = got_rows
+        elif self._pre_oss is not None and layer >= 0:  # previewed (oss): the unit rows
+            _, unit_rows, live = self._pre_oss
+            if not live[layer]:
+                return Prediction()
+            rows = np.array([coll.match_unit_rows(unit_rows[layer + 1:], layer + 1)])
         else:
             query = self._req[int(self._units[0])][self._phase] + self._iter[0]
             if not np.count_nonzero(query):  # query.any(), without its Python wrapper

@@ -160,6 +160,9 @@ class _Preview(NamedTuple):
         dots: float64[L, B, n] running prefix dot products after each layer.
         qsq: float64[L, B] running squared query norms.
         rows: per layer, int64[B] matched rows; score: per layer, their cosines.
+        emits: one query per pass (B = 1): per layer l < L - d, what l's trajectory match
+            emits for layer l + d, as :meth:`ExpertMapPredictor._one` gives it (None: B > 1,
+            each layer's emit is made when it is observed).
     """
 
     probs: list[np.ndarray]
@@ -167,6 +170,7 @@ class _Preview(NamedTuple):
     qsq: np.ndarray
     rows: list[np.ndarray]
     score: list[Sequence[float]]
+    emits: list[tuple[np.ndarray, np.ndarray, list[Prefetch]]] | None
 
 
 def pool_keys(embed: np.ndarray, groups: list[np.ndarray], pooling: Pooling) -> np.ndarray:
@@ -275,6 +279,8 @@ class ExpertMapPredictor(Predictor):
         self._sel: dict[tuple[int, int], RowSelection] = {}
         self._out: dict[tuple[int, int, int, int], tuple[np.ndarray, list[Prefetch]]] = {}
         self._sel_version = -1
+        # the whole store's stable sort, running sums and non-zero counts per (layer, row)
+        self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._buf_embed: np.ndarray | None = None
         self._buf_probs: list[np.ndarray] = []
         self._buf_token_request = np.zeros(0, dtype=np.int64)
@@ -409,6 +415,11 @@ class ExpertMapPredictor(Predictor):
             if pre is not None and pre.probs[layer] is obs.probs:
                 found = self._previewed(pre, layer)
                 found = found if want else None
+                if found is not None and pre.emits is not None:  # made by the preview
+                    p, chosen, prefetch = pre.emits[layer]
+                    pred.scores[target], pred.predicted[target] = p, chosen
+                    pred.prefetch.extend(prefetch)
+                    found = None
             else:
                 if pre is not None:  # not what was previewed: the incremental path again
                     self._resume_from(pre, layer)
@@ -441,7 +452,11 @@ class ExpertMapPredictor(Predictor):
                 or self._next_layer != 0):
             return
         probs = [o.probs for o in obs]
-        q = np.stack([self._query(np.asarray(p)) for p in probs])  # [L, B, J]
+        T, B = len(probs[0]), len(self._queries)
+        if (T == 1 or T == B) and all(len(p) == T for p in probs):  # a query = its row
+            q = np.stack(probs).astype(np.float64)  # [L, B, J], as _query per layer
+        else:
+            q = np.stack([self._query(np.asarray(p)) for p in probs])  # [L, B, J]
         n = self._n
         dots = np.matmul(q, self.store.maps[:, :n].transpose(0, 2, 1))  # [L, B, n]
         add = np.add
@@ -451,13 +466,16 @@ class ExpertMapPredictor(Predictor):
         sims = dots * self.store.inv_prefix_norm[:, None, :n]
         rows = sims.argmax(axis=2)  # [L, B]
         best = np.take_along_axis(sims, rows[:, :, None], axis=2)[:, :, 0]
+        emits: list[tuple[np.ndarray, np.ndarray, list[Prefetch]]] | None = None
         if rows.shape[1] == 1:  # as _update_trajectory: Python floats
             score: list[Sequence[float]] = [
                 (s / max(math.sqrt(z), 1e-300),)
                 for s, z in zip(best[:, 0].tolist(), qsq[:, 0].tolist(), strict=True)]
+            one, d, matched = self._one, self.d, rows[:, 0].tolist()
+            emits = [one(layer + d, matched[layer], score[layer][0], d) for layer in range(L - d)]
         else:
             score = list(best / np.maximum(np.sqrt(qsq), 1e-300))
-        self._pre = _Preview(probs, dots, qsq, list(rows), score)
+        self._pre = _Preview(probs, dots, qsq, list(rows), score, emits)
 
     def _previewed(self, pre: _Preview, layer: int) -> tuple[np.ndarray, Sequence[float]]:
         """Layer ``layer``'s match from the preview; the running state as if computed."""
@@ -523,15 +541,47 @@ class ExpertMapPredictor(Predictor):
         are dropped whenever the store changed)."""
         if self._sel_version != self.store.version:
             self._sel, self._out, self._sel_version = {}, {}, self.store.version
+            self._sel_table = None
         sel = self._sel.get((layer, row))
         if sel is None:
-            sel = self._sel[(layer, row)] = RowSelection.of(self.store.maps[layer, row])
+            sel = self._sel[(layer, row)] = (  # online: the store moves every iteration
+                self._row_selection(layer, row) if self.mode == "offline"
+                else RowSelection.of(self.store.maps[layer, row]))
         return sel
+
+    def _row_selection(self, layer: int, row: int) -> RowSelection:
+        """:meth:`RowSelection.of` of stored ``row`` at ``layer``, its sort and running
+        sums read from tables of the whole store made at the first call per store version
+        (offline mode: the store is frozen; the same stable sort and sequential sums per
+        row, so the same values)."""
+        n = self.store.size
+        if self._sel_table is None or self._sel_table[0].shape[1] != n:
+            maps = self.store.maps[:, :n]  # [L, n, J]
+            order = np.argsort(-maps, axis=2, kind="stable")
+            csum = np.cumsum(np.take_along_axis(maps, order, axis=2), axis=2, dtype=np.float64)
+            self._sel_table = (order, csum, np.count_nonzero(maps > 0, axis=2))
+        order_t, csum_t, nz_t = self._sel_table
+        p = np.array(self.store.maps[layer, row], dtype=np.float64)
+        p.setflags(write=False)
+        o = order_t[layer, row].copy()
+        o.setflags(write=False)
+        return RowSelection(p, o, csum_t[layer, row].tolist(), int(nz_t[layer, row]))
 
     def _emit_one(self, pred: Prediction, layer: int, row: int, score: float,
                   distance: int) -> None:
-        """:meth:`_emit` for one query, from per-store-version memos: the same experts, in
-        the same order, the same hint and priorities, without re-sorting the row."""
+        """:meth:`_emit` for one query (what :meth:`_one` gives)."""
+        p, chosen, prefetch = self._one(layer, row, score, distance)
+        pred.scores[layer] = p
+        pred.predicted[layer] = chosen
+        pred.prefetch.extend(prefetch)
+
+    def _one(self, layer: int, row: int, score: float,
+             distance: int) -> tuple[np.ndarray, np.ndarray, list[Prefetch]]:
+        """One query's emit for ``layer`` from stored ``row`` matched with ``score``, from
+        per-store-version memos (the same experts, in the same order, the same hint and
+        priorities, without re-sorting the row): (float64[J] read-only hint p, int64[n]
+        sorted experts, their prefetch requests best first; the last two shared: never
+        modify them)."""
         sel = self._selection(layer, row)
         n = sel.num_selected(score, self.k, self.use_delta)
         key = (layer, row, n, distance)
@@ -543,9 +593,7 @@ class ExpertMapPredictor(Predictor):
             p = sel.p
             out = self._out[key] = (chosen, [Prefetch(float(p[e]) / distance, layer, int(e))
                                              for e in experts])
-        pred.scores[layer] = sel.p
-        pred.predicted[layer] = out[0]
-        pred.prefetch.extend(out[1])
+        return sel.p, out[0], out[1]
 
     def end_iteration(self) -> None:
         """Online mode: add this iteration's rows to the store."""

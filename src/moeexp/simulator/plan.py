@@ -15,6 +15,7 @@ and memoised by the tuple of trace iterations, so a cycled request costs nothing
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -207,10 +208,11 @@ class Plan:
     def access_stream(self) -> list[Key]:
         """Every access (layer, expert) in replay order (Belady's future)."""
         out: list[Key] = []
+        extend = out.extend
         for b in self.batches:
             for iters in b.groups:
                 for layer, exps in enumerate(self.group(iters).experts):
-                    out.extend((layer, e) for e in exps)
+                    extend(zip(repeat(layer, len(exps)), exps, strict=True))  # (layer, e)
         return out
 
     def no_offload_times(self) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
