@@ -35,7 +35,13 @@ import pandas as pd
 
 from moeexp.atomic import write_text
 from moeexp.cache import build_cache
-from moeexp.costmodel.fitted import CalibratedCostModel, CalibratedProfile, fit_profile
+from moeexp.costmodel.fitted import (
+    MEMBER_OUTLIER_MADS,
+    PROFILE_FORMAT,
+    CalibratedCostModel,
+    CalibratedProfile,
+    fit_profile,
+)
 from moeexp.errors import ConfigError
 from moeexp.paths import group_options
 from moeexp.predictors import build_predictor
@@ -259,7 +265,8 @@ def calibration_inputs(ctx: Any, s: SimVsEngineSettings, reqs: list[tuple[list[i
         "cpus": os.cpu_count(), "engine": {k: v for k, v in s.engine.items()},
         "profile": {"copy_factors": list(s.copy_factors or COPY_FACTORS[device.type == "cuda"]),
                     "copy_repeats": s.copy_repeats, "outlier_mads": s.outlier_mads,
-                    "warmup": s.warmup, "passes": PASS_PROFILE, "batch_decode": s.batch_decode},
+                    "warmup": s.warmup, "passes": PASS_PROFILE, "batch_decode": s.batch_decode,
+                    "fit": {"format": PROFILE_FORMAT, "member_outlier_mads": MEMBER_OUTLIER_MADS}},
         "requests": hashlib.sha256(json.dumps(reqs).encode()).hexdigest(),
     }
 
