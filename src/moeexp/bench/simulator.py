@@ -96,6 +96,14 @@ TARGET_S = 2.0
 #: 1.98/1.91 -> 1.47, promoe_learned 2.74/3.28 -> 1.77 (machine factor 0.94): within 2 CPU
 #: s: no_offload, deepspeed, mixtral_offloading, moe_infinity, oracle_aggressive, promoe,
 #: promoe_learned; still over: oracle, emoe, finemoe, finemoe_no_semantic, moe_infinity_oss.
+#: Fourth step (the cyclic GC paused during a replay, eam oss's unit query once per pass,
+#: expert_map's per-pass emits and row-selection tables; every metric and series of all 12
+#: systems identical): 36aaedc -> 34433bc, two bench runs each in sequence (16:42-16:50 UTC,
+#: load 3-5, machine factor 0.91-0.94), best of both: finemoe 3.57 -> 2.88,
+#: finemoe_no_semantic 3.37 -> 2.82, moe_infinity_oss 2.93 -> 2.37, oracle 2.02 -> 2.07,
+#: moe_infinity 2.00 -> 2.01, emoe 1.97 -> 1.88, promoe_learned 1.96 -> 1.80, the rest within
+#: 1.63 s; still over: finemoe, finemoe_no_semantic, moe_infinity_oss (oracle, moe_infinity at
+#: the line).
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
