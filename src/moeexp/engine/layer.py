@@ -12,7 +12,9 @@ on-demand loads in expert order, with ``now = pos0 + rank``::
         restricted: [settle copies]; substitute non-ready experts (nothing loads)
     compute the remaining rows (lock released); resume_prefetch; sum over top-k
 
-Under ``prefetch_wait`` (the exact, deterministic mode) the copy order is the simulator's
+Under ``prefetch_wait`` (the exact, deterministic mode; ``restricted_wait``, the lossy one,
+observes the same way, so a prediction made at a layer never evicts that layer's experts
+before it runs) the copy order is the simulator's
 (algorithms.md §4, MoE-Infinity: on-demand loads pre-empt queued prefetches; §5, FineMoE:
 on a miss, pause prefetching and load on demand): the copies queued by
 earlier layers start and land first, then prefetching is held while this layer's
@@ -85,7 +87,12 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
     T, K = idx.shape
     needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
     eng.check_future(layer, needed)
-    wait = eng.settings.prefetch_wait
+    restricted = eng.settings.restricted_routing
+    # the deterministic modes observe under the lock with prefetching held until the layer
+    # has begun (its experts protected): a prediction for a later layer cannot evict this
+    # layer's experts before it runs (the simulator starts no prefetch made at a layer's
+    # time before that layer is served)
+    wait = eng.settings.prefetch_wait or (restricted and eng.settings.restricted_wait)
     if not wait:
         _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
@@ -104,8 +111,7 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
         return None
 
     all_ready = False
-    restricted = eng.settings.restricted_routing
-    settle = (restricted and eng.settings.restricted_wait) or wait
+    settle = wait
     with eng.lock:
         if settle:  # the copy thread finishes what it started before new work arrives
             if wait:  # what earlier layers predicted lands before this layer's accesses

@@ -423,12 +423,14 @@ class Device:
                 counts[e] += 1
         comp = t
         on_access, unused = self.cache.on_access, self.unused_prefetched
+        protected = self.protected  # the substitutes compute too: no prefetch evicts them
         for e in experts:  # in expert order; ``needed`` holds an expert once
             n = counts[e]
             if not n:
                 continue
             comp += expert_s(n)
             k = (layer, e)
+            protected.add(k)
             on_access(k, pos0 + (needed.index(e) if e in needed else 0), True)
             if k in unused:
                 unused.remove(k)

@@ -215,3 +215,40 @@ def test_replay_on_cuda_takes_the_simulators_decisions(system: str) -> None:
     for key in KEYS:
         assert m[key] == sim[key], key
     assert all(np.isfinite(tpot))
+
+
+@pytest.mark.parametrize("capacity", [0.25, 0.5])
+def test_lossy_replay_takes_the_simulators_decisions(capacity: float, store_of) -> None:
+    """eMoE (restricted routing) on a model with other weights, routing forced to the trace:
+    under ``restricted_wait`` (every copy lands before a lossy layer; the simulator's
+    counterpart is a zero-time link) the engine keeps the very experts the simulator keeps:
+    hit rate, bytes, substitutions and drops equal. A layer's own predictions (eMoE streams
+    the next layer while one runs) must not evict that layer's experts before it runs: the
+    simulator starts no prefetch made at a layer's time before the layer is served."""
+    from moeexp.cache import build_cache
+    from moeexp.predictors import build_predictor
+    from moeexp.systems import resolve_system
+
+    trace = _recorded(n=4, new=5)
+    store = store_of("mixtral")
+    pcfg, ccfg, _ = resolve_system("emoe", None, {"capacity": capacity})
+
+    def policies():  # type: ignore[no-untyped-def]
+        pred, pol = build_predictor(pcfg, trace.dims), build_cache(ccfg, trace.dims)
+        pred.fit(store)
+        pol.fit(store)
+        return pred, pol
+
+    model = toy_model("mixtral", seed=1)
+    ad = adapter_for(model)
+    replay = RoutingReplay(trace, ad)
+    settings = EngineSettings(predictor_async=False, restricted_routing=True,
+                              restricted_wait=True)
+    with build_offloaded(model, ad, *policies(), settings, routing=replay) as om:
+        replay_requests(om, replay)
+        m = om.metrics()
+    sim = simulate(trace, *policies(), _instant_link(trace.dims), restricted_routing=True,
+                   progress=False).metrics
+    for key in (*KEYS, "substitution_rate", "routing_dropped_rate"):
+        assert m[key] == pytest.approx(sim[key], abs=1e-12), key
+    assert m["substitution_rate"] > 0
