@@ -137,7 +137,8 @@ def test_sim_backend_uses_a_cost_profile(tmp_path):
         num_layers=8, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size or 1,
         expert_bytes=d.expert_bytes, layer_s=500e-6, dense_token_s=0.0, dense_ctx_s=0.0,
         expert_s=50e-6, expert_token_s=0.0, prefill_pass_s=0.0, prefill_token_s=0.0,
-        decode_pass_s=2e-3, copy_latency_s=0.0, copy_bytes_per_s=1e9, member_s=0.0)
+        decode_pass_s=2e-3, copy_latency_s=0.0, copy_bytes_per_s=1e9, member_s=0.0,
+        member_kv_s=0.0)
     path = prof.save(tmp_path / "calibration.json")
     pol = CACHES.build("resident", capacity_slots=64, num_layers=8, num_experts=8)
     ctx = BackendContext(loaded=None, prompts=[], trace=tr,

@@ -54,9 +54,11 @@ log = logging.getLogger(__name__)
 DEFAULT_SYSTEMS: tuple[Any, ...] = (
     "no_offload", "deepspeed", "mixtral_offloading", "moe_infinity", "finemoe",
     {"name": "static", "system": "deepspeed", "cache": "static"}, "oracle")
-#: The multi-member pass profile (moeexp.engine.profile.profile_passes): member counts,
-#: decode passes per count, sweeps (the per-member term of the fit).
-PASS_PROFILE: dict[str, Any] = {"batch_sizes": [1, 2, 4, 8, 12], "steps": 8, "repeats": 3}
+#: The multi-member pass profile (moeexp.engine.profile.profile_passes): member counts (up
+#: to a full emoe_serving_check pass), decode passes per count, prompt cuts (KV apart from
+#: members), sweeps: the members term of the fit.
+PASS_PROFILE: dict[str, Any] = {"batch_sizes": [1, 2, 4, 8, 16, 24], "steps": 8,
+                                "prompt_fractions": [0.25, 1.0], "repeats": 2}
 SUMMARY_COLUMNS = ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean", "engine_tpot_ms_mean",
                    "sim_tpot_ms_mean", "engine_hit_rate", "sim_hit_rate"]
 

@@ -7,7 +7,8 @@ fitted model is linear in the quantities the simulator already hands its cost mo
 
     expert_s(n)            = expert_s + expert_token_s * n              (n > 0 tokens)
     dense_s(T, ctx, kv, B) = layer_s + dense_token_s * T + dense_ctx_s * ctx
-                             + (pass overhead + member_s * (B - 1)) / L
+                             + (pass overhead + members term) / L
+        members term       = member_s * (B - 1) + member_kv_s * kv     (B > 1; 0 for B = 1)
         pass overhead      = prefill_pass_s + prefill_token_s * T      (prefill: kv == T)
                            | decode_pass_s                              (decode:  kv >  T)
     copy_s                 = copy_latency_s + expert_bytes / copy_bytes_per_s
@@ -23,10 +24,14 @@ KV entry is new), which holds for every group the simulator builds.
 outside the experts calls (``PassModel.run_pass``: a member's own forward call on its own
 thread, or its row of the padded decode forward with ``batch_decode``, its KV cache
 stacked and unstacked, its next token), per pass, spread over the L layers like the pass
-overhead. The layer and pass parts above are fitted on single requests (``generate``); the
-member term on multi-member passes (:func:`moeexp.engine.profile.profile_passes`): the
-residual of each pass's time outside its experts calls after the single-request model,
-against ``B - 1`` with an intercept (grossly preempted passes dropped:
+overhead; ``member_kv_s`` what each KV entry of such a pass costs beyond the single
+request's attention (the padded decode attends B x the longest context and copies every
+member's cache in and out; a lone request runs unpadded). The layer and pass parts above
+are fitted on single requests (``generate``); the members term on multi-member passes
+(:func:`moeexp.engine.profile.profile_passes`, short and long prompts, so that KV and
+members vary apart): the residual of each pass's time outside its experts calls after the
+single-request model, against ``B - 1`` and ``kv [B > 1]`` with an intercept (slopes
+non-negative; grossly preempted passes dropped:
 :data:`MEMBER_OUTLIER_MADS`; the continuous path's one-member offset from
 ``generate``, reported in ``fit["member"]["offset_ms"]``, not applied: a one-member pass
 costs what it cost before, so every single-request time stays as it was). A stored
@@ -61,8 +66,8 @@ from moeexp.traces.schema import TraceDims
 
 log = logging.getLogger(__name__)
 
-#: The stored profile's format: 2 added ``member_s`` (the per-member term of a
-#: continuous-batching pass); a profile of another format is refused on load.
+#: The stored profile's format: 2 added ``member_s`` and ``member_kv_s`` (the members
+#: term of a continuous-batching pass); a profile of another format is refused on load.
 PROFILE_FORMAT = 2
 #: Outlier rejection of the member fit when ``outlier_mads`` is None: it rests on ~150
 #: passes, a few per member count, where one preempted pass (hundreds of ms on a shared
@@ -197,8 +202,10 @@ class CalibratedProfile:
         member_s: seconds per pass and member beyond the first (continuous engine); NaN
             when the profile had no multi-member passes (then only one-member passes are
             priced: :meth:`CalibratedCostModel.dense_s` refuses more).
+        member_kv_s: seconds per pass and KV entry of a multi-member pass (NaN with member_s).
         format_version: :data:`PROFILE_FORMAT` (what :meth:`from_mapping` accepts).
-        fit: per part ``{rms_ms, r2, n, kept}`` (``member`` also ``offset_ms``;
+        fit: per part ``{rms_ms, r2, n, kept}`` (``member``, of the members term, also
+            ``offset_ms``;
             ``member_residuals``: median residual ms per member count, after the fit).
         meta: provenance (device, threads, emulated bandwidth, sample counts...).
     """
@@ -218,6 +225,7 @@ class CalibratedProfile:
     copy_latency_s: float
     copy_bytes_per_s: float
     member_s: float
+    member_kv_s: float
     name: str = "calibrated"
     format_version: int = PROFILE_FORMAT
     fit: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -226,7 +234,7 @@ class CalibratedProfile:
     def __post_init__(self) -> None:
         bad = [f.name for f in fields(self) if f.type == "float"
                and not (np.isfinite(getattr(self, f.name)) and getattr(self, f.name) >= 0)
-               and not (f.name == "member_s" and np.isnan(self.member_s))]
+               and not (f.name in ("member_s", "member_kv_s") and np.isnan(getattr(self, f.name)))]
         if not self.copy_bytes_per_s > 0:
             bad.append("copy_bytes_per_s")
         if bad:
@@ -255,7 +263,7 @@ class CalibratedProfile:
         if version != PROFILE_FORMAT:
             raise ConfigError(
                 f"calibrated profile of format {version}, this code reads format "
-                f"{PROFILE_FORMAT} (format 2 added member_s, the per-member cost of a "
+                f"{PROFILE_FORMAT} (format 2 added member_s and member_kv_s, the members cost of a "
                 "continuous-batching pass; an older fit lacks it and would under-price full "
                 "passes): refit with `python -m moeexp +experiment=sim_vs_engine` (a "
                 "backend.calibration_dir store is refitted on its own)")
@@ -349,7 +357,7 @@ def fit_profile(samples: ProfileSamples, *, num_layers: int, hidden_size: int,
     cp = fit(np.c_[np.ones(len(a["copy_s"])), a["copy_bytes"]], a["copy_s"])
     if cp.coef[1] <= 0:
         raise ConfigError("fit_profile: copy time does not grow with bytes (bandwidth undefined)")
-    member, member_q, by_size = _fit_members(
+    member, member_kv, member_q, by_size = _fit_members(
         a, num_layers=int(num_layers), dense=dense.coef, prefill=pf.coef, decode_pass_s=dec.coef[0],
         outlier_mads=outlier_mads)
 
@@ -363,6 +371,7 @@ def fit_profile(samples: ProfileSamples, *, num_layers: int, hidden_size: int,
         dense_ctx_s=dense.coef[2], expert_s=ex.coef[1], expert_token_s=ex.coef[2],
         prefill_pass_s=pf.coef[0], prefill_token_s=pf.coef[1], decode_pass_s=dec.coef[0],
         copy_latency_s=cp.coef[0], copy_bytes_per_s=1.0 / cp.coef[1], member_s=member,
+        member_kv_s=member_kv,
         fit={"experts": q(ex), "dense": q(dense), "prefill_pass": q(pf), "decode_pass": q(dec),
              "copy": q(cp), "member": member_q, "member_residuals": by_size},
         meta=dict(meta or {}))
@@ -385,40 +394,46 @@ def member_residuals(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Seq
 
 def _fit_members(a: Mapping[str, np.ndarray], *, num_layers: int, dense: Sequence[float],
                  prefill: Sequence[float], decode_pass_s: float, outlier_mads: float | None
-                 ) -> tuple[float, dict[str, float], dict[str, float]]:
-    """(member_s, its fit quality, median residual ms per member count after the fit): the
-    residuals of :func:`member_residuals` ~ offset + member_s x (B - 1) (module docstring),
-    samples beyond ``outlier_mads`` (None: :data:`MEMBER_OUTLIER_MADS`) MADs dropped; the
-    per-count residuals are medians over every sample.
+                 ) -> tuple[float, float, dict[str, float], dict[str, float]]:
+    """(member_s, member_kv_s, the fit's quality, median residual ms per member count after
+    the applied terms): the residuals of :func:`member_residuals` ~ offset + member_s x
+    (B - 1) + member_kv_s x kv [B > 1] (module docstring), a slope that comes out negative
+    dropped (0) and the rest refitted, samples beyond ``outlier_mads`` (None:
+    :data:`MEMBER_OUTLIER_MADS`) MADs dropped; the per-count residuals are medians over
+    every sample.
 
-    No multi-member samples at all: (NaN, ``{"n": 0}``, {}): the term is not fitted.
+    No multi-member samples at all: (NaN, NaN, ``{"n": 0}``, {}): the term is not fitted.
 
     Raises:
         ConfigError: fewer than two member counts among the multi-member pass samples.
     """
     B = a["batch_members"]
     if len(B) == 0:
-        log.info("calibration: no multi-member pass samples; the per-member term is not "
+        log.info("calibration: no multi-member pass samples; the members term is not "
                  "fitted (member_s NaN: passes of one request only)")
-        return float("nan"), {"n": 0}, {}
+        return float("nan"), float("nan"), {"n": 0}, {}
     if len(np.unique(B)) < 2:
         raise ConfigError(f"fit_profile: multi-member pass samples of {len(np.unique(B))} "
                           "member count(s) (need >= 2: moeexp.engine.profile.profile_passes)")
     r = member_residuals(a, num_layers=num_layers, dense=dense, prefill=prefill,
                          decode_pass_s=decode_pass_s)
-    X = np.c_[np.ones(len(B)), B - 1]
-    f = fit_linear(X, r, nonneg=False,
-                   outlier_mads=MEMBER_OUTLIER_MADS if outlier_mads is None else outlier_mads)
-    slope = f.coef[1]
-    if slope < 0:
-        log.warning("calibration: a pass's time falls with its members (slope %.0f us per "
-                    "member): member_s set to 0", slope * 1e6)
-        slope = 0.0
-    left = r - slope * (B - 1)
+    feats = np.c_[B - 1, np.where(B > 1, a["batch_kv"], 0.0)]
+    slopes, free = np.zeros(2), [0, 1]
+    mads = MEMBER_OUTLIER_MADS if outlier_mads is None else outlier_mads
+    while True:
+        f = fit_linear(np.c_[np.ones(len(B)), feats[:, free]], r, nonneg=False, outlier_mads=mads)
+        sol = np.asarray(f.coef[1:])
+        if (sol >= 0).all():
+            break
+        log.warning("calibration: a negative members slope (%s) dropped and the rest refitted",
+                    ("per member", "per KV entry")[free[int(np.argmin(sol))]])
+        free.pop(int(np.argmin(sol)))
+    slopes[free] = sol
+    left = r - feats @ slopes
     by_size = {str(int(b)): float(np.median(left[B == b]) * 1e3) for b in np.unique(B)}
     quality = {"rms_ms": f.rms * 1e3, "r2": f.r2, "n": f.n, "kept": f.kept,
                "offset_ms": f.coef[0] * 1e3}
-    return float(slope), quality, by_size
+    return float(slopes[0]), float(slopes[1]), quality, by_size
 
 
 # ----------------------------------------------------------------------------- cost model
@@ -463,20 +478,21 @@ class CalibratedCostModel(CostModel):
 
     def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int, members: int = 1) -> float:
         """One layer's dense part (module docstring); ``members`` > 1 adds
-        ``member_s x (members - 1) / L`` (a one-member pass is the single-request fit)."""
+        ``(member_s x (members - 1) + member_kv_s x kv_tokens) / L`` (a one-member pass is
+        the single-request fit)."""
         c = self._c
         if kv_tokens <= tokens:  # prefill: every KV entry is new
             per_pass = c.prefill_pass_s + c.prefill_token_s * tokens
         else:
             per_pass = c.decode_pass_s
         if members > 1:
-            if np.isnan(c.member_s):
+            if np.isnan(c.member_s) or np.isnan(c.member_kv_s):
                 raise ConfigError(
                     f"calibrated profile {c.name!r} was fitted without multi-member passes "
                     f"(member_s unknown) and cannot price a pass of {members} requests: refit "
                     "it with moeexp.engine.profile.profile_passes samples "
                     "(`python -m moeexp +experiment=sim_vs_engine` does)")
-            per_pass = per_pass + c.member_s * (members - 1)
+            per_pass = per_pass + c.member_s * (members - 1) + c.member_kv_s * kv_tokens
         return (c.layer_s + c.dense_token_s * tokens + c.dense_ctx_s * ctx_tokens
                 + per_pass / self.num_layers)
 

@@ -279,16 +279,18 @@ def _timed_pass(pm: Any, timer: _PassTimer, reqs: Sequence[_Running], samples: P
 def profile_passes(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *,
                    settings: EngineSettings | None = None,
                    batch_sizes: Sequence[int] = (1, 2, 4, 8), steps: int = 6,
-                   batch_decode: bool = False, mixed: bool = True, repeats: int = 1,
-                   warmup: int = 1, samples: ProfileSamples | None = None) -> ProfileSamples:
+                   prompt_fractions: Sequence[float] = (1.0,), batch_decode: bool = False,
+                   mixed: bool = True, repeats: int = 1, warmup: int = 1,
+                   samples: ProfileSamples | None = None) -> ProfileSamples:
     """Time multi-member passes through the continuous engine's path (``build_pass_model``
     + ``PassModel.run_pass``, every expert resident, no predictor).
 
-    For each B in ``batch_sizes``: B requests (``requests`` cycled; their prompt ids, the
-    token counts ignored) prefill together in one pass, then decode ``steps`` passes
-    together (greedy, B members each); with ``mixed`` and B >= 2, one more pass of B - 1
-    of them decoding and the next request's prefill; the whole sweep ``repeats`` times
-    (each time on the next requests). ``batch_decode`` as the serving run's (the decoders
+    For each prompt fraction f and B in ``batch_sizes``: B requests (``requests`` cycled;
+    their prompt ids cut to a fraction f, at least one token; the token counts ignored)
+    prefill together in one pass, then decode ``steps`` passes together (greedy, B members
+    each); with ``mixed`` and B >= 2, one more pass of B - 1 of them decoding and the next
+    request's prefill; the whole sweep ``repeats`` times (each time on the next requests).
+    Several fractions vary the KV entries of a pass apart from its members. ``batch_decode`` as the serving run's (the decoders
     of a pass as one padded forward). ``warmup`` untimed rounds of a two-member prefill and
     decode first. Each pass appends one ``batch_*`` sample
     (:class:`ProfileSamples`); the model must be on the profiled device.
@@ -297,9 +299,10 @@ def profile_passes(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *
     from moeexp.engine.batch_pass import build_pass_model
     from moeexp.predictors import PREDICTORS
 
-    if not requests or not batch_sizes or min(batch_sizes) < 1 or steps < 1 or repeats < 1:
-        raise ValueError("profile_passes: needs requests, batch sizes >= 1, steps >= 1 and "
-                         "repeats >= 1")
+    if (not requests or not batch_sizes or min(batch_sizes) < 1 or steps < 1 or repeats < 1
+            or not prompt_fractions or not all(0 < f <= 1 for f in prompt_fractions)):
+        raise ValueError("profile_passes: needs requests, batch sizes >= 1, steps >= 1, "
+                         "repeats >= 1 and prompt fractions in (0, 1]")
     samples = samples if samples is not None else ProfileSamples()
     st = replace(settings or EngineSettings(), restricted_routing=False, predictor_async=False)
     device = next(loaded.model.parameters()).device
@@ -310,13 +313,16 @@ def profile_passes(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *
     pm = build_pass_model(loaded.model, loaded.adapter, PREDICTORS.build("none", dims=dims),
                           pol, st, system="profile", max_members=max(max(batch_sizes), 2),
                           batch_decode=batch_decode)
-    prompts = [list(map(int, ids)) for ids, _ in requests]
+    whole = [list(map(int, ids)) for ids, _ in requests]
+    rounds = [(1.0, 2)] * warmup + [(f, B) for _ in range(repeats) for f in prompt_fractions
+                                    for B in batch_sizes]
     timer = _PassTimer(loaded, device)
     scratch = ProfileSamples()
     try:
         nxt = 0
-        for rnd, B in enumerate([2] * warmup + list(batch_sizes) * repeats):
+        for rnd, (frac, B) in enumerate(rounds):
             out = scratch if rnd < warmup else samples
+            prompts = [ids[:max(1, int(round(len(ids) * frac)))] for ids in whole]
             reqs = [_Running(prompts[(nxt + i) % len(prompts)]) for i in range(B)]
             nxt += B
             for _ in range(1 + (1 if rnd < warmup else steps)):

@@ -133,12 +133,12 @@ def test_a_stored_fit_without_the_member_term_is_profiled_again(tmp_path, caplog
         num_layers=2, hidden_size=8, intermediate_size=16, expert_bytes=1536, layer_s=1e-4,
         dense_token_s=0.0, dense_ctx_s=0.0, expert_s=1e-5, expert_token_s=0.0,
         prefill_pass_s=1e-3, prefill_token_s=0.0, decode_pass_s=1e-3, copy_latency_s=0.0,
-        copy_bytes_per_s=1e8, member_s=5e-4, meta={"calibration_key": "k",
-                                                    "calibration_inputs": inputs})
+        copy_bytes_per_s=1e8, member_s=5e-4, member_kv_s=1e-6,
+        meta={"calibration_key": "k", "calibration_inputs": inputs})
     path = prof.save(tmp_path / "k.json")
     assert _stored_calibration(path, "k", inputs) == prof
     data = json.loads(path.read_text())
-    del data["member_s"], data["format_version"]
+    del data["member_s"], data["member_kv_s"], data["format_version"]
     path.write_text(json.dumps(data))
     with caplog.at_level(logging.WARNING, logger="moeexp.backends.sim_vs_engine"):
         assert _stored_calibration(path, "k", inputs) is None

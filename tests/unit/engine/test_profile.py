@@ -52,6 +52,9 @@ def test_profile_passes_times_multi_member_passes(mixtral, batch_decode: bool) -
     assert a["batch_ctx"].tolist() == [10, 5, 6, 21, 10, 12, 16, 31, 15, 18, 28]
     assert a["batch_kv"].tolist() == [4, 5, 6, 8, 10, 12, 10, 12, 15, 18, 18]
     assert ((a["batch_experts_s"] > 0) & (a["batch_s"] > a["batch_experts_s"])).all()
+    half = profile_passes(loaded, reqs, batch_sizes=(1, 2), steps=1, prompt_fractions=(0.5,),
+                          mixed=False, batch_decode=batch_decode).arrays()
+    assert half["batch_tokens"].tolist() == [2, 1, 4, 2]  # prompts cut to round(n / 2)
     assert mixtral.config._experts_implementation == "grouped_mm"
 
 
