@@ -303,9 +303,12 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
     est = s.engine_settings()
     new = s.decode_tokens_for(ctx.prompts)
     reqs = _store_requests(ctx.store, s.profile_requests, s.length_fractions, new)
+    # the multi-member passes on whole store prompts: a serving pass's contexts, cut by
+    # PASS_PROFILE's prompt fractions
+    pass_reqs = _store_requests(ctx.store, s.profile_requests, (1.0,), new)
     store = key = inputs = None
     if s.calibration_dir is not None:
-        inputs = calibration_inputs(ctx, s, reqs)
+        inputs = calibration_inputs(ctx, s, reqs + pass_reqs)
         key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
         store = Path(s.calibration_dir).expanduser() / f"{key}.json"
         calib = _stored_calibration(store, key, inputs)
@@ -316,7 +319,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
             return calib, True
     samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=s.warmup,
                               progress=s.progress)
-    profile_passes(ctx.loaded, reqs, settings=est, batch_decode=s.batch_decode,
+    profile_passes(ctx.loaded, pass_reqs, settings=est, batch_decode=s.batch_decode,
                    warmup=s.warmup, samples=samples, **PASS_PROFILE)  # the member term
     dims = ctx.trace.dims
     device = next(ctx.loaded.model.parameters()).device
