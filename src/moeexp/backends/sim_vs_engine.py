@@ -58,7 +58,7 @@ DEFAULT_SYSTEMS: tuple[Any, ...] = (
 #: to a full emoe_serving_check pass), decode passes per count, prompt cuts (KV apart from
 #: members), sweeps: the members term of the fit.
 PASS_PROFILE: dict[str, Any] = {"batch_sizes": [1, 2, 4, 8, 16, 24], "steps": 8,
-                                "prompt_fractions": [0.25, 1.0], "repeats": 2}
+                                "prompt_fractions": [0.25, 1.0], "repeats": 3}
 SUMMARY_COLUMNS = ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean", "engine_tpot_ms_mean",
                    "sim_tpot_ms_mean", "engine_hit_rate", "sim_hit_rate"]
 

@@ -285,15 +285,17 @@ def profile_passes(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *
     """Time multi-member passes through the continuous engine's path (``build_pass_model``
     + ``PassModel.run_pass``, every expert resident, no predictor).
 
-    For each prompt fraction f and B in ``batch_sizes``: B requests (``requests`` cycled;
-    their prompt ids cut to a fraction f, at least one token; the token counts ignored)
-    prefill together in one pass, then decode ``steps`` passes together (greedy, B members
-    each); with ``mixed`` and B >= 2, one more pass of B - 1 of them decoding and the next
-    request's prefill; the whole sweep ``repeats`` times (each time on the next requests).
-    Several fractions vary the KV entries of a pass apart from its members. ``batch_decode`` as the serving run's (the decoders
-    of a pass as one padded forward). ``warmup`` untimed rounds of a two-member prefill and
-    decode first. Each pass appends one ``batch_*`` sample
-    (:class:`ProfileSamples`); the model must be on the profiled device.
+    For each B in ``batch_sizes`` and prompt fraction f (the fractions of one B in a row,
+    so that the KV slope is not confounded with load drift): B requests (``requests``
+    cycled; their prompt ids cut to a fraction f, at least one token; the token counts
+    ignored) prefill together in one pass, then decode ``steps`` passes together (greedy,
+    B members each); with ``mixed`` and B >= 2, one more pass of B - 1 of them decoding and
+    the next request's prefill; the whole sweep ``repeats`` times (each time on the next
+    requests). Several fractions vary a pass's KV entries apart from its members.
+    ``batch_decode`` as the serving run's (the decoders of a pass as one padded forward).
+    ``warmup`` untimed rounds of a two-member prefill and decode first. Each pass appends
+    one ``batch_*`` sample (:class:`ProfileSamples`); the model must be on the profiled
+    device.
     """
     from moeexp.cache import CACHES
     from moeexp.engine.batch_pass import build_pass_model
@@ -314,8 +316,8 @@ def profile_passes(loaded: Any, requests: Sequence[tuple[Sequence[int], int]], *
                           pol, st, system="profile", max_members=max(max(batch_sizes), 2),
                           batch_decode=batch_decode)
     whole = [list(map(int, ids)) for ids, _ in requests]
-    rounds = [(1.0, 2)] * warmup + [(f, B) for _ in range(repeats) for f in prompt_fractions
-                                    for B in batch_sizes]
+    rounds = [(1.0, 2)] * warmup + [(f, B) for _ in range(repeats) for B in batch_sizes
+                                    for f in prompt_fractions]
     timer = _PassTimer(loaded, device)
     scratch = ProfileSamples()
     try:
