@@ -98,11 +98,11 @@ class PrefetchQueue:
                     self.dropped += 1
                     continue
                 key = (layer, pf.expert)
-                if key in resident:
-                    continue
                 neg = -pf.priority
                 old = get(key)
                 if old is not None and old <= neg:
+                    continue  # queued at this priority or higher (most of a re-sent window)
+                if key in resident:
                     continue
                 if layer >= L or not 0 <= key[1] < J:
                     raise ValueError(f"prefetch {pf} out of range (L={L}, J={J})")

@@ -275,9 +275,10 @@ class ExpertMapPredictor(Predictor):
         self._memo: dict[bytes, tuple[int, float]] = {}
         self._memo_version = -1
         # single-query emits, per store version: (layer, row) -> its selection data, and
-        # (layer, row, experts taken, distance) -> (sorted experts, prefetch requests)
+        # (layer, row, experts taken, distance) -> (hint p, sorted experts, prefetch requests)
         self._sel: dict[tuple[int, int], RowSelection] = {}
-        self._out: dict[tuple[int, int, int, int], tuple[np.ndarray, list[Prefetch]]] = {}
+        self._out: dict[tuple[int, int, int, int],
+                        tuple[np.ndarray, np.ndarray, list[Prefetch]]] = {}
         self._sel_version = -1
         # the whole store's stable sort, running sums and non-zero counts per (layer, row)
         self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -471,11 +472,39 @@ class ExpertMapPredictor(Predictor):
             score: list[Sequence[float]] = [
                 (s / max(math.sqrt(z), 1e-300),)
                 for s, z in zip(best[:, 0].tolist(), qsq[:, 0].tolist(), strict=True)]
-            one, d, matched = self._one, self.d, rows[:, 0].tolist()
-            emits = [one(layer + d, matched[layer], score[layer][0], d) for layer in range(L - d)]
+            emits = self._emits_one(rows[:, 0].tolist(), [s[0] for s in score])
         else:
             score = list(best / np.maximum(np.sqrt(qsq), 1e-300))
         self._pre = _Preview(probs, dots, qsq, list(rows), score, emits)
+
+    def _emits_one(self, matched: list[int], score: list[float]
+                   ) -> list[tuple[np.ndarray, np.ndarray, list[Prefetch]]]:
+        """One query's trajectory emits of a pass: for each layer l < L - d, what
+        ``_one(l + d, matched[l], score[l], d)`` gives. Offline (a frozen store), the number
+        of experts each takes is counted for all layers at once on the store-wide tables
+        (:meth:`_tables`; the same comparisons as :meth:`RowSelection.num_selected`: a
+        running sum below δ - tol is one ``bisect_left`` step), and a memoised emit is
+        then found by its key alone; a new one is made by ``_one``."""
+        L, d, one = self.dims.num_layers, self.d, self._one
+        if self.mode != "offline":
+            return [one(layer + d, matched[layer], score[layer], d) for layer in range(L - d)]
+        order_t, csum_t, nz_t = self._tables()
+        targets = np.arange(d, L)
+        rows = matched[: L - d]
+        J, k = csum_t.shape[2], self.k
+        if self.use_delta:
+            delta = np.minimum(np.maximum(1.0 - np.asarray(score[: L - d], dtype=np.float64),
+                                          0.0), 1.0)
+            below = csum_t[targets, rows] < (delta - DELTA_TOL)[:, None]  # [L - d, J]
+            n = np.minimum(np.count_nonzero(below, axis=1) + 1, nz_t[targets, rows])
+            counts = np.minimum(np.maximum(n, k), J).tolist()
+        else:
+            counts = [min(k, J)] * (L - d)
+        got, out = self._out.get, []
+        for layer, r, c, sc in zip(range(d, L), rows, counts, score[: L - d], strict=True):
+            emit = got((layer, r, c, d))
+            out.append(emit if emit is not None else one(layer, r, sc, d))
+        return out
 
     def _previewed(self, pre: _Preview, layer: int) -> tuple[np.ndarray, Sequence[float]]:
         """Layer ``layer``'s match from the preview; the running state as if computed."""
@@ -536,12 +565,16 @@ class ExpertMapPredictor(Predictor):
         pred.predicted[layer] = np.sort(experts)
         pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e)) for e in experts)
 
-    def _selection(self, layer: int, row: int) -> RowSelection:
-        """The memoised :class:`RowSelection` of stored ``row`` at ``layer`` (the memos
-        are dropped whenever the store changed)."""
+    def _fresh_memos(self) -> None:
+        """Drop the selection memos and tables if the store changed since they were made."""
         if self._sel_version != self.store.version:
             self._sel, self._out, self._sel_version = {}, {}, self.store.version
             self._sel_table = None
+
+    def _selection(self, layer: int, row: int) -> RowSelection:
+        """The memoised :class:`RowSelection` of stored ``row`` at ``layer`` (the memos
+        are dropped whenever the store changed)."""
+        self._fresh_memos()
         sel = self._sel.get((layer, row))
         if sel is None:
             sel = self._sel[(layer, row)] = (  # online: the store moves every iteration
@@ -554,18 +587,24 @@ class ExpertMapPredictor(Predictor):
         sums read from tables of the whole store made at the first call per store version
         (offline mode: the store is frozen; the same stable sort and sequential sums per
         row, so the same values)."""
+        order_t, csum_t, nz_t = self._tables()
+        p = np.array(self.store.maps[layer, row], dtype=np.float64)
+        p.setflags(write=False)
+        o = order_t[layer, row].copy()
+        o.setflags(write=False)
+        return RowSelection(p, o, csum_t[layer, row].tolist(), int(nz_t[layer, row]))
+
+    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The whole store's stable sort int64[L, n, J], running sums float64[L, n, J] and
+        non-zero counts int64[L, n] (offline mode), made once per store version."""
+        self._fresh_memos()
         n = self.store.size
         if self._sel_table is None or self._sel_table[0].shape[1] != n:
             maps = self.store.maps[:, :n]  # [L, n, J]
             order = np.argsort(-maps, axis=2, kind="stable")
             csum = np.cumsum(np.take_along_axis(maps, order, axis=2), axis=2, dtype=np.float64)
             self._sel_table = (order, csum, np.count_nonzero(maps > 0, axis=2))
-        order_t, csum_t, nz_t = self._sel_table
-        p = np.array(self.store.maps[layer, row], dtype=np.float64)
-        p.setflags(write=False)
-        o = order_t[layer, row].copy()
-        o.setflags(write=False)
-        return RowSelection(p, o, csum_t[layer, row].tolist(), int(nz_t[layer, row]))
+        return self._sel_table
 
     def _emit_one(self, pred: Prediction, layer: int, row: int, score: float,
                   distance: int) -> None:
@@ -591,9 +630,9 @@ class ExpertMapPredictor(Predictor):
             chosen = np.sort(experts)
             chosen.setflags(write=False)
             p = sel.p
-            out = self._out[key] = (chosen, [Prefetch(float(p[e]) / distance, layer, int(e))
-                                             for e in experts])
-        return sel.p, out[0], out[1]
+            out = self._out[key] = (p, chosen, [Prefetch(float(p[e]) / distance, layer, int(e))
+                                                for e in experts])
+        return out
 
     def end_iteration(self) -> None:
         """Online mode: add this iteration's rows to the store."""

@@ -143,9 +143,9 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
     append = out.append
     for k in range(lo, hi):
         a, b = off[k], off[k + 1]
+        members = keys[a:b]
         missing = 0
-        for i in range(a, b):
-            x = keys[i]
+        for x in members:
             if cur[x] < 0:
                 missing += 1
                 if free_start and not seen[x]:  # a resident item was seen (fetched)
@@ -172,9 +172,8 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
                 push(heap, e)
         count += missing
         size += missing
-        for i in range(a, b):  # after the set: next uses
-            e = entry[i]
-            cur[keys[i]] = e
+        for x, e in zip(members, entry[a:b], strict=True):  # after the set: next uses
+            cur[x] = e
             push(heap, e)
         if (k & 255) == 0 and len(heap) > 4 * size + 1024:
             heap = [e for e in cur if e >= 0]
@@ -223,7 +222,7 @@ class _Layout:
 
     def __init__(self, plan: Plan, num_experts: int) -> None:
         J, L = num_experts, plan.L
-        keys, ce, sizes, dense = [], [], [], []
+        flats, ce, sizes, dense = [], [], [], []
         self.batch_lo: list[int] = []  # first set of each batch
         self.group_end: list[list[int]] = []  # per batch, per pass: index after its last set
         n = 0
@@ -232,16 +231,19 @@ class _Layout:
             ends = []
             for iters in b.groups:
                 gd = plan.group(iters)
-                ls, es = np.nonzero(gd.counts)  # the order of gd.experts / gd.ce
-                keys.append(ls * J + es)
-                ce.append(np.fromiter(chain.from_iterable(gd.ce), np.float64, count=len(ls)))
-                sizes.append(np.bincount(ls, minlength=L))
+                flat, size_l = gd.flat_experts()  # the order of gd.experts / gd.ce
+                flats.append(flat)
+                sizes.append(size_l)
+                ce.append(gd.ce)
                 dense.append(gd.dense_s)
                 n += L
                 ends.append(n)
             self.group_end.append(ends)
-        k_all, ce_all = np.concatenate(keys), np.concatenate(ce)
-        size = np.concatenate(sizes)
+        size = np.concatenate(sizes) if sizes else np.zeros(0, dtype=np.int64)
+        layer_of = np.repeat(np.tile(np.arange(L, dtype=np.int64) * J, len(sizes)), size)
+        k_all = (np.concatenate(flats) if flats else np.zeros(0, dtype=np.int64)) + layer_of
+        ce_all = np.fromiter(chain.from_iterable(chain.from_iterable(ce)), np.float64,
+                             count=len(k_all))
         self.seq = SetSeq.from_arrays(k_all, size)
         starts = np.asarray(self.seq.off[:-1])
         has = size > 0

@@ -54,6 +54,7 @@ class GroupData:
     token_request: np.ndarray
     _future: tuple[np.ndarray, ...] | None = None
     _arrays: list[np.ndarray] | None = None
+    _flat: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def num_accesses(self) -> int:
@@ -65,12 +66,22 @@ class GroupData:
             self._future = tuple(np.asarray(e, dtype=np.int64) for e in self.experts)
         return self._future
 
+    def flat_experts(self) -> tuple[np.ndarray, np.ndarray]:
+        """(read-only int64[N] every layer's ``experts`` in layer order, int64[L] how many
+        each layer has): the pass's accesses in replay order, made once."""
+        if self._flat is None:
+            flat = np.asarray([e for es in self.experts for e in es], dtype=np.int64)
+            flat.setflags(write=False)
+            sizes = np.asarray([len(es) for es in self.experts], dtype=np.int64)
+            sizes.setflags(write=False)
+            self._flat = (flat, sizes)
+        return self._flat
+
     def expert_arrays(self) -> list[np.ndarray]:
         """L read-only int64 arrays: ``experts`` of each layer (what ``observe_layer`` sees)."""
         if self._arrays is None:
-            flat = np.asarray([e for es in self.experts for e in es], dtype=np.int64)
-            flat.setflags(write=False)
-            bounds = np.cumsum([0, *(len(es) for es in self.experts)]).tolist()
+            flat, sizes = self.flat_experts()
+            bounds = [0, *np.cumsum(sizes).tolist()]
             self._arrays = [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
         return self._arrays
 
