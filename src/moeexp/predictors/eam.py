@@ -63,6 +63,8 @@ Variant = Literal["paper", "oss"]
 DEFAULT_CAPACITY = {"paper": 120, "oss": 1000}
 #: Memoised one-request predictions kept (the memo is cleared when it reaches this).
 MEMO_ENTRIES = 1 << 16
+#: Bytes of contiguous layer-suffix copies one collection may keep for ``match_unit_rows``.
+SUFFIX_BYTES = 1 << 26
 
 
 def normalize_rows(m: np.ndarray) -> np.ndarray:
@@ -91,6 +93,10 @@ class EAMCollection:
         self.access = np.zeros(capacity, dtype=np.int64)
         self.size = 0
         self.version = 0  # bumped by every insertion
+        # first layer -> rows_n[:size, first:] as one C-contiguous [size, (L - first)·J]
+        # matrix (what match_unit_rows multiplies), for the collection's version
+        self._suffix: dict[int, np.ndarray] = {}
+        self._suffix_version = -1
 
     def add(self, eam: np.ndarray) -> int:
         """Insert ``eam`` (float[L, J]); returns the slot it went to."""
@@ -119,6 +125,19 @@ class EAMCollection:
         top = np.argpartition(-sims, n - 1)[:n]
         return top[np.argsort(-sims[top], kind="stable")]
 
+    def _suffix_rows(self, first_layer: int) -> np.ndarray:
+        """float64[size, (L - first_layer)·J]: the stored unit rows of layers
+        ``first_layer..L−1``, C-contiguous (the copy ``reshape`` makes of the strided
+        suffix, kept per collection version while all suffixes fit :data:`SUFFIX_BYTES`)."""
+        if self._suffix_version != self.version:
+            self._suffix, self._suffix_version = {}, self.version
+        got = self._suffix.get(first_layer)
+        if got is None:
+            got = self.rows_n[: self.size, first_layer:].reshape(self.size, -1)
+            if self.size * self.L * (self.L + 1) * self.J * 4 <= SUFFIX_BYTES:  # all of them
+                self._suffix[first_layer] = got
+        return got
+
     def match_layer_mean(self, query: np.ndarray, first_layer: int) -> int:
         """Row of highest mean per-layer cosine over layers ``first_layer..L−1`` (oss)."""
         return self.match_unit_rows(unit(query[first_layer:]), first_layer)
@@ -128,8 +147,7 @@ class EAMCollection:
         unit rows (float64[L − first_layer, J]; ``unit`` is row-wise, so the suffix of a
         whole query's unit rows is the unit rows of its suffix, bit for bit)."""
         q = q_rows.reshape(-1)  # [L'·J]
-        rows = self.rows_n[: self.size, first_layer:]
-        sims = rows.reshape(self.size, -1) @ q  # Σ over layers of per-layer cosines
+        sims = self._suffix_rows(first_layer) @ q  # Σ over layers of per-layer cosines
         row = int(sims.argmax())
         self.access[row] += 1
         return row
