@@ -104,6 +104,14 @@ TARGET_S = 2.0
 #: moe_infinity 2.00 -> 2.01, emoe 1.97 -> 1.88, promoe_learned 1.96 -> 1.80, the rest within
 #: 1.63 s; still over: finemoe, finemoe_no_semantic, moe_infinity_oss (oracle, moe_infinity at
 #: the line).
+#: Fifth step (a replay's survivors moved to the oldest GC generation, push's pending check
+#: first, the floor's sets from flat experts, expert_map's emits counted per pass, eam oss's
+#: contiguous suffixes; every metric and series identical): fd2b797 -> ccb43cd, two bench
+#: runs each in sequence (17:09-17:20 UTC, load 3-7, machine factor 0.93-1.03), best of both:
+#: finemoe 3.28 -> 3.16, finemoe_no_semantic 3.03 -> 2.63, moe_infinity_oss 2.45 -> 2.29,
+#: moe_infinity 1.93 -> 1.78, oracle 2.13 -> 2.24, emoe 1.93 -> 2.18 (the two pairs
+#: disagreed: the 3-10 % gain of alternating A/B runs is below this machine's noise); still
+#: over: finemoe, finemoe_no_semantic, moe_infinity_oss (oracle, emoe at the line).
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
