@@ -178,6 +178,12 @@ class Engine:
         #: :func:`moeexp.simulator.continuous.serve`'s ``record_usable``), loaded on demand
         #: when this engine lacks them; None = what this engine holds ready
         self.residency: Sequence[Sequence[int]] | None = None
+        #: residency cycle (restricted routing only): per pass, per layer, usable experts
+        #: that :meth:`begin_iteration` makes forward pass k's :attr:`residency`
+        #: (``residency_cycle[k % len(residency_cycle)]``; e.g. a simulated operating
+        #: point's ready sets cycled over lm-eval's documents,
+        #: :mod:`moeexp.eval.serving_quality`); None = no cycle (residency left as set)
+        self.residency_cycle: Sequence[Sequence[Sequence[int]]] | None = None
         self.iteration = -1  # forward passes begun so far - 1
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
         try:
@@ -316,6 +322,8 @@ class Engine:
     def begin_iteration(self) -> None:
         with self.lock:
             self.iteration += 1
+            if self.residency_cycle is not None:
+                self.residency = self.residency_cycle[self.iteration % len(self.residency_cycle)]
             self.cur_layer = -1
             self.protected = set()  # no layer runs yet (the simulator's Device.begin_iteration)
             self.psets.clear()

@@ -58,6 +58,25 @@ layers' routing, differ from the trace's), so ``engine_substitution_rate`` diffe
 copies decide (``engine.restricted_wait``: a zero-time link; else thread timing): eMoE's
 cold-start streaming of the first prompt then lands far more experts per layer than the
 simulated link does, and the engine holds a different residency at the same budget.
+
+**lm-eval at the operating point** (``lm_eval_tasks``, e.g. ``[moeexp_sharegpt_reply,
+moeexp_sharegpt_ppl]``; lossy systems with ``residency=simulator`` only): the lm-eval tasks
+of :mod:`moeexp.eval.stage` (``lm_eval/<task>/<metric>``, plus ``lm_eval/engine/*``: the
+engine's substitution / dropped / hit rates while scoring) computed by a static offloaded
+engine (:func:`moeexp.engine.build_offloaded`; fresh copies of the fitted policies, the
+engine settings of the serves above, ``lm_eval_limit`` documents per task) whose lossy
+layers use the simulated point's residency *cycled pass by pass*: lm-eval's forward pass k
+(one request: a document's context + continuation) computes layer l under ``usable[k mod
+P][l]``, the ready set of the simulator's pass ``k mod P`` (P simulated passes; the engine's
+:attr:`~moeexp.engine.runtime.Engine.residency_cycle`). What this measures: lm-eval's
+documents scored under residency samples of the operating point (``lm_eval_residency`` =
+``simulator_cycle``), not the served requests' quality: the served requests have no lm-eval
+documents (no answer choices, no reference text to score bits per byte on) and lm-eval's
+documents were never served, so the only link between the two is the residency the point
+holds, which is what a lossy layer's output depends on. The documents' own routing decides
+what is substituted within each sampled set (a document and the pass whose residency it gets
+need not route alike), so ``lm_eval/engine/substitution_rate`` differs from
+``sim_substitution_rate``.
 """
 
 from __future__ import annotations
@@ -75,6 +94,7 @@ import torch.nn.functional as F
 from moeexp.backends.base import BackendContext, BackendResult
 from moeexp.backends.serving_check import kv_pool_bytes, slo_targets
 from moeexp.errors import ConfigError
+from moeexp.eval.tasks import LOCAL_TASKS
 from moeexp.registry import typed
 from moeexp.schedulers import build_scheduler
 from moeexp.serving.arrivals import poisson_arrivals
@@ -106,6 +126,13 @@ class ServingQualitySettings:
             warmup, restricted_wait, predictor_async, batch_decode, ...).
         num_online_requests: accepted for the experiment's shared keys, unused.
         progress: progress bars.
+        lm_eval_tasks: lm-eval tasks scored at the operating point (module docstring;
+            local ``moeexp_*`` tasks or lm-eval's own); () = none. Needs a lossy system
+            and ``residency=simulator``.
+        lm_eval_limit: documents per task (an int, a fraction < 1, or None = all).
+        lm_eval_dataset: the run's ``dataset`` group (the local tasks are built from its
+            test split, :func:`moeexp.eval.stage._include_path`); None = conf/dataset/
+            sharegpt.yaml.
     """
 
     arrival_rate: float = 100.0
@@ -119,8 +146,12 @@ class ServingQualitySettings:
     engine: Mapping[str, Any] = field(default_factory=dict)
     num_online_requests: int | None = None
     progress: bool = False
+    lm_eval_tasks: Sequence[str] = ()
+    lm_eval_limit: int | float | None = None
+    lm_eval_dataset: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "lm_eval_tasks", tuple(str(t) for t in self.lm_eval_tasks or ()))
         bad = []
         if not (isinstance(self.arrival_rate, (int, float)) and self.arrival_rate > 0):
             bad.append(f"arrival_rate={self.arrival_rate!r} (req/s > 0)")
@@ -138,8 +169,30 @@ class ServingQualitySettings:
         unknown = [m for m in self.modes if m not in MODES]
         if unknown or not self.modes:
             bad.append(f"modes={list(self.modes)!r} (a non-empty subset of {list(MODES)})")
+        bad += self._lm_eval_problems()
         if bad:
             raise ConfigError("backend=serving_quality: " + "; ".join(bad))
+
+    def _lm_eval_problems(self) -> list[str]:
+        """What is wrong with the ``lm_eval_*`` keys (names lm-eval does not know are
+        refused by :func:`check_lm_eval_tasks` before the run's work)."""
+        if not self.lm_eval_tasks:
+            return []
+        bad = []
+        if not self.restricted_routing:
+            bad.append(f"lm_eval_tasks={list(self.lm_eval_tasks)} with an exact system (its "
+                       "lm-eval numbers are the plain model's: use eval=lm_eval)")
+        if self.residency != "simulator":
+            bad.append(f"lm_eval_tasks with residency={self.residency} (lm-eval's passes take "
+                       "the simulator's residency: residency=simulator)")
+        local = [t for t in self.lm_eval_tasks
+                 if t.startswith("moeexp_") and t not in LOCAL_TASKS]
+        if local:
+            bad.append(f"lm_eval_tasks: unknown local task(s) {local} (the local tasks are "
+                       f"{list(LOCAL_TASKS)})")
+        if self.lm_eval_limit is not None and not self.lm_eval_limit > 0:
+            bad.append(f"lm_eval_limit={self.lm_eval_limit!r} (> 0, or null for all)")
+        return bad
 
     def serving_settings(self, tasks: Sequence[str] | None = None) -> ServingSettings:
         """The ``serving`` block, typed; with ``tasks``, per-task SLO scales of tasks not
@@ -239,6 +292,17 @@ def _wrap(pm: Any, scorer: _Scorer) -> None:
     setattr(pm, "run_pass", run_pass)  # noqa: B010 (an instance attribute over the method)
 
 
+def _engine_raw(ctx: BackendContext, st: ServingQualitySettings) -> dict[str, Any]:
+    """The engine keys of every engine this backend builds (``st.engine`` over defaults:
+    inline predictor, one warm-up pass; the system's restricted routing)."""
+    raw = {"predictor_async": False, "warmup": 1, "progress": False,
+           "spec_depth": ctx.trace.dims.spec_depth, **dict(st.engine),
+           "restricted_routing": bool(st.restricted_routing)}
+    return {k: v for k, v in raw.items() if k not in ("replay_tokens", "sampling", "top_k",
+                                                      "temperature", "seed", "reference",
+                                                      "arrival_rate", "serving")}
+
+
 def _engine_serve(ctx: BackendContext, prompts: Sequence[Any], st: ServingQualitySettings,
                   forced: Mapping[int, Sequence[int]] | None, scorer: _Scorer,
                   *, profile: Any, serving: ServingSettings, kv: int, pool: int,
@@ -253,12 +317,7 @@ def _engine_serve(ctx: BackendContext, prompts: Sequence[Any], st: ServingQualit
     from moeexp.engine.serve import _warmup, resolve_device, run_on
     from moeexp.engine.serve_continuous import eos_ids
 
-    raw = {"predictor_async": False, "warmup": 1, "progress": False,
-           "spec_depth": ctx.trace.dims.spec_depth, **dict(st.engine),
-           "restricted_routing": bool(st.restricted_routing)}
-    raw = {k: v for k, v in raw.items() if k not in ("replay_tokens", "sampling", "top_k",
-                                                     "temperature", "seed", "reference",
-                                                     "arrival_rate", "serving")}
+    raw = _engine_raw(ctx, st)
     eng = engine_settings(raw)
     pred, pol = copy.deepcopy(ctx.predictor), copy.deepcopy(ctx.cache)
     loaded = ctx.loaded
@@ -277,6 +336,68 @@ def _engine_serve(ctx: BackendContext, prompts: Sequence[Any], st: ServingQualit
                 progress=st.progress, pass_seconds=pass_seconds, residency=residency)
         finally:
             pm.close()
+
+
+def lm_eval_plan(ctx: BackendContext, st: ServingQualitySettings) -> tuple[Any, str | None]:
+    """``(spec, include_path)`` of the operating point's lm-eval (None, None without
+    ``lm_eval_tasks``): the local tasks built (:func:`moeexp.eval.stage._include_path`) and
+    every task name checked against lm-eval's task index, before the run's work.
+
+    Raises:
+        ConfigError: a task lm-eval does not know.
+    """
+    if not st.lm_eval_tasks:
+        return None, None
+    from moeexp.data.prompts import DatasetConfig
+    from moeexp.eval.run import task_manager
+    from moeexp.eval.stage import EvalSpec, _include_path
+    from moeexp.paths import load_group_yaml
+
+    spec = EvalSpec(name="lm_eval", tasks=tuple(st.lm_eval_tasks), limit=st.lm_eval_limit,
+                    warmup=0, seed=int(ctx.seed))
+    raw = (dict(st.lm_eval_dataset) if st.lm_eval_dataset is not None
+           else load_group_yaml("dataset", "sharegpt"))
+    dataset = DatasetConfig.from_mapping(raw).to_mapping()  # the pipeline's (and stage's) form
+    path = _include_path(spec, dataset, ctx.loaded.tokenizer)
+    known = set(task_manager(spec.tasks, path).all_tasks)
+    unknown = [t for t in spec.tasks if t not in known]
+    if unknown:
+        raise ConfigError(f"backend=serving_quality: lm_eval_tasks {unknown} are not lm-eval "
+                          "tasks (nor local ones)")
+    return spec, path
+
+
+def lm_eval_at_point(ctx: BackendContext, st: ServingQualitySettings, spec: Any,
+                     include_path: str | None,
+                     usable: Sequence[Sequence[Sequence[int]]]) -> dict[str, Any]:
+    """lm-eval's tasks on a static offloaded engine whose forward pass k computes its lossy
+    layers under ``usable[k mod P]`` (the simulated point's ready sets, P passes: int
+    expert ids per pass and layer); ``lm_eval/*`` metrics (module docstring)."""
+    from moeexp.engine import build_offloaded, engine_settings
+    from moeexp.engine.serve import resolve_device, run_on
+    from moeexp.eval.stage import _lm_eval
+
+    if not usable:
+        raise ConfigError("backend=serving_quality: the simulator recorded no residency "
+                          "(no pass ran): nothing to cycle for lm-eval")
+    raw = _engine_raw(ctx, st)
+    eng = engine_settings(raw)
+    loaded = ctx.loaded
+    cycle = [[list(map(int, layer)) for layer in step] for step in usable]
+
+    def make(warm: Any = None) -> Any:
+        om = build_offloaded(loaded.model, loaded.adapter, copy.deepcopy(ctx.predictor),
+                             copy.deepcopy(ctx.cache), eng, system="emoe")
+        om.engine.residency_cycle = cycle
+        return om
+
+    t0 = time.perf_counter()
+    with run_on(loaded.model, resolve_device(raw.get("device"), loaded.model),
+                raw.get("num_threads")):
+        out = _lm_eval(spec, make, loaded, include_path)
+    return {**out, "lm_eval_residency": "simulator_cycle",
+            "lm_eval_cycle_passes": float(len(cycle)),
+            "lm_eval_time_s": time.perf_counter() - t0}
 
 
 def teacher_forced_metrics(scorer: _Scorer) -> tuple[dict[str, float], dict[str, list[Any]]]:
@@ -365,6 +486,7 @@ def serving_quality(ctx: BackendContext, st: ServingQualitySettings) -> BackendR
     kv = int(ctx.kv_bytes_per_token or ctx.cost.kv_bytes_per_token())
     pool = kv_pool_bytes(ctx.cost, serving, slots)
     slo = slo_targets(trace, ctx.cost, serving)
+    lm_spec, lm_path = lm_eval_plan(ctx, st)
     t0 = time.perf_counter()
     replayed = bool(st.restricted_routing) and st.residency == "simulator"
     sim = serve(trace, copy.deepcopy(ctx.predictor), copy.deepcopy(ctx.cache), ctx.cost,
@@ -414,6 +536,8 @@ def serving_quality(ctx: BackendContext, st: ServingQualitySettings) -> BackendR
         metrics.update(_prefixed("greedy_engine", run.metrics, ENGINE_KEYS))
         metrics["greedy_passes_match"] = same_passes(run)
         series.update(per_g)
+    if lm_spec is not None:
+        metrics.update(lm_eval_at_point(ctx, st, lm_spec, lm_path, usable or []))
     metrics["substitution_rate"] = metrics.get("sim_substitution_rate", NAN)
     metrics["scheduler"] = ctx.scheduler.name
     return BackendResult(metrics, series)

@@ -212,3 +212,50 @@ def test_restricted_wait_makes_lossy_runs_deterministic(store_of) -> None:
         assert all(torch.equal(s, t) for s, t in zip(x.scores, y.scores, strict=True))
     assert ma["substitution_rate"] == mb["substitution_rate"]
     assert ma["hit_rate"] == mb["hit_rate"]
+
+
+def test_residency_cycle_sets_each_pass_residency(store_of) -> None:
+    """``Engine.residency_cycle``: forward pass k of a static offloaded eMoE engine
+    (restricted routing) computes under ``cycle[k % len(cycle)]``. Every expert usable in
+    every layer: nothing substituted or dropped, the plain model's logits; expert 0 only
+    (top-2 routing): each token keeps or gets expert 0 once and drops its other choice, so
+    exactly half the routed choices drop (as the continuous path's residency replay); a
+    two-pass cycle [all, one] alternates (passes 0 and 2 exact, 1 and 3 lossy)."""
+    from moeexp.cache import build_cache
+    from moeexp.engine.build import engine_settings
+    from moeexp.predictors import build_predictor
+    from moeexp.systems import resolve_system
+
+    model = toy_model("mixtral")
+    store = store_of("mixtral")
+    d = store.dims
+    pcfg, ccfg, _ = resolve_system("emoe", None, {"capacity": 0.5},
+                                   model={"prefetch_distance": 1})
+    ids = prompt_ids(10)
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+    every = [list(range(d.num_experts))] * d.num_layers
+    one = [[0]] * d.num_layers
+
+    def run(cycle, passes: int = 1) -> tuple[list[torch.Tensor], dict[str, float]]:
+        pred, pol = build_predictor(pcfg, d), build_cache(ccfg, d)
+        pred.fit(store)
+        pol.fit(store)
+        with build_offloaded(model, adapter_for(model), pred, pol,
+                             engine_settings({"restricted_routing": True,
+                                              "restricted_wait": True}), system="emoe") as om:
+            assert om.engine.residency_cycle is None
+            om.engine.residency_cycle = cycle
+            with torch.no_grad():
+                out = [om(input_ids=ids).logits for _ in range(passes)]
+            return out, om.metrics()
+
+    out, m = run([every])
+    assert m["substitution_rate"] == 0 and m["routing_dropped_rate"] == 0
+    assert torch.allclose(out[0], ref, atol=1e-5)
+    _, m = run([one])
+    assert m["routing_dropped_rate"] == pytest.approx(0.5)
+    out, m = run([every, one], passes=4)
+    assert m["routing_dropped_rate"] == pytest.approx(0.25)  # half of the passes lose half
+    assert torch.allclose(out[0], ref, atol=1e-5) and torch.allclose(out[2], ref, atol=1e-5)
+    assert not torch.allclose(out[1], ref, atol=1e-3) and torch.equal(out[1], out[3])

@@ -65,7 +65,7 @@ def _ctx(setup, system: str, capacity: float):  # type: ignore[no-untyped-def]
     return ctx, bool(settings.get("restricted_routing", False))
 
 
-def _settings(restricted: bool, **kw) -> ServingQualitySettings:  # type: ignore[no-untyped-def]
+def _settings(restricted: bool = True, **kw) -> ServingQualitySettings:  # type: ignore[no-untyped-def]
     base = {"arrival_rate": 2000.0, "num_requests": None, "time_scale": 1.0,
             "modes": ("teacher_forced", "greedy"), "restricted_routing": restricted,
             "serving": {"max_batch_tokens": 64, "max_running": 3},
@@ -181,3 +181,88 @@ def test_plain_reference_is_the_model_untouched(setup) -> None:
     with torch.no_grad():
         after = loaded.model(input_ids=ids).logits
     assert torch.equal(before, after)
+
+
+@pytest.fixture(scope="module")
+def tiny_point(loaded, prompts):  # type: ignore[no-untyped-def]
+    """The shipped tiny model (it has a tokenizer: lm-eval's documents need one) with its
+    ShareGPT sample's trace: ``make(system, capacity, cost=None)`` -> (ctx, restricted)."""
+    from moeexp.traces.recorder import record_trace
+
+    trace = record_trace(loaded, prompts, sampling="greedy", spec_depth=2, record_hidden=False,
+                         prompt_embedder=None, progress=False)
+    store, test = trace.split("store"), trace.split("test")
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), trace.dims)
+
+    def make(system: str, capacity: float, cost_model=None):  # type: ignore[no-untyped-def]
+        pcfg, ccfg, st = resolve_system(system, {"experts_per_layer": 2, "period": 1}
+                                        if system == "emoe" else None,
+                                        {"capacity": capacity}, model={"prefetch_distance": 1})
+        pred, pol = build_predictor(pcfg, store.dims), build_cache(ccfg, store.dims)
+        pred.fit(store)
+        pol.fit(store)
+        ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.split == "test"],
+                             trace=test, predictor=pred, cache=pol, cost=cost_model or cost,
+                             seed=0, store=store, scheduler=GroupChoice("fcfs", {}))
+        return ctx, bool(st.get("restricted_routing", False))
+
+    return make, trace
+
+
+LM_TASKS = ("moeexp_sharegpt_ppl", "moeexp_sharegpt_reply")
+
+
+def test_lm_eval_at_the_operating_point(tiny_point, dataset_cfg, tmp_path, monkeypatch) -> None:
+    """lm_eval_tasks: lm-eval's local tasks scored by a static engine cycling the simulated
+    point's residency (``lm_eval_residency`` = simulator_cycle, one cycle entry per
+    simulated pass): eMoE at 2 of 16 experts substitutes while scoring; on a link so slow
+    that no simulated copy ever lands every cycled set is empty, so every routed choice of
+    lm-eval's passes drops (the residency is the simulator's, not this engine's copies)."""
+    monkeypatch.setenv("MOEEXP_RESULTS", str(tmp_path))  # the local tasks' cache
+    make, trace = tiny_point
+    ctx, restricted = make("emoe", 0.125)
+    assert restricted
+    st = _settings(restricted, modes=("teacher_forced",), lm_eval_tasks=list(LM_TASKS),
+                   lm_eval_limit=2, lm_eval_dataset=dataset_cfg)
+    m = serving_quality(ctx, st).metrics
+    assert m["lm_eval_residency"] == "simulator_cycle" and m["lm_eval_cycle_passes"] >= 1
+    assert m["lm_eval/moeexp_sharegpt_ppl/bits_per_byte"] > 0
+    assert 0.0 <= m["lm_eval/moeexp_sharegpt_reply/acc"] <= 1.0
+    assert m["lm_eval/engine/substitution_rate"] > 0
+    assert m["lm_eval/engine/dropped_rate"] < 1.0
+    assert list((tmp_path / "eval_task_cache").iterdir())
+    slow = CostModel.from_profile(dataclasses.replace(load_profile("rtx3090_pcie4"),
+                                                      h2d_gbps=1e-9), trace.dims)
+    sctx, _ = make("emoe", 0.125, slow)
+    s = serving_quality(sctx, st).metrics
+    assert s["sim_routing_dropped_rate"] == 1.0 and s["lm_eval/engine/dropped_rate"] == 1.0
+
+
+@pytest.mark.parametrize("bad, match", [
+    ({"restricted_routing": False}, "exact system"),
+    ({"residency": "engine"}, "residency=engine"),
+    ({"lm_eval_tasks": ["moeexp_sharegpt_nope"]}, "unknown local task"),
+    ({"lm_eval_limit": 0}, "lm_eval_limit=0")])
+def test_lm_eval_settings_refused(bad, match) -> None:  # type: ignore[no-untyped-def]
+    """lm-eval at an operating point needs a lossy system under the simulator's residency
+    (an exact system's numbers are the plain model's: eval=lm_eval); unknown local task
+    names and a non-positive limit fail when the settings are built (before any work)."""
+    kw = {"restricted_routing": True, "lm_eval_tasks": ["moeexp_sharegpt_ppl"], **bad}
+    with pytest.raises(ConfigError, match=match):
+        _settings(**kw)
+    assert _settings(True).lm_eval_tasks == ()  # off by default
+
+
+def test_lm_eval_unknown_task_refused_before_the_simulator(tiny_point, dataset_cfg, tmp_path,
+                                                           monkeypatch) -> None:
+    """A task name neither local nor lm-eval's fails in lm_eval_plan, which
+    serving_quality runs before its simulator step (lm-eval's own index is searched)."""
+    from moeexp.eval.serving_quality import lm_eval_plan
+
+    monkeypatch.setenv("MOEEXP_RESULTS", str(tmp_path))
+    make, _ = tiny_point
+    ctx, restricted = make("emoe", 0.125)
+    st = _settings(restricted, lm_eval_tasks=["moeexp_sharegpt_ppl", "no_such_task_xyz"],
+                   lm_eval_dataset=dataset_cfg)
+    with pytest.raises(ConfigError, match="no_such_task_xyz"):
+        lm_eval_plan(ctx, st)
