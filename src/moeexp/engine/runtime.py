@@ -68,8 +68,12 @@ class EngineSettings:
             only on the policies' decisions. Default (False, eMoE): a copy that has not
             landed counts as absent and a prefetch whose layer passed is dropped, so
             substitutions depend on thread timing and two identical runs can differ; True
-            makes them timing-independent (with ``predictor_async=False`` a lossy run is
-            then deterministic), at the price of the waits.
+            makes them largely timing-independent (with ``predictor_async=False`` the runs
+            tested are deterministic at 50 % capacity; at 25 % on the toy Mixtral an
+            eMoE routing replay still differs between runs, a copy-thread race not found
+            yet: tests/unit/engine/test_routing_replay.py), at the price of the waits.
+            For quality at a serving point, ``serving_quality``'s residency replay is
+            timing-independent by construction.
         prefetch_wait: exact mode: before each layer's accesses the engine lets every
             queued prefetch start and waits until every copy has landed (as
             ``restricted_wait`` does for the lossy mode): hits then depend only on the
