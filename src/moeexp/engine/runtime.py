@@ -68,12 +68,12 @@ class EngineSettings:
             only on the policies' decisions. Default (False, eMoE): a copy that has not
             landed counts as absent and a prefetch whose layer passed is dropped, so
             substitutions depend on thread timing and two identical runs can differ; True
-            makes them largely timing-independent (with ``predictor_async=False`` the runs
-            tested are deterministic at 50 % capacity; at 25 % on the toy Mixtral an
-            eMoE routing replay still differs between runs, a copy-thread race not found
-            yet: tests/unit/engine/test_routing_replay.py), at the price of the waits.
-            For quality at a serving point, ``serving_quality``'s residency replay is
-            timing-independent by construction.
+            makes them timing-independent: prefetches then start only while the engine
+            settles before a layer (the simulator's points), never when the copy thread
+            happens to find the queue non-empty (with ``predictor_async=False`` a lossy
+            run is deterministic and, under routing replay, keeps the simulator's experts
+            on a zero-time link: tests/unit/engine/test_routing_replay.py), at the price
+            of the waits.
         prefetch_wait: exact mode: before each layer's accesses the engine lets every
             queued prefetch start and waits until every copy has landed (as
             ``restricted_wait`` does for the lossy mode): hits then depend only on the
@@ -169,6 +169,11 @@ class Engine:
         self.protected: set[Key] = set()
         self.next_access = 0
         self.paused = False
+        # restricted_wait: prefetches start only inside settle_prefetches (before a layer),
+        # never whenever the copy thread finds the queue non-empty: the decisions then
+        # happen at the simulator's points (the next layer's start), not by thread timing
+        self._settled_starts = settings.restricted_routing and settings.restricted_wait
+        self._settling = False
         self.counters = Counters()
         self.logits: dict[int, torch.Tensor] = {}  # router logits of the running pass
         self.record_accesses = False
@@ -229,6 +234,8 @@ class Engine:
     def _start_prefetch(self) -> CopyJob | None:
         """Copy thread: start the best queued prefetch (eviction decided now), or None."""
         with self.lock:
+            if self._settled_starts and not self._settling:
+                return None
             while not self.paused:
                 got = self.queue.pop(self.cur_layer)
                 if got is None:
@@ -472,12 +479,16 @@ class Engine:
         every queued prefetch and wait until every copy has landed (lock held on entry,
         released while waiting). The residency the layer sees then depends only on the
         order of decisions, never on thread timing."""
-        while True:
-            pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
-            if (not self.queue or self.paused) and not pending:
-                return
-            self.copier.wake()
-            self._wait_unlocked(pending)
+        self._settling = True
+        try:
+            while True:
+                pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
+                if (not self.queue or self.paused) and not pending:
+                    return
+                self.copier.wake()
+                self._wait_unlocked(pending)
+        finally:
+            self._settling = False
 
     def _await_copies(self, unreleased: set[Key]) -> bool:
         """A demand load found no victim because slots are held by copies still in flight
