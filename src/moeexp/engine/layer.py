@@ -7,9 +7,9 @@ is a method of :class:`~moeexp.engine.runtime.Engine`. The order of policy calls
 on-demand loads in expert order, with ``now = pos0 + rank``::
 
     experts = sorted unique(idx); check the future (oracle); observe_layer -> predictor
-    with the lock: [settle copies: restricted_wait, prefetch_wait]; pos0 = begin_layer(...)
+    with the lock: [settle copies, then observe: restricted_wait, prefetch_wait]; pos0 = begin_layer(...)
         exact:      accesses by state_of (hits, waits), demand loads, streamed chunks
-        restricted: [settle copies]; substitute non-ready experts (nothing loads)
+        restricted: substitute non-ready experts (nothing loads)
     compute the remaining rows (lock released); resume_prefetch; sum over top-k
 
 Under ``prefetch_wait`` (the exact, deterministic mode; ``restricted_wait``, the lossy one,
@@ -92,7 +92,7 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
     # has begun (its experts protected): a prediction for a later layer cannot evict this
     # layer's experts before it runs (the simulator starts no prefetch made at a layer's
     # time before that layer is served)
-    wait = eng.settings.prefetch_wait or (restricted and eng.settings.restricted_wait)
+    wait = eng.settings.prefetch_wait or eng.lossy_wait
     if not wait:
         _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
@@ -111,19 +111,16 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
         return None
 
     all_ready = False
-    settle = wait
     with eng.lock:
-        if settle:  # the copy thread finishes what it started before new work arrives
-            if wait:  # what earlier layers predicted lands before this layer's accesses
-                eng.apply_predictions()
+        if wait:  # what earlier layers predicted lands before this layer's accesses
+            eng.apply_predictions()
             eng.settle_prefetches()
-        if wait:  # this layer's own predictions queue behind its demand loads
+            # this layer's own predictions queue behind its demand loads (exact), or until
+            # after the layer (lossy: nothing loads)
             eng.pause_prefetch()
             _observe(eng, layer, hidden, idx, needed)
         pos0 = eng.begin_layer(layer, needed)
         if restricted:
-            if eng.settings.restricted_wait:
-                eng.settle_prefetches()
             chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
             streamed = False
         else:

@@ -41,12 +41,18 @@ from moeexp.traces.recorder import trace_dims
 log = logging.getLogger(__name__)
 
 
+def _synced_now(device: torch.device) -> float:
+    """perf_counter seconds once ``device``'s queued work is done (CUDA: synchronised)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class _Timer:
     """Hooks on the model, its MoE decoder layers and their experts modules."""
 
     def __init__(self, loaded: Any, samples: ProfileSamples, device: torch.device) -> None:
         self.s = samples
-        self.cuda = device.type == "cuda"
         self.device = device
         self.handles: list[Any] = []
         self.prompt_len = 0
@@ -69,9 +75,7 @@ class _Timer:
             self.handles.append(ml.experts.register_forward_hook(self._exp_end(ml.index)))
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return _synced_now(self.device)
 
     def begin_request(self, prompt_len: int) -> None:
         self.prompt_len, self.step = prompt_len, 0
@@ -192,7 +196,6 @@ class _PassTimer:
     (earliest post-hook): that span, summed over the layers, is the pass's experts time."""
 
     def __init__(self, loaded: Any, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
         self.device = device
         self.lock = threading.Lock()
         self.arrive: dict[int, float] = {}
@@ -203,9 +206,7 @@ class _PassTimer:
             self.handles.append(ml.experts.register_forward_hook(self._post(ml.index)))
 
     def now(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return _synced_now(self.device)
 
     def _pre(self, index: int) -> Any:
         def hook(module: Any, args: Any) -> None:

@@ -169,10 +169,10 @@ class Engine:
         self.protected: set[Key] = set()
         self.next_access = 0
         self.paused = False
-        # restricted_wait: prefetches start only inside settle_prefetches (before a layer),
-        # never whenever the copy thread finds the queue non-empty: the decisions then
-        # happen at the simulator's points (the next layer's start), not by thread timing
-        self._settled_starts = settings.restricted_routing and settings.restricted_wait
+        #: ``restricted_wait`` in effect (lossy and deterministic): prefetches start only
+        #: inside :meth:`settle_prefetches` (before a layer), never whenever the copy thread
+        #: finds the queue non-empty, so decisions happen at the simulator's points
+        self.lossy_wait = settings.restricted_routing and settings.restricted_wait
         self._settling = False
         self.counters = Counters()
         self.logits: dict[int, torch.Tensor] = {}  # router logits of the running pass
@@ -234,7 +234,7 @@ class Engine:
     def _start_prefetch(self) -> CopyJob | None:
         """Copy thread: start the best queued prefetch (eviction decided now), or None."""
         with self.lock:
-            if self._settled_starts and not self._settling:
+            if self.lossy_wait and not self._settling:
                 return None
             while not self.paused:
                 got = self.queue.pop(self.cur_layer)

@@ -383,12 +383,11 @@ def lm_eval_at_point(ctx: BackendContext, st: ServingQualitySettings, spec: Any,
     raw = _engine_raw(ctx, st)
     eng = engine_settings(raw)
     loaded = ctx.loaded
-    cycle = [[list(map(int, layer)) for layer in step] for step in usable]
 
     def make(warm: Any = None) -> Any:
         om = build_offloaded(loaded.model, loaded.adapter, copy.deepcopy(ctx.predictor),
                              copy.deepcopy(ctx.cache), eng, system="emoe")
-        om.engine.residency_cycle = cycle
+        om.engine.residency_cycle = usable
         return om
 
     t0 = time.perf_counter()
@@ -396,7 +395,7 @@ def lm_eval_at_point(ctx: BackendContext, st: ServingQualitySettings, spec: Any,
                 raw.get("num_threads")):
         out = _lm_eval(spec, make, loaded, include_path)
     return {**out, "lm_eval_residency": "simulator_cycle",
-            "lm_eval_cycle_passes": float(len(cycle)),
+            "lm_eval_cycle_passes": float(len(usable)),
             "lm_eval_time_s": time.perf_counter() - t0}
 
 
