@@ -48,7 +48,11 @@ never refused.
 Implementation: the next use of every resident key is kept up to date on insert/access and
 indexed by a lazy max-heap (the victim) and a lazy min-heap (to refresh a key whose next
 use passed without an access, e.g. under restricted routing), so a victim costs
-O(log C) instead of a scan of the C resident keys.
+O(log C) instead of a scan of the C resident keys. The heaps are built from the next uses
+at the first victim search that needs them (:meth:`_furthest`) and kept from then on:
+the ``conservative`` rule's prefetches follow MIN's plan and the ``oracle``'s demand loads
+find MIN's victim, so an ``oracle`` replay never searches and pays one dict store per
+access instead of two heap pushes (issue 11).
 """
 
 from __future__ import annotations
@@ -63,7 +67,16 @@ _NEVER = float("inf")
 
 
 class PrefetchRefused(ConfigError):
-    """Evicting any candidate would hurt more than the prefetch helps."""
+    """Evicting any candidate would hurt more than the prefetch helps.
+
+    Raised as ``PrefetchRefused(format, *values)``: the message (``format % values``) is
+    built only when read. The mechanism drops a refused prefetch without reading it, and
+    an ``oracle`` replay refuses ~160k of them (issue 11: formatting each was ~2 % of it).
+    """
+
+    def __str__(self) -> str:
+        fmt, *values = self.args
+        return str(fmt) % tuple(values)
 
 
 @CACHES.register("belady")
@@ -92,6 +105,7 @@ class BeladyCache(CachePolicy):
         self._nu: dict[Key, float] = {}  # resident key -> its next use
         self._max: list[tuple[float, Key]] = []  # (-next use, key), lazy
         self._min: list[tuple[float, Key]] = []  # (next use, key), lazy
+        self._heaps = False  # _max / _min built and kept (from the first _furthest on)
 
     def prepare_future(self, accesses: list[Key]) -> None:
         """Index the stream: for every key, the sorted positions where it is used."""
@@ -204,13 +218,20 @@ class BeladyCache(CachePolicy):
     def _set(self, key: Key, nu: float) -> None:
         """Index ``key``'s next use ``nu``."""
         self._nu[key] = nu
+        if not self._heaps:
+            return
         heapq.heappush(self._max, (-nu, key))
         heapq.heappush(self._min, (nu, key))
         if len(self._max) > 4 * len(self._nu) + 1024:  # drop stale entries now and then
-            self._max = [(-v, k) for k, v in self._nu.items()]
-            self._min = [(v, k) for k, v in self._nu.items()]
-            heapq.heapify(self._max)
-            heapq.heapify(self._min)
+            self._build_heaps()
+
+    def _build_heaps(self) -> None:
+        """Both heaps afresh from the next uses (one entry per resident key)."""
+        self._max = [(-v, k) for k, v in self._nu.items()]
+        self._min = [(v, k) for k, v in self._nu.items()]
+        heapq.heapify(self._max)
+        heapq.heapify(self._min)
+        self._heaps = True
 
     def _refresh(self, now: int) -> None:
         """Recompute next uses that lie in the past (a use passed without an access)."""
@@ -230,10 +251,14 @@ class BeladyCache(CachePolicy):
         self._track(key, now)
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
-        if key in self._nu:
+        nus = self._nu
+        if key in nus:
             stream = self._stream
             if now < len(stream) and stream[now] == key:  # the access at ``now`` itself:
-                self._set(key, self._after[now])  # its next use is the next position
+                if self._heaps:  # its next use is the next position
+                    self._set(key, self._after[now])
+                else:  # _set without heaps, inlined (once per access)
+                    nus[key] = self._after[now]
             else:
                 self._track(key, now + 1)
 
@@ -245,7 +270,12 @@ class BeladyCache(CachePolicy):
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         if self._positions is None:
             raise ConfigError("belady: prepare_future() was not called (the mechanism must pass the access stream)")
-        p = self.next_use(incoming, now)
+        plist = self._positions.get(incoming)  # next_use(incoming, now), inlined (hot)
+        if plist:
+            i = bisect_left(plist, now)
+            p = plist[i] if i < len(plist) else _NEVER
+        else:
+            p = _NEVER
         # The mechanism protects the running layer's experts, a demand load's own key
         # included; a prefetch's key is never protected (even when it is the next access).
         prefetch = incoming not in protected
@@ -254,7 +284,7 @@ class BeladyCache(CachePolicy):
         if self.has_room(incoming):
             return None
         if not prefetch and self.prefetch_rule != "aggressive":
-            plan = self._schedule.get(p)  # type: ignore[call-overload]
+            plan = self._schedule.get(p)  # type: ignore[arg-type]
             if plan is not None and plan[0] in self.resident:
                 v = plan[0]
                 if v not in protected:
@@ -269,9 +299,8 @@ class BeladyCache(CachePolicy):
                 f"{self.capacity_slots} slots, {len(protected)} protected)"
             )
         if prefetch and self.prefetch_rule in ("do_no_harm", "aggressive") and best_nu <= p:
-            raise PrefetchRefused(
-                f"{self.name}: prefetching {incoming} would evict {best}, needed no later"
-            )
+            raise PrefetchRefused("%s: prefetching %s would evict %s, needed no later",
+                                  self.name, incoming, best)
         return best
 
     def _conservative(self, incoming: Key, p: float, protected: set[Key], now: int) -> Key | None:
@@ -279,16 +308,18 @@ class BeladyCache(CachePolicy):
         if self.has_room(incoming):
             if p in self._room_misses:
                 return None
-            raise PrefetchRefused(f"{self.name}: MIN fills no free slot with {incoming}")
+            raise PrefetchRefused("%s: MIN fills no free slot with %s", self.name, incoming)
         plan = self._schedule.get(p)  # type: ignore[call-overload]
         if plan is not None:
             v, last_use = plan
             if v in self.resident and v not in protected and last_use < now:
                 return v
-        raise PrefetchRefused(f"{self.name}: MIN makes no room for {incoming} now")
+        raise PrefetchRefused("%s: MIN makes no room for %s now", self.name, incoming)
 
     def _furthest(self, protected: set[Key], now: int) -> tuple[Key | None, float]:
         """The unprotected resident key with the furthest next use (lazy max-heap)."""
+        if not self._heaps:
+            self._build_heaps()
         self._refresh(now)
         mx, nus = self._max, self._nu
         aside: list[tuple[float, Key]] = []

@@ -111,3 +111,32 @@ def test_aggressive_rule_prefetches_without_harm_and_never_waits() -> None:
         d.on_insert(k, -1, False)
     assert d.victim(C, {A, C}, 2) == B
     assert d._schedule == {}  # MIN's plan is never consulted, so never computed
+
+
+def test_refusal_message_is_formatted_when_read() -> None:
+    """A refusal carries its format and values; ``str`` says which prefetch and why."""
+    c = _cache([A, B, C, B])
+    c.on_insert(A, 0, True)
+    c.on_insert(B, 0, True)
+    with pytest.raises(PrefetchRefused, match=r"belady: MIN makes no room for \(1, 0\) now"):
+        c.victim(C, set(), 0)
+
+
+def test_furthest_search_after_untracked_accesses() -> None:
+    """The victim heaps are built only at the first search that needs them, from the next
+    uses kept so far, and follow every later access. Stream A B C D A B, 2 slots, the
+    residents B and D (not MIN's: its plan's victims are absent, so demand loads search).
+    After D's access at 3 (next uses: B 5, D never), C's load at 4 evicts D; then with A
+    (used at 4, never again) and B (next used at 5) resident, D's load at 5 evicts A: the
+    heaps saw A's access after they were built."""
+    c = _cache([A, B, C, D, A, B], rule="conservative")
+    c.on_insert(B, -1, False)
+    c.on_insert(D, -1, False)
+    c.on_access(D, 3, True)
+    assert not c._heaps
+    assert c.victim(C, {C}, 4) == D
+    assert c._heaps
+    c.on_evict(D)
+    c.on_insert(A, 4, False)
+    c.on_access(A, 4, False)
+    assert c.victim(D, {D}, 5) == A
