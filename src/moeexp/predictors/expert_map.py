@@ -159,18 +159,14 @@ class _Preview(NamedTuple):
         probs: the previewed observations' probabilities (identity-checked per layer).
         dots: float64[L, B, n] running prefix dot products after each layer.
         qsq: float64[L, B] running squared query norms.
-        rows: per layer, int64[B] matched rows; score: per layer, their cosines.
-        emits: one query per pass (B = 1): per layer l < L - d, what l's trajectory match
-            emits for layer l + d, as :meth:`ExpertMapPredictor._one` gives it (None: B > 1,
-            each layer's emit is made when it is observed).
+        preds: per layer, what :meth:`ExpertMapPredictor.observe_layer` returns for it
+            (one query per pass: shared memo entries, never modify them).
     """
 
     probs: list[np.ndarray]
     dots: np.ndarray
     qsq: np.ndarray
-    rows: list[np.ndarray]
-    score: list[Sequence[float]]
-    emits: list[tuple[np.ndarray, np.ndarray, list[Prefetch]]] | None
+    preds: list[Prediction]
 
 
 def pool_keys(embed: np.ndarray, groups: list[np.ndarray], pooling: Pooling) -> np.ndarray:
@@ -279,6 +275,9 @@ class ExpertMapPredictor(Predictor):
         self._sel: dict[tuple[int, int], RowSelection] = {}
         self._out: dict[tuple[int, int, int, int],
                         tuple[np.ndarray, np.ndarray, list[Prefetch]]] = {}
+        # offline: (layer, row) -> the row's hint p; the emit keys -> whole Predictions
+        self._p: dict[tuple[int, int], np.ndarray] = {}
+        self._preds: dict[tuple[int, int, int, int], Prediction] = {}
         self._sel_version = -1
         # the whole store's stable sort, running sums and non-zero counts per (layer, row)
         self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -395,41 +394,44 @@ class ExpertMapPredictor(Predictor):
                 np.array([f[1] for f in found], dtype=np.float64))
 
     def observe_layer(self, obs: LayerObservation) -> Prediction:
+        """The trajectory search after layer ``obs.layer``'s router: what it predicts for
+        layer ``obs.layer + d``. A previewed layer (:meth:`preview_pass`) returns the
+        preview's Prediction, which for one query per pass is a memo entry shared between
+        passes: callers read it, never modify it (the simulator and the engine only read)."""
         layer = obs.layer
         if layer != self._next_layer:
             raise RuntimeError(f"expert_map: observe_layer({layer}) out of order; expected "
                                f"layer {self._next_layer} (layers are observed 0..L-1 once)")
         self._next_layer += 1
-        probs = np.asarray(obs.probs)
         if self.mode == "online":
-            self._buf_probs.append(probs.astype(np.float32, copy=True))
-        target = layer + self.d
-        want = target < self.dims.num_layers
+            self._buf_probs.append(np.asarray(obs.probs).astype(np.float32, copy=True))
+        want = layer + self.d < self.dims.num_layers
         if self._n == 0 or self._silent or not (self.use_trajectory
                                                 or (want and self.use_semantic)):
             return Prediction()
         t0 = time.perf_counter()
+        pre = self._pre
+        if pre is not None and pre.probs[layer] is obs.probs:  # made by preview_pass
+            self._layer = layer
+            pred = pre.preds[layer]
+        else:
+            pred = self._observe(layer, np.asarray(obs.probs), want)
+        self._t_traj.append(time.perf_counter() - t0)
+        return pred
+
+    def _observe(self, layer: int, probs: np.ndarray, want: bool) -> Prediction:
+        """:meth:`observe_layer`'s search, made now (not previewed). ``probs``: float[T, J]
+        the layer's router probabilities; ``want``: layer ``layer + d`` exists."""
         pred = Prediction()
+        target = layer + self.d
         if self.use_trajectory:
-            pre = self._pre
-            found: tuple[np.ndarray, Sequence[float]] | None
-            if pre is not None and pre.probs[layer] is obs.probs:
-                found = self._previewed(pre, layer)
-                found = found if want else None
-                if found is not None and pre.emits is not None:  # made by the preview
-                    p, chosen, prefetch = pre.emits[layer]
-                    pred.scores[target], pred.predicted[target] = p, chosen
-                    pred.prefetch.extend(prefetch)
-                    found = None
-            else:
-                if pre is not None:  # not what was previewed: the incremental path again
-                    self._resume_from(pre, layer)
-                found = self._update_trajectory(layer, self._query(probs), search=want)
+            if self._pre is not None:  # not what was previewed: the incremental path again
+                self._resume_from(self._pre, layer)
+            found = self._update_trajectory(layer, self._query(probs), search=want)
             if found is not None:
                 self._emit(pred, target, found[0], found[1], distance=self.d)
         elif want:  # semantic only: its match keeps speaking for later layers
             self._emit(pred, target, self._sem_rows, self._sem_score, distance=self.d)
-        self._t_traj.append(time.perf_counter() - t0)
         return pred
 
     def _query(self, probs: np.ndarray) -> np.ndarray:
@@ -445,71 +447,95 @@ class ExpertMapPredictor(Predictor):
 
     def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
         """Every layer's trajectory search of the pass at once (:class:`_Preview`): the
-        operations of :meth:`_update_trajectory`, stacked over layers (one matmul, running
-        sums by ``cumsum``, one argmax), so each layer's match is bit-identical."""
+        operations of :meth:`_update_trajectory`, stacked over layers (one matmul, the
+        running sums added in layer order, one argmax), so each layer's match is
+        bit-identical; then every layer's Prediction (:meth:`_preview_preds`)."""
         self._pre = None
         L = self.dims.num_layers
         if (self._n == 0 or self._silent or not self.use_trajectory or len(obs) != L
                 or self._next_layer != 0):
             return
         probs = [o.probs for o in obs]
-        T, B = len(probs[0]), len(self._queries)
-        if (T == 1 or T == B) and all(len(p) == T for p in probs):  # a query = its row
+        T, B, n = len(probs[0]), len(self._queries), self._n
+        if T == 1 and all(len(p) == 1 for p in probs):  # one token: the query is its row
+            q = np.concatenate(probs, dtype=np.float64)[:, None, :]  # [L, 1, J]
+        elif T == B and all(len(p) == T for p in probs):  # a query = its row
             q = np.stack(probs).astype(np.float64)  # [L, B, J], as _query per layer
         else:
             q = np.stack([self._query(np.asarray(p)) for p in probs])  # [L, B, J]
-        n = self._n
-        dots = np.matmul(q, self.store.maps[:, :n].transpose(0, 2, 1))  # [L, B, n]
+        maps = self.store.maps[:, :n]  # [L, n, J]
+        if B == 1:  # maps' rows times the query: numpy sends this and _update_trajectory's
+            # q @ maps.T for one row to the same BLAS call (gemv over maps' rows), the
+            # same bits; q @ maps.T stacked would not be a gemv, and is slower
+            dots = np.matmul(maps, q.transpose(0, 2, 1)).reshape(L, 1, n)
+        else:
+            dots = np.matmul(q, maps.transpose(0, 2, 1))  # [L, B, n]
         add = np.add
         for layer in range(1, L):  # the running sums, added in layer order (cumsum's
             add(dots[layer - 1], dots[layer], out=dots[layer])  # strided loop is slower)
         qsq = np.cumsum(np.einsum("lbj,lbj->lb", q, q), axis=0)  # [L, B]
-        sims = dots * self.store.inv_prefix_norm[:, None, :n]
-        rows = sims.argmax(axis=2)  # [L, B]
+        m = L - self.d  # layers l whose target l + d exists: the only ones searched
+        sims = dots[:m] * self.store.inv_prefix_norm[:m, None, :n]
+        rows = sims.argmax(axis=2)  # [m, B]
         best = np.take_along_axis(sims, rows[:, :, None], axis=2)[:, :, 0]
-        emits: list[tuple[np.ndarray, np.ndarray, list[Prefetch]]] | None = None
-        if rows.shape[1] == 1:  # as _update_trajectory: Python floats
-            score: list[Sequence[float]] = [
-                (s / max(math.sqrt(z), 1e-300),)
-                for s, z in zip(best[:, 0].tolist(), qsq[:, 0].tolist(), strict=True)]
-            emits = self._emits_one(rows[:, 0].tolist(), [s[0] for s in score])
-        else:
-            score = list(best / np.maximum(np.sqrt(qsq), 1e-300))
-        self._pre = _Preview(probs, dots, qsq, list(rows), score, emits)
+        preds = self._preview_preds(rows, best, qsq[:m])
+        preds.extend(Prediction() for _ in range(m, L))  # no target layer: nothing to say
+        self._pre = _Preview(probs, dots, qsq, preds)
 
-    def _emits_one(self, matched: list[int], score: list[float]
-                   ) -> list[tuple[np.ndarray, np.ndarray, list[Prefetch]]]:
-        """One query's trajectory emits of a pass: for each layer l < L - d, what
-        ``_one(l + d, matched[l], score[l], d)`` gives. Offline (a frozen store), the number
-        of experts each takes is counted for all layers at once on the store-wide tables
-        (:meth:`_tables`; the same comparisons as :meth:`RowSelection.num_selected`: a
-        running sum below δ - tol is one ``bisect_left`` step), and a memoised emit is
-        then found by its key alone; a new one is made by ``_one``."""
-        L, d, one = self.dims.num_layers, self.d, self._one
-        if self.mode != "offline":
-            return [one(layer + d, matched[layer], score[layer], d) for layer in range(L - d)]
+    def _preview_preds(self, rows: np.ndarray, best: np.ndarray, qsq: np.ndarray
+                       ) -> list[Prediction]:
+        """The Predictions of layers ``0..m-1`` of a previewed pass from their matches:
+        ``rows`` int64[m, B] matched rows, ``best`` float64[m, B] their ``dots · inv
+        prefix norm``, ``qsq`` float64[m, B] running squared query norms (what
+        :meth:`_update_trajectory` then :meth:`_emit` give, layer by layer)."""
+        d = self.d
+        if rows.shape[1] == 1:  # as _update_trajectory: Python floats
+            score = [s / max(math.sqrt(z), 1e-300)
+                     for s, z in zip(best[:, 0].tolist(), qsq[:, 0].tolist(), strict=True)]
+            return self._trajectory_preds(rows[:, 0].tolist(), score)
+        scores = best / np.maximum(np.sqrt(qsq), 1e-300)
+        preds = []
+        for layer in range(len(rows)):
+            pred = Prediction()
+            self._emit(pred, layer + d, rows[layer], scores[layer], distance=d)
+            preds.append(pred)
+        return preds
+
+    def _trajectory_preds(self, matched: list[int], score: list[float]) -> list[Prediction]:
+        """One query's trajectory Predictions of a pass: for each layer l < L - d, what
+        layer l's match (stored row ``matched[l]``, cosine ``score[l]``) predicts for layer
+        l + d. Offline (a frozen store), the number of experts each takes is counted for all
+        layers at once on the store-wide tables (:meth:`_tables`; the same comparisons as
+        :meth:`RowSelection.num_selected`: a running sum below δ - tol is one
+        ``bisect_left`` step), and a memoised Prediction is then found by its key alone."""
+        L, d = self.dims.num_layers, self.d
+        if self.mode != "offline":  # the store moves every iteration: nothing to share
+            out = []
+            for layer, r, sc in zip(range(d, L), matched, score, strict=True):
+                p, chosen, prefetch = self._one(layer, r, sc, d)
+                out.append(Prediction(prefetch=list(prefetch), scores={layer: p},
+                                      predicted={layer: chosen}))
+            return out
         order_t, csum_t, nz_t = self._tables()
         targets = np.arange(d, L)
-        rows = matched[: L - d]
         J, k = csum_t.shape[2], self.k
         if self.use_delta:
-            delta = np.minimum(np.maximum(1.0 - np.asarray(score[: L - d], dtype=np.float64),
-                                          0.0), 1.0)
-            below = csum_t[targets, rows] < (delta - DELTA_TOL)[:, None]  # [L - d, J]
-            n = np.minimum(np.count_nonzero(below, axis=1) + 1, nz_t[targets, rows])
+            delta = np.minimum(np.maximum(1.0 - np.asarray(score, dtype=np.float64), 0.0), 1.0)
+            below = csum_t[targets, matched] < (delta - DELTA_TOL)[:, None]  # [L - d, J]
+            n = np.minimum(np.count_nonzero(below, axis=1) + 1, nz_t[targets, matched])
             counts = np.minimum(np.maximum(n, k), J).tolist()
         else:
             counts = [min(k, J)] * (L - d)
-        got, out = self._out.get, []
-        for layer, r, c, sc in zip(range(d, L), rows, counts, score[: L - d], strict=True):
-            emit = got((layer, r, c, d))
-            out.append(emit if emit is not None else one(layer, r, sc, d))
+        got, out = self._preds.get, []
+        for layer, r, c in zip(range(d, L), matched, counts, strict=True):
+            pred = got((layer, r, c, d))
+            if pred is None:
+                p, chosen, prefetch = self._emit_of(layer, r, c, d, self._row_p(layer, r),
+                                                    order_t[layer, r])
+                pred = self._preds[(layer, r, c, d)] = Prediction(
+                    prefetch=prefetch, scores={layer: p}, predicted={layer: chosen})
+            out.append(pred)
         return out
-
-    def _previewed(self, pre: _Preview, layer: int) -> tuple[np.ndarray, Sequence[float]]:
-        """Layer ``layer``'s match from the preview; the running state as if computed."""
-        self._dots, self._qsq, self._layer = pre.dots[layer], pre.qsq[layer], layer
-        return pre.rows[layer], pre.score[layer]
 
     def _resume_from(self, pre: _Preview, layer: int) -> None:
         """Drop the preview, keeping the running sums of layers ``0..layer-1``."""
@@ -546,8 +572,11 @@ class ExpertMapPredictor(Predictor):
     def last_cosines(self) -> np.ndarray:
         """float64[B, n]: prefix cosines of each query with every stored row, as of the latest
         :meth:`observe_layer` (from the incremental state; tests compare it to a direct one)."""
+        dots, qsq = self._dots, self._qsq
+        if self._pre is not None and self._layer >= 0:  # previewed: the preview's sums
+            dots, qsq = self._pre.dots[self._layer], self._pre.qsq[self._layer]
         inv = self.store.inv_prefix_norm[self._layer, : self._n]
-        return self._dots * inv / np.maximum(np.sqrt(self._qsq), 1e-300)[:, None]
+        return dots * inv / np.maximum(np.sqrt(qsq), 1e-300)[:, None]
 
     def _emit(self, pred: Prediction, layer: int, rows: np.ndarray,
               score: np.ndarray | Sequence[float], distance: int) -> None:
@@ -569,6 +598,7 @@ class ExpertMapPredictor(Predictor):
         """Drop the selection memos and tables if the store changed since they were made."""
         if self._sel_version != self.store.version:
             self._sel, self._out, self._sel_version = {}, {}, self.store.version
+            self._preds, self._p = {}, {}
             self._sel_table = None
 
     def _selection(self, layer: int, row: int) -> RowSelection:
@@ -588,11 +618,21 @@ class ExpertMapPredictor(Predictor):
         (offline mode: the store is frozen; the same stable sort and sequential sums per
         row, so the same values)."""
         order_t, csum_t, nz_t = self._tables()
-        p = np.array(self.store.maps[layer, row], dtype=np.float64)
-        p.setflags(write=False)
         o = order_t[layer, row].copy()
         o.setflags(write=False)
-        return RowSelection(p, o, csum_t[layer, row].tolist(), int(nz_t[layer, row]))
+        return RowSelection(self._row_p(layer, row), o, csum_t[layer, row].tolist(),
+                            int(nz_t[layer, row]))
+
+    def _row_p(self, layer: int, row: int) -> np.ndarray:
+        """Read-only float64[J]: stored ``row``'s probabilities at ``layer``, one array per
+        (layer, row) and store version (offline mode), owning its data: the ``finemoe``
+        cache checks such a hint row once, not at every pass that sends it."""
+        self._fresh_memos()
+        p = self._p.get((layer, row))
+        if p is None:
+            p = self._p[(layer, row)] = np.array(self.store.maps[layer, row], dtype=np.float64)
+            p.setflags(write=False)
+        return p
 
     def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The whole store's stable sort int64[L, n, J], running sums float64[L, n, J] and
@@ -616,22 +656,29 @@ class ExpertMapPredictor(Predictor):
 
     def _one(self, layer: int, row: int, score: float,
              distance: int) -> tuple[np.ndarray, np.ndarray, list[Prefetch]]:
-        """One query's emit for ``layer`` from stored ``row`` matched with ``score``, from
-        per-store-version memos (the same experts, in the same order, the same hint and
-        priorities, without re-sorting the row): (float64[J] read-only hint p, int64[n]
-        sorted experts, their prefetch requests best first; the last two shared: never
-        modify them)."""
+        """One query's emit for ``layer`` from stored ``row`` matched with ``score``
+        (:meth:`_emit_of` with the number of experts δ selection takes)."""
         sel = self._selection(layer, row)
-        n = sel.num_selected(score, self.k, self.use_delta)
+        return self._emit_of(layer, row, sel.num_selected(score, self.k, self.use_delta),
+                             distance, sel.p, sel.order)
+
+    def _emit_of(self, layer: int, row: int, n: int, distance: int, p: np.ndarray,
+                 order: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[Prefetch]]:
+        """The emit for ``layer`` of stored ``row`` taking its ``n`` most probable experts,
+        memoised per store version (the same experts, in the same order, the same hint and
+        priorities, without re-sorting the row): (``p``, the row's read-only float64[J]
+        hint; int64[n] sorted experts; their prefetch requests best first, priority
+        p / distance; the last two shared: never modify them). ``order``: the row's
+        experts in descending probability (stable)."""
         key = (layer, row, n, distance)
         out = self._out.get(key)
         if out is None:
-            experts = sel.order[:n]  # descending probability: the prefetch order
+            experts = order[:n]  # descending probability: the prefetch order
             chosen = np.sort(experts)
             chosen.setflags(write=False)
-            p = sel.p
-            out = self._out[key] = (p, chosen, [Prefetch(float(p[e]) / distance, layer, int(e))
-                                                for e in experts])
+            pl = p.tolist()
+            out = self._out[key] = (p, chosen, [Prefetch(pl[e] / distance, layer, e)
+                                                for e in experts.tolist()])
         return out
 
     def end_iteration(self) -> None:
