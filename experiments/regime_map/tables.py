@@ -90,8 +90,9 @@ def _at(sub: pd.DataFrame, s: str, x: float) -> pd.Series | None:
 
 def _floor(sub: pd.DataFrame, x: float, bound: str) -> float:
     """The floor at ratio ``x``: the same for every system of a seed, so taken from the
-    rows with the most seeds there (a row over fewer seeds averages other prompts)."""
-    at = sub[sub["_x"].round(6) == x]
+    rows with the most seeds there (a row over fewer seeds averages other prompts).
+    ``no_offload`` is left out: all experts resident is another budget, its floor is 1."""
+    at = sub[(sub["_x"].round(6) == x) & (sub["system"] != REFERENCE)]
     at = at[pd.to_numeric(at["n"], errors="coerce") == pd.to_numeric(at["n"], errors="coerce").max()]
     b = pd.to_numeric(at[bound], errors="coerce")
     return float(b.mean()) if b.notna().any() else math.nan
