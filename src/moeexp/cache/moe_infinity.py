@@ -7,7 +7,8 @@ are favoured because prefetching helps them least. ``pEAM`` rows come from the p
 an all-zero row, counts as uniform (``1/J`` each).
 
 ``variant: oss`` (the public code): least in-cache visit count over all layers (LFU; the
-count resets when the expert leaves the device).
+count resets when the expert leaves the device). It ranks by no pEAM, so it ignores the
+predictor's rows (:meth:`observe_scores` returns at once: ``peam`` stays uniform).
 
 Ties: lowest (layer, expert).
 """
@@ -45,7 +46,10 @@ class MoEInfinityCache(CachePolicy):
         self._prio: np.ndarray | None = None
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
-        if not scores:
+        """Keep the pEAM rows ``scores`` (layer -> float[J], non-negative) for Algorithm 1;
+        ``oss`` ignores them (its LFU reads no pEAM; the ``eam`` predictor sends rows at
+        every new match: checking and storing them was ~6 % of a moe_infinity_oss replay)."""
+        if not scores or self.variant == "oss":
             return
         layers = list(scores)
         rows = np.asarray([scores[i] for i in layers], dtype=np.float64)

@@ -65,6 +65,8 @@ DEFAULT_CAPACITY = {"paper": 120, "oss": 1000}
 MEMO_ENTRIES = 1 << 16
 #: Bytes of contiguous layer-suffix copies one collection may keep for ``match_unit_rows``.
 SUFFIX_BYTES = 1 << 26
+#: Unit roundoff of float64 (2^-53).
+_U = 2.0 ** -53
 
 
 def normalize_rows(m: np.ndarray) -> np.ndarray:
@@ -152,6 +154,33 @@ class EAMCollection:
         self.access[row] += 1
         return row
 
+    def suffix_winners(self, q_units: np.ndarray) -> list[int | None]:
+        """For every first layer f = 0..L−1, the row :meth:`match_unit_rows` returns for
+        ``q_units[f:]`` (float64[L, J], non-negative unit rows), or None where this cannot
+        tell it apart from another row; counts no access.
+
+        One pass over the collection instead of a matrix-vector product per layer: the
+        per-layer cosines of every row, summed from the last layer back (float64[size, L]).
+        That sum and the BLAS product of :meth:`match_unit_rows` add the same n ≤ L·J
+        non-negative products (each sum ≤ L: cosines) in different orders, so each lies
+        within γ_n·L ≈ n·u·L of the exact value (u = 2^-53). A row that leads every other by
+        more than 8·n·u·L (twice the 4·γ_n·L the two errors can close) is the product's
+        unique argmax too; a nearer race (e.g. two equal stored EAMs) is left to the exact
+        product (None)."""
+        n_rows = self.size
+        per_layer = np.einsum("slj,lj->sl", self.rows_n[:n_rows], q_units)  # [size, L]
+        sims = np.cumsum(per_layer[:, ::-1], axis=1)[:, ::-1]  # [size, f]: Σ over layers ≥ f
+        best = sims.argmax(axis=0)  # [L]
+        if n_rows == 1:
+            return [0] * self.L
+        cols = np.arange(self.L)
+        top = sims[best, cols]
+        sims[best, cols] = -np.inf
+        margin = top - sims.max(axis=0)
+        tol = 8.0 * _U * self.L * self.J * self.L
+        return [int(b) if m > tol else None for b, m in zip(best.tolist(), margin.tolist(),
+                                                                strict=True)]
+
 
 @PREDICTORS.register("eam")
 class EAMPredictor(Predictor):
@@ -196,8 +225,10 @@ class EAMPredictor(Predictor):
         self._iter = np.zeros((0, L, J))
         self._pre: tuple[list[np.ndarray], list[np.ndarray | None]] | None = None
         # oss preview: (the previewed counts, unit rows of the request's EAM at the pass
-        # start, per layer whether the query after it is non-zero)
-        self._pre_oss: tuple[list[np.ndarray], np.ndarray, list[bool]] | None = None
+        # start, per layer whether the query after it is non-zero, per first layer the
+        # match where EAMCollection.suffix_winners could tell it)
+        self._pre_oss: tuple[list[np.ndarray], np.ndarray, list[bool],
+                             list[int | None]] | None = None
         self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
         # one-request hooks: (phase, collection version, matched rows, layer) -> the hints
         # and the Prediction's parts, a function of those alone (cleared as versions move)
@@ -287,7 +318,8 @@ class EAMPredictor(Predictor):
         """``variant: oss``, one request: the query after layer l is the request's EAM so far
         plus this pass's counts of layers 0..l, and its match reads layers l+1.. only, which
         no layer of this pass has changed yet: their unit rows are the EAM's, computed once
-        per pass instead of once per layer (the same rows, bit for bit)."""
+        per pass instead of once per layer (the same rows, bit for bit), and so are the
+        matches of every layer, wherever no near-tie needs the exact product."""
         counts = [o.counts for o in obs]
         req = self._req[int(self._units[0])][self._phase]
         seen = bool(np.count_nonzero(req))
@@ -295,7 +327,9 @@ class EAMPredictor(Predictor):
         for c in counts:  # the query after layer l is non-zero: the EAM or counts 0..l
             seen = seen or bool(np.count_nonzero(c))
             live.append(seen)
-        self._pre_oss = (counts, unit(req), live)
+        q_units = unit(req)
+        winners = self.collections[self._phase].suffix_winners(q_units)
+        self._pre_oss = (counts, q_units, live, winners)
 
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         layer = obs.layer
@@ -379,10 +413,15 @@ class EAMPredictor(Predictor):
                 return Prediction()
             rows = got_rows
         elif self._pre_oss is not None and layer >= 0:  # previewed (oss): the unit rows
-            _, unit_rows, live = self._pre_oss
+            _, unit_rows, live, winners = self._pre_oss
             if not live[layer]:
                 return Prediction()
-            rows = np.array([coll.match_unit_rows(unit_rows[layer + 1:], layer + 1)])
+            row = winners[layer + 1]
+            if row is None:  # a near-tie: the exact product decides
+                row = coll.match_unit_rows(unit_rows[layer + 1:], layer + 1)
+            else:
+                coll.access[row] += 1  # as match_unit_rows counts its match
+            rows = np.array([row])
         else:
             query = self._req[int(self._units[0])][self._phase] + self._iter[0]
             if not np.count_nonzero(query):  # query.any(), without its Python wrapper

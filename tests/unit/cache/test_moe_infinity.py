@@ -56,6 +56,7 @@ def test_oss_variant_is_lfu_by_in_cache_visits() -> None:
     Algorithm-1 priority would be higher than (3,0)'s. A returning expert starts at 0."""
     cache = filled("oss", [(0, 0), (2, 0), (3, 0)])
     cache.observe_scores({3: np.array([0.0, 1.0])})
+    assert np.all(cache.peam == 0.5)  # the rows are not even kept: LFU reads none
     for key, n in [((0, 0), 3), ((2, 0), 1), ((3, 0), 2)]:
         for _ in range(n):
             cache.on_access(key, 0, True)

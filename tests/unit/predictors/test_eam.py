@@ -9,6 +9,7 @@ from moeexp.errors import ConfigError
 from moeexp.predictors import PREDICTORS
 from moeexp.predictors.base import IterationStart, LayerObservation, Prediction
 from moeexp.predictors.eam import EAMCollection, EAMPredictor
+from moeexp.predictors.expert_map_store import unit
 from moeexp.traces.schema import TraceDims
 from moeexp.traces.synthetic import random_trace
 
@@ -149,3 +150,33 @@ def test_capacity_defaults_and_errors() -> None:
     assert PREDICTORS.build("eam", dims=dims(), variant="oss").collections["all"].capacity == 1000
     with pytest.raises(ConfigError, match="variant"):
         PREDICTORS.build("eam", dims=dims(), variant="v2")
+
+
+def test_suffix_winners_are_the_exact_matches_or_none_on_a_near_tie() -> None:
+    """Every first layer's winner is the row ``match_unit_rows`` returns for the query's
+    suffix (40 random collections of count EAMs, L = 6, J = 4), and it counts no access;
+    two equal stored EAMs tie at every first layer: None there (the exact product
+    decides), while a third row that clearly wins is still named."""
+    rng = np.random.default_rng(3)
+    L, J = 6, 4
+    named = 0
+    for _ in range(40):
+        coll = EAMCollection(1000, L, J, "least_accessed")
+        for _ in range(int(rng.integers(1, 30))):
+            coll.add(rng.integers(0, 5, size=(L, J)).astype(float))
+        q = rng.integers(0, 5, size=(L, J)).astype(float)
+        q_units = unit(q)
+        before = coll.access.copy()
+        winners = coll.suffix_winners(q_units)
+        assert np.array_equal(coll.access, before)
+        for f, w in enumerate(winners):
+            if w is not None:
+                assert w == coll.match_unit_rows(q_units[f:], f)
+                named += 1
+    assert named > 150  # of 240: the exact product is the exception
+    tied = EAMCollection(10, 2, 2, "least_accessed")
+    A, B = np.array([[1.0, 0.0], [0.0, 1.0]]), np.array([[0.0, 1.0], [1.0, 0.0]])
+    tied.add(A), tied.add(A)
+    assert tied.suffix_winners(A) == [None, None]
+    tied.add(B)
+    assert tied.suffix_winners(B) == [2, 2]
