@@ -38,11 +38,11 @@ class MoEInfinityCache(CachePolicy):
         self.variant = variant
         self.epsilon = float(epsilon)
         self.peam = np.full((num_layers, num_experts), 1.0 / num_experts)
-        self.visits = np.zeros((num_layers, num_experts), dtype=np.int64)
+        # in-cache visit counts (oss's rank), whole numbers kept as float64: what victim()
+        # ranks by, updated per access with no int -> float copy (exact below 2^53)
+        self.visits = np.zeros((num_layers, num_experts))
         self._decay = 1.0 - np.arange(num_layers) / num_layers
-        # what victim() ranks by, kept current: oss the visit counts as floats (updated per
-        # access), paper Algorithm 1's matrix (recomputed lazily after new scores)
-        self._visits_f = np.zeros((num_layers, num_experts))
+        # paper: Algorithm 1's matrix, what victim() ranks by (recomputed after new scores)
         self._prio: np.ndarray | None = None
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
@@ -61,19 +61,17 @@ class MoEInfinityCache(CachePolicy):
         self._prio = None
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
-        self.visits[key] += 1
-        self._visits_f[key] += 1.0
+        self.visits[key] += 1.0
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
-        self.visits[key] = 0
-        self._visits_f[key] = 0.0
+        self.visits[key] = 0.0
 
     def priorities(self) -> np.ndarray:
         """float[L, J]: Algorithm 1's priority (paper: (PEAM + ε) / row sum × layer decay)
         or the visit count (oss) of every (layer, expert); the lowest is evicted."""
         if self.variant == "oss":
-            return self.visits.astype(np.float64)
+            return self.visits.copy()
         return ((self.peam + self.epsilon) / self.peam.sum(axis=1, keepdims=True)
                 * self._decay[:, None])
 
@@ -86,7 +84,7 @@ class MoEInfinityCache(CachePolicy):
         if self.has_room(incoming):
             return None
         if self.variant == "oss":
-            prio = self._visits_f
+            prio = self.visits
         else:
             if self._prio is None:
                 self._prio = self.priorities()
