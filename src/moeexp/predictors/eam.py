@@ -407,11 +407,12 @@ class EAMPredictor(Predictor):
         """:meth:`_predict` for a batch of one request: the match is searched at every
         hook, what it implies is memoised per (phase, collection version, rows, layer)."""
         pre = self._pre
+        matched: tuple[int, ...]  # the matched rows, best first
         if pre is not None and layer >= 0:  # previewed (paper): the same match, computed
             got_rows = pre[1][layer]
             if got_rows is None:  # an all-zero query
                 return Prediction()
-            rows = got_rows
+            matched = tuple(got_rows.tolist())
         elif self._pre_oss is not None and layer >= 0:  # previewed (oss): the unit rows
             _, unit_rows, live, winners = self._pre_oss
             if not live[layer]:
@@ -421,13 +422,12 @@ class EAMPredictor(Predictor):
                 row = coll.match_unit_rows(unit_rows[layer + 1:], layer + 1)
             else:
                 coll.access[row] += 1  # as match_unit_rows counts its match
-            rows = np.array([row])
+            matched = (row,)
         else:
             query = self._req[int(self._units[0])][self._phase] + self._iter[0]
             if not np.count_nonzero(query):  # query.any(), without its Python wrapper
                 return Prediction()
-            rows = self._match(coll, query, layer)
-        matched = tuple(rows.tolist())
+            matched = tuple(self._match(coll, query, layer).tolist())
         sent = (self._phase, coll.version, (matched,))
         hints, self._sent = sent != self._sent, sent
         key = (self._phase, coll.version, matched, layer)
@@ -435,7 +435,7 @@ class EAMPredictor(Predictor):
         if got is None:
             if len(self._memo) >= MEMO_ENTRIES:  # stale versions' entries go too
                 self._memo.clear()
-            peam, score = self._matched_parts(coll, rows, layer)
+            peam, score = self._matched_parts(coll, np.array(matched, dtype=np.int64), layer)
             peam.setflags(write=False)
             full = self._prediction(layer, [peam], [score], True)
             for a in full.predicted.values():
