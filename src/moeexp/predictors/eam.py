@@ -223,7 +223,10 @@ class EAMPredictor(Predictor):
         self._groups: list[np.ndarray] = []
         self._phase = phases[0]
         self._iter = np.zeros((0, L, J))
-        self._pre: tuple[list[np.ndarray], list[np.ndarray | None]] | None = None
+        # paper preview: (the previewed counts, per layer the matched rows or None)
+        self._pre: tuple[list[np.ndarray], list[tuple[int, ...] | None]] | None = None
+        # bool[L-1, L, 1]: [l, row] = row <= l (the rows a query after layer l has seen)
+        self._upto = np.arange(L - 1)[:, None, None] >= np.arange(L)[None, :, None]
         # oss preview: (the previewed counts, unit rows of the request's EAM at the pass
         # start, per layer whether the query after it is non-zero, per first layer the
         # match where EAMCollection.suffix_winners could tell it)
@@ -304,14 +307,13 @@ class EAMPredictor(Predictor):
         counts = [o.counts for o in obs]
         req = self._req[int(self._units[0])][self._phase]
         after = req + np.asarray(counts, dtype=np.float64)  # rows once observed: req + counts
-        upto = np.arange(L)[:, None, None] >= np.arange(L)[None, :, None]  # [l, row]: row <= l
-        queries = np.where(upto, after[None], req[None])[: L - 1]  # [L-1, L, J]
+        queries = np.where(self._upto, after[None], req[None])  # [L-1, L, J]
         live: list[bool] = np.asarray(queries.reshape(L - 1, -1).any(axis=1)).tolist()
         q = unit(queries.reshape(L - 1, -1))  # [L-1, L*J] unit rows
         sims = np.matmul(coll.flat_n[: coll.size][None], q[:, :, None])[:, :, 0]
         best = sims.argmax(axis=1)
-        rows: list[np.ndarray | None] = [np.array([int(r)]) if ok else None
-                                         for r, ok in zip(best.tolist(), live, strict=True)]
+        rows: list[tuple[int, ...] | None] = [(r,) if ok else None
+                                             for r, ok in zip(best.tolist(), live, strict=True)]
         self._pre = (counts, rows)
 
     def _preview_oss(self, obs: Sequence[LayerObservation]) -> None:
@@ -412,7 +414,7 @@ class EAMPredictor(Predictor):
             got_rows = pre[1][layer]
             if got_rows is None:  # an all-zero query
                 return Prediction()
-            matched = tuple(got_rows.tolist())
+            matched = got_rows
         elif self._pre_oss is not None and layer >= 0:  # previewed (oss): the unit rows
             _, unit_rows, live, winners = self._pre_oss
             if not live[layer]:
