@@ -278,6 +278,8 @@ class ExpertMapPredictor(Predictor):
         # offline: (layer, row) -> the row's hint p; the emit keys -> whole Predictions
         self._p: dict[tuple[int, int], np.ndarray] = {}
         self._preds: dict[tuple[int, int, int, int], Prediction] = {}
+        # one query's start_iteration Predictions: (row, first layer, experts per layer)
+        self._start_preds: dict[tuple[int, int, tuple[int, ...]], Prediction] = {}
         self._sel_version = -1
         # the whole store's stable sort, running sums and non-zero counts per (layer, row)
         self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -362,16 +364,41 @@ class ExpertMapPredictor(Predictor):
             self._buf_embed = embed.astype(np.float32, copy=True)
             self._buf_token_request = tok_req
             self._buf_probs = []
-        pred = Prediction(scores=dict.fromkeys(range(self.dims.num_layers), self._uniform))
         if not self.use_semantic or n == 0 or self._silent:
-            return pred
+            return Prediction(scores=dict.fromkeys(range(self.dims.num_layers), self._uniform))
         t0 = time.perf_counter()
         self._sem_rows, self._sem_score = self._semantic(pool_keys(embed, self._queries,
                                                                    self.pooling))
-        first = 0 if prefill or self.predict_decode_layer0 else 1
-        for layer in range(first, min(self.d, self.dims.num_layers)):
-            self._emit(pred, layer, self._sem_rows, self._sem_score, distance=layer + 1)
+        pred = self._semantic_pred(0 if prefill or self.predict_decode_layer0 else 1)
         self._t_sem.append(time.perf_counter() - t0)
+        return pred
+
+    def _semantic_pred(self, first: int) -> Prediction:
+        """:meth:`start_iteration`'s Prediction from this iteration's semantic matches:
+        their maps drive layers ``first..d-1`` (priority p / (l + 1)); every other layer's
+        score is the uniform 1/J. One query: a memo entry per (matched row, ``first``,
+        experts taken per layer), shared between iterations (callers never modify it)."""
+        L = self.dims.num_layers
+        layers = range(first, min(self.d, L))
+        rows, score = self._sem_rows, self._sem_score
+        if len(rows) != 1:
+            pred = Prediction(scores=dict.fromkeys(range(L), self._uniform))
+            for layer in layers:
+                self._emit(pred, layer, rows, score, distance=layer + 1)
+            return pred
+        row, sc = int(rows[0]), float(score[0])
+        self._fresh_memos()
+        sels = [self._selection(layer, row) for layer in layers]
+        counts = tuple(sel.num_selected(sc, self.k, self.use_delta) for sel in sels)
+        got = self._start_preds.get((row, first, counts))
+        if got is not None:
+            return got
+        pred = Prediction(scores=dict.fromkeys(range(L), self._uniform))
+        for layer, sel, c in zip(layers, sels, counts, strict=True):  # what _emit_one adds
+            p, chosen, prefetch = self._emit_of(layer, row, c, layer + 1, sel.p, sel.order)
+            pred.scores[layer], pred.predicted[layer] = p, chosen
+            pred.prefetch.extend(prefetch)
+        self._start_preds[(row, first, counts)] = pred
         return pred
 
     def _semantic(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -470,14 +497,15 @@ class ExpertMapPredictor(Predictor):
             dots = np.matmul(maps, q.transpose(0, 2, 1)).reshape(L, 1, n)
         else:
             dots = np.matmul(q, maps.transpose(0, 2, 1))  # [L, B, n]
-        add = np.add
-        for layer in range(1, L):  # the running sums, added in layer order (cumsum's
-            add(dots[layer - 1], dots[layer], out=dots[layer])  # strided loop is slower)
+        add, per_layer = np.add, list(dots)  # the running sums, added in layer order
+        for prev, cur in zip(per_layer[:-1], per_layer[1:], strict=True):  # (cumsum's
+            add(prev, cur, out=cur)  # strided loop is slower)
         qsq = np.cumsum(np.einsum("lbj,lbj->lb", q, q), axis=0)  # [L, B]
         m = L - self.d  # layers l whose target l + d exists: the only ones searched
-        sims = dots[:m] * self.store.inv_prefix_norm[:m, None, :n]
-        rows = sims.argmax(axis=2)  # [m, B]
-        best = np.take_along_axis(sims, rows[:, :, None], axis=2)[:, :, 0]
+        sims = (dots[:m] * self.store.inv_prefix_norm[:m, None, :n]).reshape(m * B, n)
+        rows = sims.argmax(axis=1)  # [m·B]
+        best = sims[np.arange(m * B), rows].reshape(m, B)  # the argmax's own values
+        rows = rows.reshape(m, B)
         preds = self._preview_preds(rows, best, qsq[:m])
         preds.extend(Prediction() for _ in range(m, L))  # no target layer: nothing to say
         self._pre = _Preview(probs, dots, qsq, preds)
@@ -516,16 +544,8 @@ class ExpertMapPredictor(Predictor):
                 out.append(Prediction(prefetch=list(prefetch), scores={layer: p},
                                       predicted={layer: chosen}))
             return out
-        order_t, csum_t, nz_t = self._tables()
-        targets = np.arange(d, L)
-        J, k = csum_t.shape[2], self.k
-        if self.use_delta:
-            delta = np.minimum(np.maximum(1.0 - np.asarray(score, dtype=np.float64), 0.0), 1.0)
-            below = csum_t[targets, matched] < (delta - DELTA_TOL)[:, None]  # [L - d, J]
-            n = np.minimum(np.count_nonzero(below, axis=1) + 1, nz_t[targets, matched])
-            counts = np.minimum(np.maximum(n, k), J).tolist()
-        else:
-            counts = [min(k, J)] * (L - d)
+        order_t = self._tables()[0]
+        counts = self._counts(np.arange(d, L), matched, score).tolist()
         got, out = self._preds.get, []
         for layer, r, c in zip(range(d, L), matched, counts, strict=True):
             pred = got((layer, r, c, d))
@@ -536,6 +556,23 @@ class ExpertMapPredictor(Predictor):
                     prefetch=prefetch, scores={layer: p}, predicted={layer: chosen})
             out.append(pred)
         return out
+
+    def _counts(self, layers: np.ndarray, rows: np.ndarray | list[int],
+                score: np.ndarray | Sequence[float]) -> np.ndarray:
+        """int64[N]: how many experts δ selection takes from stored row ``rows[i]`` at layer
+        ``layers[i]`` matched with cosine ``score[i]`` (offline mode), all at once on the
+        store-wide tables (:meth:`_tables`): the comparisons of
+        :meth:`RowSelection.num_selected` (a running sum below δ - tol is one
+        ``bisect_left`` step; δ's clip in float64, as there)."""
+        _, csum_t, nz_t = self._tables()
+        n_rows, J, k = csum_t.shape[1], csum_t.shape[2], self.k
+        if not self.use_delta:
+            return np.full(len(rows), min(k, J), dtype=np.int64)
+        flat = layers * n_rows + rows  # (layer, row) as one index: one gather, not two
+        delta = np.clip(1.0 - np.asarray(score, dtype=np.float64), 0.0, 1.0)
+        below = csum_t.reshape(-1, J).take(flat, axis=0) < (delta - DELTA_TOL)[:, None]
+        n = np.minimum(below.sum(axis=1) + 1, nz_t.reshape(-1).take(flat))  # [N]
+        return np.clip(n, k, J)
 
     def _resume_from(self, pre: _Preview, layer: int) -> None:
         """Drop the preview, keeping the running sums of layers ``0..layer-1``."""
@@ -584,12 +621,18 @@ class ExpertMapPredictor(Predictor):
         if len(rows) == 1:
             self._emit_one(pred, layer, int(rows[0]), float(score[0]), distance)
             return
-        chosen: set[int] = set()
-        for r, sc in zip(rows.tolist(), score, strict=True):  # select_experts per query
-            sel = self._selection(layer, r)
-            chosen.update(sel.order[: sel.num_selected(float(sc), self.k, self.use_delta)].tolist())
+        if self.mode == "offline":  # every query's δ selection at once, on the tables
+            taken = self._tables()[0][layer, rows]  # [B, J] each row's experts, best first
+            counts = self._counts(np.full(len(rows), layer), rows, score)
+            experts = np.unique(taken[np.arange(taken.shape[1]) < counts[:, None]])
+        else:
+            chosen: set[int] = set()
+            for r, sc in zip(rows.tolist(), score, strict=True):  # select_experts per query
+                sel = self._selection(layer, r)
+                chosen.update(sel.order[: sel.num_selected(float(sc), self.k,
+                                                           self.use_delta)].tolist())
+            experts = np.array(sorted(chosen), dtype=np.int64)
         p = self.store.maps[layer, rows].max(axis=0)  # [B, J] -> [J]
-        experts = np.array(sorted(chosen), dtype=np.int64)
         pred.scores[layer] = p
         pred.predicted[layer] = np.sort(experts)
         pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e)) for e in experts)
@@ -598,7 +641,7 @@ class ExpertMapPredictor(Predictor):
         """Drop the selection memos and tables if the store changed since they were made."""
         if self._sel_version != self.store.version:
             self._sel, self._out, self._sel_version = {}, {}, self.store.version
-            self._preds, self._p = {}, {}
+            self._preds, self._p, self._start_preds = {}, {}, {}
             self._sel_table = None
 
     def _selection(self, layer: int, row: int) -> RowSelection:
@@ -673,12 +716,12 @@ class ExpertMapPredictor(Predictor):
         key = (layer, row, n, distance)
         out = self._out.get(key)
         if out is None:
-            experts = order[:n]  # descending probability: the prefetch order
-            chosen = np.sort(experts)
+            experts = order[:n].tolist()  # descending probability: the prefetch order
+            chosen = np.array(sorted(experts), dtype=np.int64)  # np.sort: slower when small
             chosen.setflags(write=False)
             pl = p.tolist()
             out = self._out[key] = (p, chosen, [Prefetch(pl[e] / distance, layer, e)
-                                                for e in experts.tolist()])
+                                                for e in experts])
         return out
 
     def end_iteration(self) -> None:

@@ -385,3 +385,98 @@ def test_row_selection_takes_what_select_experts_takes() -> None:
                 for use_delta in (True, False):
                     want = select_experts(p, score, k, use_delta).tolist()
                     assert sel.order[: sel.num_selected(score, k, use_delta)].tolist() == want
+
+
+def test_batch_emit_is_the_union_of_each_querys_select_experts() -> None:
+    """Several queries (a batch, a token_union prefill): the experts predicted are the
+    union of select_experts on each matched row, the hint is the per-expert max of the
+    rows, the priorities p / distance best first by expert; the offline path (every
+    query's δ selection at once on the store-wide tables) and the online one (row by row)
+    give the same, on random, float16-rounded and tied rows, every score in [-1, 1]."""
+    rng = np.random.default_rng(4)
+    L, J, C = 3, 8, 40
+    maps = rng.dirichlet(np.ones(J) * 0.4, size=(C, L))
+    maps[::3] = maps[::3].astype(np.float16).astype(np.float64)
+    maps[1::5, :, :4] = maps[1::5, :, :1]
+    keys = rng.normal(size=(C, 2))
+    queries = []
+    for t in range(60):
+        rows = rng.integers(0, C, size=int(rng.integers(2, 6)))
+        score = rng.uniform(-1, 1, size=len(rows))
+        score[t % len(rows)] = (-1.0, 0.0, 1.0)[t % 3]
+        queries.append((t % L, rows, score))
+    for k, use_delta in ((1, True), (2, True), (3, False)):
+        got = []
+        for mode in ("offline", "online"):
+            pred = ExpertMapPredictor(dims=dims(L, J, k, 2), prefetch_distance=1, mode=mode,
+                                      store_capacity=C, use_delta=use_delta)
+            pred.store.add(keys, maps, np.arange(C))
+            out = []
+            for layer, rows, score in queries:
+                pred_t = Prediction()
+                pred._emit(pred_t, layer, rows, score, distance=2)
+                stored = pred.store.maps[layer, rows]
+                want = sorted(set().union(*(select_experts(stored[i], score[i], k, use_delta)
+                                            .tolist() for i in range(len(rows)))))
+                assert pred_t.predicted[layer].tolist() == want
+                assert np.array_equal(pred_t.scores[layer], stored.max(axis=0))
+                assert pairs(pred_t) == [(layer, e, round(float(stored.max(axis=0)[e]) / 2, 6))
+                                         for e in want]
+                out.append(pairs(pred_t))
+            got.append(out)
+        assert got[0] == got[1]
+
+
+def _hook_keys(pred: ExpertMapPredictor, trace: Trace, fresh: bool) -> list[tuple]:
+    """Every hook's Prediction over ``trace`` (one request per iteration, previewed as the
+    simulator does), as plain values; ``fresh``: every memo dropped before each hook."""
+    from moeexp.predictors.base import layer_observations
+
+    def key(p: Prediction) -> tuple:
+        return ([(f.priority, f.layer, f.expert) for f in p.prefetch],
+                {k: v.tolist() for k, v in p.scores.items()},
+                {k: np.asarray(v).tolist() for k, v in p.predicted.items()})
+
+    out = []
+    assert trace.embed is not None and trace.probs is not None
+    for it in range(trace.num_iterations):
+        sl, rid = trace.token_slice(it), int(trace.iter_request[it])
+        if fresh:
+            pred._sel_version = -1
+        out.append(key(pred.start_iteration(IterationStart(
+            request_ids=np.array([rid]), step=int(trace.iter_step[it]),
+            embed=trace.embed[sl].astype(np.float32),
+            token_request=np.full(sl.stop - sl.start, rid)))))
+        probs = np.ascontiguousarray(np.swapaxes(trace.probs[sl], 0, 1), dtype=np.float32)
+        counts = trace.iteration_counts(it)
+        seen = layer_observations(probs, [np.flatnonzero(c) for c in counts], counts,
+                                  None, None)
+        if fresh:
+            pred._sel_version = -1
+        pred.preview_pass(seen)
+        out.extend(key(pred.observe_layer(o)) for o in seen)
+        pred.end_iteration()
+    return out
+
+
+@pytest.mark.parametrize("cfg", [{}, {"use_delta": False}, {"predict_decode_layer0": False},
+                                 {"prefill": "token_union"}])
+def test_memoised_predictions_equal_freshly_made_ones(cfg: dict) -> None:
+    """The per-store-version memos (whole Predictions of one query's trajectory step and
+    iteration start, emits, row selections, tables) return what a miss makes: a replay
+    with warm memos (the test split twice) equals one that drops them before every hook."""
+    def trace(seed: int) -> Trace:
+        return random_trace(num_layers=6, num_experts=6, top_k=2, hidden_size=8,
+                            num_requests=16, prompt_len=4, output_len=10, seed=seed)
+
+    test = trace(6).split("test")  # another trace's store: weak matches, δ varies
+    warm, cold = (ExpertMapPredictor(dims=test.dims, prefetch_distance=2, store_capacity=8,
+                                     **cfg) for _ in range(2))
+    warm.fit(trace(5).split("store"))
+    cold.fit(trace(5).split("store"))
+    first = _hook_keys(warm, test, fresh=False)
+    assert _hook_keys(warm, test, fresh=False) == first
+    assert _hook_keys(cold, test, fresh=True) == first
+    assert warm._start_preds and warm._preds  # the memos were used
+    sizes = {len(v) for _, _, predicted in first for v in predicted.values()}
+    assert len(sizes) > (1 if cfg.get("use_delta", True) else 0)  # rows take 2, 3, ... experts
