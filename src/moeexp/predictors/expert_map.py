@@ -270,19 +270,7 @@ class ExpertMapPredictor(Predictor):
         self._pre: _Preview | None = None  # preview_pass's trajectory searches of this pass
         self._memo: dict[bytes, tuple[int, float]] = {}
         self._memo_version = -1
-        # single-query emits, per store version: (layer, row) -> its selection data, and
-        # (layer, row, experts taken, distance) -> (hint p, sorted experts, prefetch requests)
-        self._sel: dict[tuple[int, int], RowSelection] = {}
-        self._out: dict[tuple[int, int, int, int],
-                        tuple[np.ndarray, np.ndarray, list[Prefetch]]] = {}
-        # offline: (layer, row) -> the row's hint p; the emit keys -> whole Predictions
-        self._p: dict[tuple[int, int], np.ndarray] = {}
-        self._preds: dict[tuple[int, int, int, int], Prediction] = {}
-        # one query's start_iteration Predictions: (row, first layer, experts per layer)
-        self._start_preds: dict[tuple[int, int, tuple[int, ...]], Prediction] = {}
-        self._sel_version = -1
-        # the whole store's stable sort, running sums and non-zero counts per (layer, row)
-        self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._clear_memos(-1)
         self._buf_embed: np.ndarray | None = None
         self._buf_probs: list[np.ndarray] = []
         self._buf_token_request = np.zeros(0, dtype=np.int64)
@@ -640,9 +628,23 @@ class ExpertMapPredictor(Predictor):
     def _fresh_memos(self) -> None:
         """Drop the selection memos and tables if the store changed since they were made."""
         if self._sel_version != self.store.version:
-            self._sel, self._out, self._sel_version = {}, {}, self.store.version
-            self._preds, self._p, self._start_preds = {}, {}, {}
-            self._sel_table = None
+            self._clear_memos(self.store.version)
+
+    def _clear_memos(self, version: int) -> None:
+        """Empty selection memos and tables, for store version ``version``."""
+        # single-query emits: (layer, row) -> its selection data, and (layer, row, experts
+        # taken, distance) -> (hint p, sorted experts, prefetch requests)
+        self._sel: dict[tuple[int, int], RowSelection] = {}
+        self._out: dict[tuple[int, int, int, int],
+                        tuple[np.ndarray, np.ndarray, list[Prefetch]]] = {}
+        # offline: (layer, row) -> the row's hint p; the emit keys -> whole Predictions;
+        # one query's start_iteration Predictions by (row, first layer, experts per layer)
+        self._p: dict[tuple[int, int], np.ndarray] = {}
+        self._preds: dict[tuple[int, int, int, int], Prediction] = {}
+        self._start_preds: dict[tuple[int, int, tuple[int, ...]], Prediction] = {}
+        # the whole store's stable sort, running sums and non-zero counts per (layer, row)
+        self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._sel_version = version
 
     def _selection(self, layer: int, row: int) -> RowSelection:
         """The memoised :class:`RowSelection` of stored ``row`` at ``layer`` (the memos
