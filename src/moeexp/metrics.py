@@ -125,7 +125,7 @@ def prediction_overlap(predicted: set[int] | None,
     """
     if not predicted:
         return (0.0 if activated else None), None
-    inter = sum(1 for e in activated if e in predicted)
+    inter = sum(map(predicted.__contains__, activated))  # |P ∩ A|, A as listed
     return (inter / len(activated) if activated else None), inter / len(predicted)
 
 

@@ -86,13 +86,17 @@ class FineMoECache(CachePolicy):
             self.p[layer] = row
             np.multiply(row, self.freq[layer], out=self._prio[layer])
             return
-        layers = list(scores)
-        rows = np.asarray([scores[i] for i in layers], dtype=np.float64)
-        if rows.shape != (len(layers), self.num_experts) or not self._in_unit(rows):
-            raise ValueError(f"finemoe cache: scores must be {self.num_experts} probabilities "
-                             f"per layer, got {rows.shape} for layers {layers}: {rows}")
-        self.p[layers] = rows
-        self._prio[layers] = rows * self.freq[layers]
+        checked, p = self._checked, self.p
+        for row in scores.values():  # one check per distinct read-only row, as above
+            if checked.get(id(row)) is not row:
+                self._check_row(row)
+        for layer, row in scores.items():  # row by row: cheaper than stacking them
+            p[layer] = row
+        if len(scores) == self.num_layers:  # every layer (each iteration start)
+            np.multiply(p, self.freq, out=self._prio)
+        else:
+            layers = list(scores)
+            self._prio[layers] = p[layers] * self.freq[layers]
 
     @staticmethod
     def _in_unit(rows: np.ndarray) -> bool:
@@ -105,10 +109,16 @@ class FineMoECache(CachePolicy):
         if a.shape != (self.num_experts,) or not self._in_unit(a):
             raise ValueError(f"finemoe cache: scores must be {self.num_experts} probabilities "
                              f"per layer, got {a.shape}: {a}")
-        if a is row and not row.flags.writeable and row.base is None:
+        self._remember(row)
+
+    def _remember(self, row: np.ndarray) -> None:
+        """Note a checked row as checked if it cannot change: a read-only float64[J]
+        array that owns its data (the reference keeps its id from being reused)."""
+        if (isinstance(row, np.ndarray) and row.dtype == np.float64 and not row.flags.writeable
+                and row.base is None and row.shape == (self.num_experts,)):
             if len(self._checked) >= CHECKED_ROWS:
                 self._checked.clear()
-            self._checked[id(row)] = row  # the reference keeps the id from being reused
+            self._checked[id(row)] = row
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)

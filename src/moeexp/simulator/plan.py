@@ -134,6 +134,7 @@ class Plan:
         self._lens = np.diff(trace.iter_offsets)
         self._cache: dict[tuple[int, ...], GroupData] = {}
         self._table = np.zeros(0)
+        self._iter_tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self.batches = [self._batch(list(range(i, min(i + batch_size, n_units))))
                         for i in range(0, n_units, batch_size)]
 
@@ -182,22 +183,52 @@ class Plan:
             self._cache[iters] = gd
         return gd
 
+    def _iteration_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every trace iteration's routing at once, made at the first group: the nonzero
+        (iteration, layer, expert) cells in row-major order as (int64[N * L + 1] where each
+        (iteration, layer)'s cells begin, int64[M] their flat index ``layer * J + expert``
+        within the iteration, int64[M] their token counts, float64[M] their FFN seconds).
+        A pass of one iteration reads its slices: the same values as one
+        :meth:`Trace.iteration_counts` and ``np.nonzero`` per pass (those few numpy calls
+        per pass were a tenth of a short replay, issue 11)."""
+        if self._iter_tables is None:
+            tr, L = self.trace, self.L
+            J = tr.dims.num_experts
+            lens = np.diff(tr.iter_offsets)
+            N = len(lens)
+            it_of = np.repeat(np.arange(N, dtype=np.int64), lens)
+            cell = ((it_of[:, None, None] * L + np.arange(L)[None, :, None]) * J
+                    + tr.topk_idx.astype(np.int64)).reshape(-1)
+            cells, n = np.unique(cell, return_counts=True)  # sorted: by (it, l), then e
+            starts = np.searchsorted(cells // J, np.arange(N * L + 1))
+            ce = self._expert_table(int(n.max()) if len(n) else 0)[n]
+            self._iter_tables = (starts, cells % (L * J), n.astype(np.int64), ce)
+        return self._iter_tables
+
     def _build_group(self, iters: tuple[int, ...]) -> GroupData:
         tr, L = self.trace, self.L
         off = tr.iter_offsets
+        J = tr.dims.num_experts
         if len(iters) == 1:
             i = iters[0]
             rows: slice | np.ndarray = slice(int(off[i]), int(off[i + 1]))
-            counts = tr.iteration_counts(i)
+            starts, cells, n, ce_all = self._iteration_tables()
+            lo, hi = int(starts[i * L]), int(starts[(i + 1) * L])
+            counts = np.zeros(L * J, dtype=np.int64)
+            counts[cells[lo:hi]] = n[lo:hi]
+            counts = counts.reshape(L, J)
+            ce = ce_all[lo:hi]
+            b = (starts[i * L: (i + 1) * L + 1] - lo).tolist()
+            es_l, ce_l = (cells[lo:hi] % J).tolist(), ce.tolist()
         else:
             rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in iters])
-            counts = sum((tr.iteration_counts(i) for i in iters), np.zeros((L, tr.dims.num_experts), np.int64))
-        ls, es = np.nonzero(counts)
-        ce = self._expert_table(int(counts.max()))[counts[ls, es]]
-        bounds = np.searchsorted(ls, np.arange(L + 1)).tolist()
-        es_l, ce_l = es.tolist(), ce.tolist()
-        experts = [es_l[bounds[k]: bounds[k + 1]] for k in range(L)]
-        ces = [ce_l[bounds[k]: bounds[k + 1]] for k in range(L)]
+            counts = sum((tr.iteration_counts(i) for i in iters), np.zeros((L, J), np.int64))
+            ls, es = np.nonzero(counts)
+            ce = self._expert_table(int(counts.max()))[counts[ls, es]]
+            b = np.searchsorted(ls, np.arange(L + 1)).tolist()
+            es_l, ce_l = es.tolist(), ce.tolist()
+        experts = [es_l[b[k]: b[k + 1]] for k in range(L)]
+        ces = [ce_l[b[k]: b[k + 1]] for k in range(L)]
         step = int(tr.iter_step[iters[0]])
         tokens = ctx = kv = 0
         for i in iters:
