@@ -205,11 +205,14 @@ class Device:
         self.queue.clear()
 
     # ------------------------------------------------------------------ layer service
-    def serve_layer(self, layer: int, needed: list[int], ce: list[float], pos0: int,
-                    t: float) -> tuple[float, int, int, float]:
-        """Run layer ``layer``'s experts ``needed`` (sorted) starting at time ``t``.
+    def serve_layer(self, layer: int, keys: list[Key], key_set: set[Key], ce: list[float],
+                    pos0: int, t: float) -> tuple[float, int, int, float]:
+        """Run layer ``layer``'s experts starting at time ``t``.
 
         Args:
+            keys: the layer's accesses ``(layer, expert)``, experts sorted
+                (:meth:`GroupData.layer_keys`); key_set: the same as a set, protected while
+                the layer runs (shared with later replays: never modified here).
             ce: seconds of each needed expert's FFN (same order).
             pos0: stream index of this layer's first access (the policy's ``now``).
 
@@ -218,9 +221,7 @@ class Device:
         """
         ready, on_access = self.ready, self.cache.on_access
         self.cur_layer = layer
-        keys = [(layer, e) for e in needed]
-        protected = set(keys)
-        self.protected = protected
+        self.protected = key_set
         self.next_access = pos0 + len(keys)
         waits: list[int] = []
         absent: list[int] = []

@@ -55,6 +55,7 @@ class GroupData:
     _future: tuple[np.ndarray, ...] | None = None
     _arrays: list[np.ndarray] | None = None
     _flat: tuple[np.ndarray, np.ndarray] | None = None
+    _keys: tuple[list[list[Key]], list[set[Key]]] | None = None
 
     @property
     def num_accesses(self) -> int:
@@ -76,6 +77,15 @@ class GroupData:
             sizes.setflags(write=False)
             self._flat = (flat, sizes)
         return self._flat
+
+    def layer_keys(self) -> tuple[list[list[Key]], list[set[Key]]]:
+        """Per layer, its accesses ``(layer, expert)`` in ``experts`` order, as a list and
+        as a set (the device's ``protected`` while the layer runs). Made once and shared by
+        every replay of this pass: never modify them."""
+        if self._keys is None:
+            keys = [[(layer, e) for e in es] for layer, es in enumerate(self.experts)]
+            self._keys = (keys, [set(k) for k in keys])
+        return self._keys
 
     def expert_arrays(self) -> list[np.ndarray]:
         """L read-only int64 arrays: ``experts`` of each layer (what ``observe_layer`` sees)."""

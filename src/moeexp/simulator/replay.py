@@ -277,6 +277,7 @@ class Replay:
         dev, timed, take, observe = self.dev, self.timed, self.take, self.predictor.observe_layer
         for_layer, account = self.psets.for_layer, self.tally.pred.add
         experts, ce, counts, rows = gd.experts, gd.ce, gd.counts, gd.rows
+        keys, key_sets = gd.layer_keys()
         arrays = gd.expert_arrays()
         probs, spec, hidden = self._pass_arrays(rows)
         restricted, serve, pos = self.restricted, dev.serve_layer, self.pos
@@ -297,7 +298,7 @@ class Replay:
             if restricted:
                 t, h, m, s = self.serve_restricted(gd, layer, pos, t)
             else:
-                t, h, m, s = serve(layer, needed, ce[layer], pos, t)
+                t, h, m, s = serve(layer, keys[layer], key_sets[layer], ce[layer], pos, t)
             pos += len(needed)
             hits += h
             misses += m
