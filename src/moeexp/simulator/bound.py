@@ -141,11 +141,13 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
     n_seen = count = 0
     out: list[int] = []
     append = out.append
+    room = capacity - 1  # set k may hold room + |S_k| items
+    a = off[lo]  # set k's items are keys[a:b] (indexed, not sliced: most sets hold 1-3)
     for k in range(lo, hi):
-        a, b = off[k], off[k + 1]
-        members = keys[a:b]
+        b = off[k + 1]
         missing = 0
-        for x in members:
+        for i in range(a, b):
+            x = keys[i]
             if cur[x] < 0:
                 missing += 1
                 if free_start and not seen[x]:  # a resident item was seen (fetched)
@@ -153,16 +155,17 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
                     n_seen += 1
         # room for the whole set within C + |S_k| - 1: a fetch, or the capacity shrinking
         # since a larger set, evicts the furthest next use
-        need = size + missing - (capacity + b - a - 1)
+        need = size + missing - (room + b - a)
         if need > 0:
             aside = []
             now = (S - k) * U  # entries of items next used at k lie in [now, now + U)
+            top = now + U
             while need > 0:
                 e = pop(heap)
                 x = e % U
                 if cur[x] != e:
                     continue  # stale
-                if now <= e < now + U:  # a member: kept (cannot run out while C >= 1)
+                if now <= e < top:  # a member: kept (cannot run out while C >= 1)
                     aside.append(e)
                     continue
                 cur[x] = -1
@@ -172,9 +175,11 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
                 push(heap, e)
         count += missing
         size += missing
-        for x, e in zip(members, entry[a:b], strict=True):  # after the set: next uses
-            cur[x] = e
+        for i in range(a, b):  # after the set: next uses
+            e = entry[i]
+            cur[keys[i]] = e
             push(heap, e)
+        a = b
         if (k & 255) == 0 and len(heap) > 4 * size + 1024:
             heap = [e for e in cur if e >= 0]
             heapify(heap)
