@@ -14,6 +14,7 @@ and memoised by the tuple of trace iterations, so a cycled request costs nothing
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -107,6 +108,56 @@ class Batch:
     finishing: list[list[int]] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class _IterationTables:
+    """The nonzero (iteration, layer, expert) cells of a whole trace, row-major (by
+    iteration, layer, then expert): what a pass of one iteration slices its
+    :class:`GroupData` from (the same values as :meth:`Trace.iteration_counts` and
+    ``np.nonzero`` per pass, which with the per-layer lists were a fifth of a short
+    replay, issue 11). M cells; N iterations of L layers.
+
+    Attributes:
+        starts: N * L + 1 python ints, where each (iteration, layer)'s cells begin.
+        cells: int64[M] ``layer * J + expert``; n: int64[M] tokens routed there.
+        experts: read-only int64[M] the expert of each cell; expert_list: the same ints.
+        sizes: read-only int64[N * L] cells per (iteration, layer).
+        ce: float64[M] the FFN seconds of each cell's tokens; ce_list: the same floats.
+        keys: M ``(layer, expert)`` tuples.
+    """
+
+    starts: list[int]
+    cells: np.ndarray
+    n: np.ndarray
+    experts: np.ndarray
+    expert_list: list[int]
+    sizes: np.ndarray
+    ce: np.ndarray
+    ce_list: list[float]
+    keys: list[Key]
+
+    @classmethod
+    def of(cls, trace: Trace, expert_table: Callable[[int], np.ndarray]) -> _IterationTables:
+        """From ``trace``'s top-k ids; ``expert_table(n)``: FFN seconds for 0..n tokens."""
+        L, J = trace.dims.num_layers, trace.dims.num_experts
+        lens = np.diff(trace.iter_offsets)
+        N = len(lens)
+        it_of = np.repeat(np.arange(N, dtype=np.int64), lens)
+        cell = ((it_of[:, None, None] * L + np.arange(L)[None, :, None]) * J
+                + trace.topk_idx.astype(np.int64)).reshape(-1)
+        uniq, n = np.unique(cell, return_counts=True)  # sorted: by (it, l), then e
+        il = uniq // J
+        starts = np.searchsorted(il, np.arange(N * L + 1))
+        layer, experts = (il % L), uniq % J
+        experts.setflags(write=False)
+        sizes = np.diff(starts)
+        sizes.setflags(write=False)
+        ce = expert_table(int(n.max()) if len(n) else 0)[n]
+        e_list = experts.tolist()
+        return cls(starts=starts.tolist(), cells=layer * J + experts, n=n.astype(np.int64),
+                   experts=experts, expert_list=e_list, sizes=sizes, ce=ce,
+                   ce_list=ce.tolist(), keys=list(zip(layer.tolist(), e_list, strict=True)))
+
+
 class Plan:
     """Everything the replay loop needs to know ahead of time.
 
@@ -144,7 +195,7 @@ class Plan:
         self._lens = np.diff(trace.iter_offsets)
         self._cache: dict[tuple[int, ...], GroupData] = {}
         self._table = np.zeros(0)
-        self._iter_tables: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._iter_tables: _IterationTables | None = None
         self.batches = [self._batch(list(range(i, min(i + batch_size, n_units))))
                         for i in range(0, n_units, batch_size)]
 
@@ -193,52 +244,45 @@ class Plan:
             self._cache[iters] = gd
         return gd
 
-    def _iteration_tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """Every trace iteration's routing at once, made at the first group: the nonzero
-        (iteration, layer, expert) cells in row-major order as (int64[N * L + 1] where each
-        (iteration, layer)'s cells begin, int64[M] their flat index ``layer * J + expert``
-        within the iteration, int64[M] their token counts, float64[M] their FFN seconds).
-        A pass of one iteration reads its slices: the same values as one
-        :meth:`Trace.iteration_counts` and ``np.nonzero`` per pass (those few numpy calls
-        per pass were a tenth of a short replay, issue 11)."""
+    def _iteration_tables(self) -> _IterationTables:
+        """Every trace iteration's routing at once (:class:`_IterationTables`), made at
+        the first group."""
         if self._iter_tables is None:
-            tr, L = self.trace, self.L
-            J = tr.dims.num_experts
-            lens = np.diff(tr.iter_offsets)
-            N = len(lens)
-            it_of = np.repeat(np.arange(N, dtype=np.int64), lens)
-            cell = ((it_of[:, None, None] * L + np.arange(L)[None, :, None]) * J
-                    + tr.topk_idx.astype(np.int64)).reshape(-1)
-            cells, n = np.unique(cell, return_counts=True)  # sorted: by (it, l), then e
-            starts = np.searchsorted(cells // J, np.arange(N * L + 1))
-            ce = self._expert_table(int(n.max()) if len(n) else 0)[n]
-            self._iter_tables = (starts, cells % (L * J), n.astype(np.int64), ce)
+            self._iter_tables = _IterationTables.of(self.trace, self._expert_table)
         return self._iter_tables
 
     def _build_group(self, iters: tuple[int, ...]) -> GroupData:
         tr, L = self.trace, self.L
         off = tr.iter_offsets
         J = tr.dims.num_experts
-        if len(iters) == 1:
+        flat: tuple[np.ndarray, np.ndarray] | None = None
+        keys: list[list[Key]] | None = None
+        arrays: list[np.ndarray] | None = None
+        if len(iters) == 1:  # slices of the trace-wide tables
             i = iters[0]
             rows: slice | np.ndarray = slice(int(off[i]), int(off[i + 1]))
-            starts, cells, n, ce_all = self._iteration_tables()
-            lo, hi = int(starts[i * L]), int(starts[(i + 1) * L])
+            tab = self._iteration_tables()
+            b = tab.starts[i * L: (i + 1) * L + 1]
+            lo, hi = b[0], b[L]
             counts = np.zeros(L * J, dtype=np.int64)
-            counts[cells[lo:hi]] = n[lo:hi]
+            counts[tab.cells[lo:hi]] = tab.n[lo:hi]
             counts = counts.reshape(L, J)
-            ce = ce_all[lo:hi]
-            b = (starts[i * L: (i + 1) * L + 1] - lo).tolist()
-            es_l, ce_l = (cells[lo:hi] % J).tolist(), ce.tolist()
+            ce = tab.ce[lo:hi]
+            e_l, ce_l, k_l = tab.expert_list, tab.ce_list, tab.keys
+            experts = [e_l[b[k]: b[k + 1]] for k in range(L)]
+            ces = [ce_l[b[k]: b[k + 1]] for k in range(L)]
+            keys = [k_l[b[k]: b[k + 1]] for k in range(L)]
+            flat = (tab.experts[lo:hi], tab.sizes[i * L: (i + 1) * L])
+            arrays = [tab.experts[b[k]: b[k + 1]] for k in range(L)]
         else:
             rows = np.concatenate([np.arange(off[i], off[i + 1]) for i in iters])
             counts = sum((tr.iteration_counts(i) for i in iters), np.zeros((L, J), np.int64))
             ls, es = np.nonzero(counts)
             ce = self._expert_table(int(counts.max()))[counts[ls, es]]
-            b = np.searchsorted(ls, np.arange(L + 1)).tolist()
-            es_l, ce_l = es.tolist(), ce.tolist()
-        experts = [es_l[b[k]: b[k + 1]] for k in range(L)]
-        ces = [ce_l[b[k]: b[k + 1]] for k in range(L)]
+            bl = np.searchsorted(ls, np.arange(L + 1)).tolist()
+            es_l, ce_l2 = es.tolist(), ce.tolist()
+            experts = [es_l[bl[k]: bl[k + 1]] for k in range(L)]
+            ces = [ce_l2[bl[k]: bl[k + 1]] for k in range(L)]
         step = int(tr.iter_step[iters[0]])
         tokens = ctx = kv = 0
         for i in iters:
@@ -254,7 +298,8 @@ class Plan:
         tok_req = np.repeat(req_ids, [int(self._lens[i]) for i in iters])
         return GroupData(iters=iters, step=step, rows=rows, counts=counts, experts=experts, ce=ces, dense_s=dense,
                          compute_s=L * dense + float(ce.sum()), request_ids=req_ids,
-                         token_request=tok_req)
+                         token_request=tok_req, _flat=flat, _arrays=arrays,
+                         _keys=None if keys is None else (keys, [set(k) for k in keys]))
 
     # ------------------------------------------------------------------ streams
     def access_stream(self) -> list[Key]:
