@@ -70,6 +70,7 @@ class FineMoECache(CachePolicy):
         self._accesses = 0  # accesses seen so far (an event counter, not a clock)
         self._layer_ran = [0] * num_layers  # access number of each layer's latest use
         self._pending: dict[Key, int] = {}  # prefetched, not used yet -> accesses at insert
+        self._swept = -1  # ``_accesses`` when ``_pending`` was last swept of expired keys
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         """Set ``p`` of the given layers (float[J] each; values outside [0, 1] are an error).
@@ -154,6 +155,9 @@ class FineMoECache(CachePolicy):
         """Prefetched, unused keys whose layer has not run since they arrived (expired
         entries are dropped: they are ordinary ``freq = 0`` residents from now on); the
         live dict, keyed by those keys (read it, never keep it)."""
+        if self._swept == self._accesses:  # no layer ran since: nothing new expired
+            return self._pending  # (a key inserted since has at == _accesses)
+        self._swept = self._accesses
         ran = self._layer_ran
         expired = [k for k, at in self._pending.items() if ran[k[0]] > at]
         for k in expired:

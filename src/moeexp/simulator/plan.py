@@ -56,7 +56,8 @@ class GroupData:
     _future: tuple[np.ndarray, ...] | None = None
     _arrays: list[np.ndarray] | None = None
     _flat: tuple[np.ndarray, np.ndarray] | None = None
-    _keys: tuple[list[list[Key]], list[set[Key]]] | None = None
+    _keys: list[list[Key]] | None = None
+    _key_sets: list[set[Key]] | None = None
 
     @property
     def num_accesses(self) -> int:
@@ -84,9 +85,10 @@ class GroupData:
         as a set (the device's ``protected`` while the layer runs). Made once and shared by
         every replay of this pass: never modify them."""
         if self._keys is None:
-            keys = [[(layer, e) for e in es] for layer, es in enumerate(self.experts)]
-            self._keys = (keys, [set(k) for k in keys])
-        return self._keys
+            self._keys = [[(layer, e) for e in es] for layer, es in enumerate(self.experts)]
+        if self._key_sets is None:
+            self._key_sets = [set(k) for k in self._keys]
+        return self._keys, self._key_sets
 
     def expert_arrays(self) -> list[np.ndarray]:
         """L read-only int64 arrays: ``experts`` of each layer (what ``observe_layer`` sees)."""
@@ -299,7 +301,7 @@ class Plan:
         return GroupData(iters=iters, step=step, rows=rows, counts=counts, experts=experts, ce=ces, dense_s=dense,
                          compute_s=L * dense + float(ce.sum()), request_ids=req_ids,
                          token_request=tok_req, _flat=flat, _arrays=arrays,
-                         _keys=None if keys is None else (keys, [set(k) for k in keys]))
+                         _keys=keys)
 
     # ------------------------------------------------------------------ streams
     def access_stream(self) -> list[Key]:
