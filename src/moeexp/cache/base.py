@@ -49,10 +49,14 @@ class CachePolicy:
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.resident: set[Key] = set()
-        self.resident_mask = np.zeros((num_layers, num_experts), dtype=bool)  # = resident
         # 0 where resident, +inf elsewhere: lowest_priority's mask in one addition
         self._absent = np.full((num_layers, num_experts), np.inf)
         self._work = np.empty((num_layers, num_experts))  # lowest_priority's scratch
+
+    @property
+    def resident_mask(self) -> np.ndarray:
+        """bool[L, J]: True where the key is resident (a fresh array)."""
+        return self._absent == 0.0
 
     # ---- learning -------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -94,7 +98,6 @@ class CachePolicy:
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         self.resident.add(key)
-        self.resident_mask[key] = True
         self._absent[key] = 0.0
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
@@ -102,7 +105,6 @@ class CachePolicy:
 
     def on_evict(self, key: Key) -> None:
         self.resident.discard(key)
-        self.resident_mask[key] = False
         self._absent[key] = np.inf
 
     def lowest_priority(self, incoming: Key, protected: set[Key], prio: np.ndarray,

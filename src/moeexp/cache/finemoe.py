@@ -100,9 +100,10 @@ class FineMoECache(CachePolicy):
             self._prio[layers] = p[layers] * self.freq[layers]
 
     @staticmethod
-    def _in_unit(rows: np.ndarray) -> bool:
-        """Every value in [0, 1 + 1e-6] (NaN fails)."""
-        return bool(0.0 <= rows.min() and rows.max() <= 1 + 1e-6)
+    def _in_unit(row: np.ndarray) -> bool:
+        """Every value of a float64[J] row in [0, 1 + 1e-6] (NaN fails both comparisons).
+        On Python floats: for J values this beats two numpy reductions."""
+        return all(0.0 <= v <= 1 + 1e-6 for v in row.tolist())
 
     def _check_row(self, row: np.ndarray) -> None:
         """Validate one layer's scores; remember the array when it cannot change."""
@@ -141,7 +142,7 @@ class FineMoECache(CachePolicy):
         self._pending.pop(key, None)
         if self.frequency == "in_cache":
             self.freq[key] = 0
-            self._prio[key] = self.p[key] * 0
+            self._prio[key] = 0.0  # p · 0: p is a finite probability
 
     def priorities(self) -> np.ndarray:
         """float[L, J]: ``p · freq`` of every (layer, expert), the eviction order."""
