@@ -172,7 +172,7 @@ class _Preview(NamedTuple):
 def pool_keys(embed: np.ndarray, groups: list[np.ndarray], pooling: Pooling) -> np.ndarray:
     """float32[B, H]: one semantic key per group of token rows of ``embed`` (float[T, H])."""
     if pooling == "last_token":
-        return np.stack([embed[g[-1]] for g in groups]).astype(np.float32)
+        return embed[[int(g[-1]) for g in groups]].astype(np.float32)  # one gather
     return np.stack([embed[g].mean(axis=0) for g in groups]).astype(np.float32)
 
 
@@ -505,11 +505,9 @@ class ExpertMapPredictor(Predictor):
         prefix norm``, ``qsq`` float64[m, B] running squared query norms (what
         :meth:`_update_trajectory` then :meth:`_emit` give, layer by layer)."""
         d = self.d
-        if rows.shape[1] == 1:  # as _update_trajectory: Python floats
-            score = [s / max(math.sqrt(z), 1e-300)
-                     for s, z in zip(best[:, 0].tolist(), qsq[:, 0].tolist(), strict=True)]
-            return self._trajectory_preds(rows[:, 0].tolist(), score)
-        scores = best / np.maximum(np.sqrt(qsq), 1e-300)
+        scores = best / np.maximum(np.sqrt(qsq), 1e-300)  # the IEEE sqrt, max and divide
+        if rows.shape[1] == 1:  # of _update_trajectory's Python floats: the same bits
+            return self._trajectory_preds(rows[:, 0], scores[:, 0])
         preds = []
         for layer in range(len(rows)):
             pred = Prediction()
@@ -517,17 +515,17 @@ class ExpertMapPredictor(Predictor):
             preds.append(pred)
         return preds
 
-    def _trajectory_preds(self, matched: list[int], score: list[float]) -> list[Prediction]:
+    def _trajectory_preds(self, matched: np.ndarray, score: np.ndarray) -> list[Prediction]:
         """One query's trajectory Predictions of a pass: for each layer l < L - d, what
         layer l's match (stored row ``matched[l]``, cosine ``score[l]``) predicts for layer
-        l + d. Offline (a frozen store), the number of experts each takes is counted for all
-        layers at once on the store-wide tables (:meth:`_tables`; the same comparisons as
-        :meth:`RowSelection.num_selected`: a running sum below δ - tol is one
-        ``bisect_left`` step), and a memoised Prediction is then found by its key alone."""
+        l + d (``matched`` int64[L - d], ``score`` float64[L - d]). Offline (a frozen store),
+        the number of experts each takes is counted for all layers at once
+        (:meth:`_counts`), and a memoised Prediction is then found by its key alone."""
         L, d = self.dims.num_layers, self.d
         if self.mode != "offline":  # the store moves every iteration: nothing to share
             out = []
-            for layer, r, sc in zip(range(d, L), matched, score, strict=True):
+            for layer, r, sc in zip(range(d, L), matched.tolist(), score.tolist(),
+                                    strict=True):
                 p, chosen, prefetch = self._one(layer, r, sc, d)
                 out.append(Prediction(prefetch=list(prefetch), scores={layer: p},
                                       predicted={layer: chosen}))
@@ -535,7 +533,7 @@ class ExpertMapPredictor(Predictor):
         order_t = self._tables()[0]
         counts = self._counts(np.arange(d, L), matched, score).tolist()
         got, out = self._preds.get, []
-        for layer, r, c in zip(range(d, L), matched, counts, strict=True):
+        for layer, r, c in zip(range(d, L), matched.tolist(), counts, strict=True):
             pred = got((layer, r, c, d))
             if pred is None:
                 p, chosen, prefetch = self._emit_of(layer, r, c, d, self._row_p(layer, r),
@@ -549,18 +547,20 @@ class ExpertMapPredictor(Predictor):
                 score: np.ndarray | Sequence[float]) -> np.ndarray:
         """int64[N]: how many experts δ selection takes from stored row ``rows[i]`` at layer
         ``layers[i]`` matched with cosine ``score[i]`` (offline mode), all at once on the
-        store-wide tables (:meth:`_tables`): the comparisons of
-        :meth:`RowSelection.num_selected` (a running sum below δ - tol is one
-        ``bisect_left`` step; δ's clip in float64, as there)."""
-        _, csum_t, nz_t = self._tables()
-        n_rows, J, k = csum_t.shape[1], csum_t.shape[2], self.k
+        store-wide tables (:meth:`_tables`): what :meth:`RowSelection.num_selected` gives.
+        There n = min(#(running sums < δ - tol) + 1, nonzero) (the sums never decrease, so
+        ``bisect_left`` counts them), then min(max(n, k), J). Here the capped sums table
+        holds +inf from index nonzero - 1 on, so 1 + #(capped < δ - tol) is min(that count
+        + 1, max(nonzero, 1)): the same n, or 1 where n is 0, which max(·, k ≥ 1) makes the
+        same; and n ≤ J already. δ's clip in float64, as there."""
+        capped = self._tables()[3]
+        n_rows, J, k = capped.shape[1], capped.shape[2], self.k
         if not self.use_delta:
             return np.full(len(rows), min(k, J), dtype=np.int64)
         flat = layers * n_rows + rows  # (layer, row) as one index: one gather, not two
         delta = np.clip(1.0 - np.asarray(score, dtype=np.float64), 0.0, 1.0)
-        below = csum_t.reshape(-1, J).take(flat, axis=0) < (delta - DELTA_TOL)[:, None]
-        n = np.minimum(below.sum(axis=1) + 1, nz_t.reshape(-1).take(flat))  # [N]
-        return np.clip(n, k, J)
+        below = capped.reshape(-1, J).take(flat, axis=0) < (delta - DELTA_TOL)[:, None]
+        return np.maximum(below.sum(axis=1) + 1, k)  # int64[N]
 
     def _resume_from(self, pre: _Preview, layer: int) -> None:
         """Drop the preview, keeping the running sums of layers ``0..layer-1``."""
@@ -643,7 +643,7 @@ class ExpertMapPredictor(Predictor):
         self._preds: dict[tuple[int, int, int, int], Prediction] = {}
         self._start_preds: dict[tuple[int, int, tuple[int, ...]], Prediction] = {}
         # the whole store's stable sort, running sums and non-zero counts per (layer, row)
-        self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._sel_version = version
 
     def _selection(self, layer: int, row: int) -> RowSelection:
@@ -662,7 +662,7 @@ class ExpertMapPredictor(Predictor):
         sums read from tables of the whole store made at the first call per store version
         (offline mode: the store is frozen; the same stable sort and sequential sums per
         row, so the same values)."""
-        order_t, csum_t, nz_t = self._tables()
+        order_t, csum_t, nz_t, _ = self._tables()
         o = order_t[layer, row].copy()
         o.setflags(write=False)
         return RowSelection(self._row_p(layer, row), o, csum_t[layer, row].tolist(),
@@ -679,16 +679,19 @@ class ExpertMapPredictor(Predictor):
             p.setflags(write=False)
         return p
 
-    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The whole store's stable sort int64[L, n, J], running sums float64[L, n, J] and
-        non-zero counts int64[L, n] (offline mode), made once per store version."""
+    def _tables(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The whole store's stable sort int64[L, n, J], running sums float64[L, n, J],
+        non-zero counts int64[L, n] and the running sums capped for :meth:`_counts`
+        (float64[L, n, J], +inf from index nonzero - 1 on), made once per store version."""
         self._fresh_memos()
         n = self.store.size
         if self._sel_table is None or self._sel_table[0].shape[1] != n:
             maps = self.store.maps[:, :n]  # [L, n, J]
             order = np.argsort(-maps, axis=2, kind="stable")
             csum = np.cumsum(np.take_along_axis(maps, order, axis=2), axis=2, dtype=np.float64)
-            self._sel_table = (order, csum, np.count_nonzero(maps > 0, axis=2))
+            nz = np.count_nonzero(maps > 0, axis=2)
+            capped = np.where(np.arange(maps.shape[2]) >= (nz - 1)[:, :, None], np.inf, csum)
+            self._sel_table = (order, csum, nz, capped)
         return self._sel_table
 
     def _emit_one(self, pred: Prediction, layer: int, row: int, score: float,

@@ -49,7 +49,7 @@ def unit_rows(token_request: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]]:
     tr = np.asarray(token_request, dtype=np.int64)
     if tr.size == 0:
         raise ValueError("an iteration needs at least one token row")
-    if bool(np.all(tr == tr[0])):
+    if tr.size == 1 or bool(np.all(tr == tr[0])):  # one request (one token: no compare)
         return tr[:1].copy(), [np.arange(tr.size)]
     uniq, first = np.unique(tr, return_index=True)
     uniq = uniq[np.argsort(first)]

@@ -392,12 +392,15 @@ def test_batch_emit_is_the_union_of_each_querys_select_experts() -> None:
     union of select_experts on each matched row, the hint is the per-expert max of the
     rows, the priorities p / distance best first by expert; the offline path (every
     query's δ selection at once on the store-wide tables) and the online one (row by row)
-    give the same, on random, float16-rounded and tied rows, every score in [-1, 1]."""
+    give the same, on random, float16-rounded, tied and zero-padded rows, every score in
+    [-1, 1]."""
     rng = np.random.default_rng(4)
     L, J, C = 3, 8, 40
     maps = rng.dirichlet(np.ones(J) * 0.4, size=(C, L))
     maps[::3] = maps[::3].astype(np.float16).astype(np.float64)
     maps[1::5, :, :4] = maps[1::5, :, :1]
+    maps[2::7, :, 5:] = 0.0  # rows with zero-probability experts, one all zero
+    maps[3, 1] = 0.0
     keys = rng.normal(size=(C, 2))
     queries = []
     for t in range(60):
