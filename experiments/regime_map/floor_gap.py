@@ -37,7 +37,11 @@ part inside). Every term is reported per output token (each request's term over 
 averaged over the requests as ``tpot_ms_mean`` is), in ms: ``floorgap_<term>_ms``; they add
 up to ``tpot_ms_mean - bound_tpot_ms_mean`` (``floorgap_check_ms`` is the residual,
 float rounding only). The same split of the prefill window (batch start to first token)
-is ``floorgap_ttft_<term>_ms`` (per request, not per token).
+is ``floorgap_ttft_<term>_ms`` (per request, not per token); ``floorgap_<term>_norm`` and
+``floorgap_ttft_<term>_norm`` are the same over each request's no_offload latency, averaged
+as ``tpot_norm_mean`` / ``ttft_norm_mean`` are (they add up to ``tpot_norm_mean -
+bound_tpot_norm_mean``). ``floorgap_{q_free,q_state,copies}_per_token`` are the decode
+phase's copy counts per decode step (``floorgap_ttft_*``: per prefill).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ class Watch:
     def __init__(self) -> None:
         self.copy_end: list[float] = []  # s, each copy's end, in issue order
         self.pass_span: list[tuple[float, float]] = []  # s, each forward pass (start, end)
-        self.state: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (batch, pass) -> residents
+        self.state: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (batch, pass 0|1) -> residents
         self.batch = -1
         self.pass_in_batch = 0
 
@@ -95,7 +99,8 @@ def _install(watches: list[Watch]) -> None:
     def fwd_w(self: Any, gd: Any, t: float, req_preds: Any) -> float:
         w = self._watch
         key = (w.batch, w.pass_in_batch)
-        w.state[key] = list(self.dev.ready)  # resident at this pass's start
+        if w.pass_in_batch <= 1:  # resident at the batch start and at its first token
+            w.state[key] = list(self.dev.ready)
         end = fwd(self, gd, t, req_preds)
         w.pass_span.append((t, end))
         w.pass_in_batch += 1
@@ -203,6 +208,8 @@ def decompose(plan: Any, dev: Any, cost: Any, tally: Any, w: Watch) -> dict[str,
     for k in ("copies", "q_free", "q_state"):
         out[f"floorgap_{k}_per_token"] = float(np.mean([d[k] / n for d, n in dec])) \
             if dec else math.nan
+        if pre:
+            out[f"floorgap_ttft_{k}"] = float(np.mean([d[k] for d, _ in pre]))
     return out
 
 
@@ -243,8 +250,8 @@ def table(path: Path, q: str = "tpot") -> str:
     head = ["budget", "copy/compute", "system", f"{q.upper()} / no_offload", "floor",
             "gap (% of floor)", "start state", "extra copies", "idle: copy of the pass to start",
             "idle: pass's copies done", "- floor's own idle"]
-    if q == "tpot":
-        head.append("copies/token: floor / MIN from state / made")
+    head.append("copies per " + ("token" if q == "tpot" else "prefill")
+                + ": floor / MIN from state / made")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     rows = rows[pd.to_numeric(rows.get(f"{pre}time_norm"), errors="coerce").notna()]
     for (cap, x), g in rows.sort_values(["_cap", "_x"]).groupby(["_cap", "_x"], sort=False):
@@ -256,9 +263,9 @@ def table(path: Path, q: str = "tpot") -> str:
             for k in TERMS:
                 v, vh = t._f(r, f"{pre}{k}_norm")
                 cells.append(_cell(-v if k == "tail" else v, vh))
-            if q == "tpot":
-                cells.append(" / ".join(f"{t._f(r, f'floorgap_{k}_per_token')[0]:.2f}"
-                                        for k in ("q_free", "q_state", "copies")))
+            name = "floorgap_{}_per_token" if q == "tpot" else "floorgap_ttft_{}"
+            cells.append(" / ".join(f"{t._f(r, name.format(k))[0]:.2f}"
+                                    for k in ("q_free", "q_state", "copies")))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
