@@ -75,6 +75,8 @@ class PrefetchRefused(ConfigError):
     """
 
     def __str__(self) -> str:
+        if len(self.args) < 2:  # raised with a plain message (or none)
+            return super().__str__()
         fmt, *values = self.args
         return str(fmt) % tuple(values)
 

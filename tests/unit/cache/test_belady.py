@@ -120,6 +120,7 @@ def test_refusal_message_is_formatted_when_read() -> None:
     c.on_insert(B, 0, True)
     with pytest.raises(PrefetchRefused, match=r"belady: MIN makes no room for \(1, 0\) now"):
         c.victim(C, set(), 0)
+    assert str(PrefetchRefused("50 % full")) == "50 % full"  # a plain message stays as is
 
 
 def test_furthest_search_after_untracked_accesses() -> None:
