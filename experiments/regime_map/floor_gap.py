@@ -174,6 +174,9 @@ def decompose(plan: Any, dev: Any, cost: Any, tally: Any, w: Watch) -> dict[str,
     if dev.chunk_s:
         return {}  # chunked copies: a copy's start is not its end minus copy_s
     c, J, cap = dev.copy_s, cost.num_experts, dev.capacity
+    if len(w.copy_end) * cost.expert_bytes != dev.h2d_bytes:  # every copy seen, or no terms
+        raise RuntimeError(f"floor_gap: saw {len(w.copy_end)} copies, the device made "
+                           f"{dev.h2d_bytes / cost.expert_bytes:.0f} (the replay's hooks moved?)")
     lay = _Layout(plan, J)
     ends = np.asarray(w.copy_end, dtype=np.float64)
     order = np.argsort(ends, kind="stable")
