@@ -117,12 +117,10 @@ class CachePolicy:
         by one: they are few)."""
         resident, inf = self.resident, np.inf
         work = np.add(prio, self._absent, out=self._work)  # +inf outside the resident set
-        blocked = 0
-        for k in protected:
-            if k in resident:
-                work[k] = inf
-                blocked += 1
-        allowed = len(resident) - blocked
+        blocked = resident.intersection(protected)
+        for k in blocked:
+            work[k] = inf
+        allowed = len(resident) - len(blocked)
         if allowed <= 0:
             raise ConfigError(
                 f"{self.name}: no evictable expert for {incoming} (capacity "
@@ -132,8 +130,7 @@ class CachePolicy:
             if len(shun) < allowed:
                 for k in shun:
                     work[k] = inf
-        flat = int(work.argmin())
-        return (flat // self.num_experts, flat % self.num_experts)
+        return divmod(int(work.argmin()), self.num_experts)  # (layer, expert)
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         """Per-layer expert probabilities from the predictor (FineMoE, MoE-Infinity)."""

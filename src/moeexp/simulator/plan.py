@@ -266,9 +266,9 @@ class Plan:
             tab = self._iteration_tables()
             b = tab.starts[i * L: (i + 1) * L + 1]
             lo, hi = b[0], b[L]
-            counts = np.zeros(L * J, dtype=np.int64)
-            counts[tab.cells[lo:hi]] = tab.n[lo:hi]
-            counts = counts.reshape(L, J)
+            cell_counts = np.zeros(L * J, dtype=np.int64)
+            cell_counts[tab.cells[lo:hi]] = tab.n[lo:hi]
+            counts: np.ndarray = cell_counts.reshape(L, J)
             ce = tab.ce[lo:hi]
             e_l, ce_l, k_l = tab.expert_list, tab.ce_list, tab.keys
             experts = [e_l[b[k]: b[k + 1]] for k in range(L)]
