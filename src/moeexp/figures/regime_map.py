@@ -85,7 +85,9 @@ def _draw(ax: Axes, x: np.ndarray, y: np.ndarray, err: np.ndarray | None, **kw: 
 def _bound(ax: Axes, sub: pd.DataFrame, ratio_c: str, sys_c: str, kind: str, q: str) -> None:
     """The floor ``bound_<q>_norm_mean`` (one value per link: the same for every system of
     a seed, so taken from the rows over the most seeds), over no_offload's (``norm``) or
-    over on-demand loading's mean latency (``vs``)."""
+    over on-demand loading's mean latency (``vs``). ``no_offload``'s rows are left out:
+    every expert resident is another budget (its floor is 1)."""
+    sub = sub[sub[sys_c] != REFERENCE]
     n = _num(sub, "n") if "n" in sub.columns else np.ones(len(sub))
     frame = pd.DataFrame({"x": _num(sub, ratio_c), "b": _num(sub, f"bound_{q}_norm_mean"),
                           "n": np.nan_to_num(n, nan=1.0)}).dropna()
