@@ -642,7 +642,7 @@ class ExpertMapPredictor(Predictor):
         self._p: dict[tuple[int, int], np.ndarray] = {}
         self._preds: dict[tuple[int, int, int, int], Prediction] = {}
         self._start_preds: dict[tuple[int, int, tuple[int, ...]], Prediction] = {}
-        # the whole store's stable sort, running sums and non-zero counts per (layer, row)
+        # the whole store's stable sort, running sums, non-zero counts and capped sums
         self._sel_table: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._sel_version = version
 
