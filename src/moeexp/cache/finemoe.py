@@ -67,10 +67,12 @@ class FineMoECache(CachePolicy):
         # p · freq kept up to date entry by entry (victim reads it; priorities() recomputes)
         self._prio = self.p * self.freq
         self._checked: dict[int, np.ndarray] = {}  # id -> read-only score rows already checked
-        self._accesses = 0  # accesses seen so far (an event counter, not a clock)
-        self._layer_ran = [0] * num_layers  # access number of each layer's latest use
-        self._pending: dict[Key, int] = {}  # prefetched, not used yet -> accesses at insert
-        self._swept = -1  # ``_accesses`` when ``_pending`` was last swept of expired keys
+        # waiting prefetched experts (see the module docstring), per layer; any use of the
+        # layer ends the wait of all of them (the used one is no longer unused, the others
+        # saw their layer run). ``_wait_mask``: +inf at the waiting keys, else 0.
+        self._waiting_in: list[set[Key]] = [set() for _ in range(num_layers)]
+        self._num_waiting = 0
+        self._wait_mask = np.zeros((num_layers, num_experts))
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         """Set ``p`` of the given layers (float[J] each; values outside [0, 1] are an error).
@@ -125,21 +127,31 @@ class FineMoECache(CachePolicy):
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
         if prefetched and self.protect_prefetched:
-            self._pending[key] = self._accesses
+            self._waiting_in[key[0]].add(key)
+            self._wait_mask[key] = np.inf
+            self._num_waiting += 1
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
-        n = self._accesses = self._accesses + 1
-        self._layer_ran[key[0]] = n
         freq = self.freq
         f = freq[key] + 1
         freq[key] = f
         self._prio[key] = self.p[key] * f
-        if self._pending:
-            self._pending.pop(key, None)
+        if self._num_waiting:
+            waiting = self._waiting_in[key[0]]
+            if waiting:  # the layer ran: its waiting experts are ordinary residents now
+                mask = self._wait_mask
+                for k in waiting:
+                    mask[k] = 0.0
+                self._num_waiting -= len(waiting)
+                waiting.clear()
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
-        self._pending.pop(key, None)
+        waiting = self._waiting_in[key[0]]
+        if key in waiting:
+            waiting.discard(key)
+            self._wait_mask[key] = 0.0
+            self._num_waiting -= 1
         if self.frequency == "in_cache":
             self.freq[key] = 0
             self._prio[key] = 0.0  # p · 0: p is a finite probability
@@ -152,33 +164,23 @@ class FineMoECache(CachePolicy):
         """``p · freq`` of a key (float)."""
         return float(self.priorities()[key])
 
-    def _waiting(self) -> dict[Key, int]:
-        """Prefetched, unused keys whose layer has not run since they arrived (expired
-        entries are dropped: they are ordinary ``freq = 0`` residents from now on); the
-        live dict, keyed by those keys (read it, never keep it)."""
-        if self._swept == self._accesses:  # no layer ran since: nothing new expired
-            return self._pending  # (a key inserted since has at == _accesses)
-        self._swept = self._accesses
-        ran = self._layer_ran
-        expired = [k for k, at in self._pending.items() if ran[k[0]] > at]
-        for k in expired:
-            del self._pending[k]
-        return self._pending
+    def waiting(self) -> set[Key]:
+        """Prefetched, unused keys whose layer has not run since they arrived (a new set)."""
+        return set().union(*self._waiting_in) if self._num_waiting else set()
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         """:meth:`choose` over every unprotected resident, on the (L, J) matrices at once."""
         if self.has_room(incoming):
             return None
         # the device protects a demand load's own key, never a prefetch's
-        demand = incoming in protected
-        waiting = (self._waiting() if self._pending and (self.protect_from_demand or not demand)
-                   else None)
-        return self.lowest_priority(incoming, protected, self._prio, waiting or None)
+        shield = self._num_waiting and (self.protect_from_demand or incoming not in protected)
+        return self.lowest_priority(incoming, protected, self._prio,
+                                    avoid_mask=self._wait_mask if shield else None)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         """The same rule on an explicit candidate list (the base class's path, which does
         not say whether ``incoming`` is a demand load: ``v2`` shields as for a prefetch)."""
-        waiting = self._waiting()
+        waiting = self.waiting()
         pool = [k for k in candidates if k not in waiting] or candidates
         prio = self.priorities()
         return min(pool, key=lambda k: (prio[k], k))
