@@ -63,9 +63,13 @@ class FineMoECache(CachePolicy):
         self.protect_from_demand = protect_prefetched is True
         self.frequency = frequency
         self.p = np.full((num_layers, num_experts), 1.0 / num_experts)
-        self.freq = np.zeros((num_layers, num_experts), dtype=np.int64)
+        # visit counts (whole numbers, kept as float64: p · freq without an int cast)
+        self.freq = np.zeros((num_layers, num_experts))
         # p · freq kept up to date entry by entry (victim reads it; priorities() recomputes)
         self._prio = self.p * self.freq
+        # per-layer row views of freq and p · freq (a view per score update costs as much
+        # as the product)
+        self._freq_rows, self._prio_rows = list(self.freq), list(self._prio)
         self._checked: dict[int, np.ndarray] = {}  # id -> read-only score rows already checked
         # waiting prefetched experts (see the module docstring), per layer; any use of the
         # layer ends the wait of all of them (the used one is no longer unused, the others
@@ -87,7 +91,7 @@ class FineMoECache(CachePolicy):
             if self._checked.get(id(row)) is not row:
                 self._check_row(row)
             self.p[layer] = row
-            np.multiply(row, self.freq[layer], out=self._prio[layer])
+            np.multiply(row, self._freq_rows[layer], out=self._prio_rows[layer])
             return
         checked, p = self._checked, self.p
         for row in scores.values():  # one check per distinct read-only row, as above
