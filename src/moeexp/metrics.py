@@ -9,6 +9,7 @@ it); ``prediction_recall`` is FineMoE's "overlapped expert ratio" (what its figu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import numpy as np
@@ -114,7 +115,7 @@ def f1(precision: float, recall: float) -> float:
     return 0.0 if s == 0 else 2 * precision * recall / s
 
 
-def prediction_overlap(predicted: set[int] | None,
+def prediction_overlap(predicted: AbstractSet[int] | None,
                        activated: Sequence[int]) -> tuple[float | None, float | None]:
     """(recall, precision) of one (pass, layer): P = ``predicted``, A = ``activated``.
 
@@ -139,7 +140,7 @@ class PredictionTally:
     precision_sum: float = 0.0
     precision_n: int = 0
 
-    def add(self, predicted: set[int] | None, activated: Sequence[int]) -> None:
+    def add(self, predicted: AbstractSet[int] | None, activated: Sequence[int]) -> None:
         """Account one (pass, layer): ``predicted`` P (None = nothing), ``activated`` A."""
         self.recall_n += 1
         recall, precision = prediction_overlap(predicted, activated)

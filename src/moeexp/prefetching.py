@@ -37,12 +37,15 @@ import numpy as np
 
 if TYPE_CHECKING:
     from collections.abc import Container, Iterable
+    from collections.abc import Set as AbstractSet
 
     from moeexp.predictors.base import Prediction, Prefetch
 
 Key = tuple[int, int]
 _NEG_INF = float("-inf")
 _INF = float("inf")
+#: read-only predicted arrays whose sets :class:`PredictionSets` remembers (cleared when full)
+MEMO_SETS = 1 << 16
 
 
 class PrefetchQueue:
@@ -162,9 +165,11 @@ class PredictionSets:
     """
 
     def __init__(self) -> None:
-        self._predicted: dict[int, set[int]] = {}
+        self._predicted: dict[int, AbstractSet[int]] = {}
         self._prefetched: dict[int, set[int]] = {}
         self._unfolded: list[tuple[int, list[Prefetch]]] = []  # (hook layer, its prefetches)
+        # id -> (read-only array, its set): predictors resend memoised arrays (expert_map)
+        self._as_sets: dict[int, tuple[np.ndarray, frozenset[int]]] = {}
 
     def clear(self) -> None:
         """A forward pass begins: no hook has spoken for it yet."""
@@ -179,9 +184,23 @@ class PredictionSets:
         if pred.predicted:
             for layer, experts in pred.predicted.items():
                 if layer > hook_layer:
-                    self._predicted[layer] = set(np.asarray(experts).tolist())
+                    self._predicted[layer] = self._as_set(experts)
 
-    def for_layer(self, layer: int) -> set[int] | None:
+    def _as_set(self, experts: np.ndarray) -> AbstractSet[int]:
+        """The experts as a set; the set of a read-only array that owns its data (it
+        cannot change) is made once and remembered with a reference (so its id is not
+        reused)."""
+        got = self._as_sets.get(id(experts))
+        if got is not None and got[0] is experts:
+            return got[1]
+        out = frozenset(np.asarray(experts).tolist())
+        if isinstance(experts, np.ndarray) and not experts.flags.writeable and experts.base is None:
+            if len(self._as_sets) >= MEMO_SETS:
+                self._as_sets.clear()
+            self._as_sets[id(experts)] = (experts, out)
+        return out
+
+    def for_layer(self, layer: int) -> AbstractSet[int] | None:
         """P of ``layer``: its predicted set, else its prefetched set, else None."""
         got = self._predicted.get(layer)
         if got is not None:
