@@ -52,7 +52,6 @@ class CachePolicy:
         # 0 where resident, +inf elsewhere: lowest_priority's mask in one addition
         self._absent = np.full((num_layers, num_experts), np.inf)
         self._work = np.empty((num_layers, num_experts))  # lowest_priority's scratch
-        self._work_avoid = np.empty((num_layers, num_experts))
 
     @property
     def resident_mask(self) -> np.ndarray:
@@ -110,32 +109,34 @@ class CachePolicy:
 
     def lowest_priority(self, incoming: Key, protected: set[Key], prio: np.ndarray,
                         avoid: Collection[Key] | None = None,
-                        avoid_mask: np.ndarray | None = None) -> Key:
+                        shielded: np.ndarray | None = None) -> Key:
         """The unprotected resident key of lowest ``prio`` (float[L, J], no NaN or -inf);
         ties go to the lowest (layer, expert), as ``choose`` over the sorted candidates
-        does. Keys in ``avoid``, or at +inf in ``avoid_mask`` (float[L, J] of 0 and +inf,
-        the same rule kept as a matrix by the policy; ``prio`` must then be finite), are
-        taken only when nothing else is left. For policies that rank by a matrix
-        (finemoe, moe_infinity): the simulator's hottest decision, done with one addition
-        and one argmin (protected keys are masked one by one: they are few)."""
+        does. Keys in ``avoid`` are taken only when nothing else is left; so are the
+        residents at +inf in ``shielded`` (float[L, J]: +inf outside the resident set and
+        at the avoided keys, 0 elsewhere: the same rule kept as a matrix by the policy;
+        ``prio`` must then be finite). For policies that rank by a matrix (finemoe,
+        moe_infinity): the simulator's hottest decision, done with one addition and one
+        argmin (protected keys are masked one by one: they are few)."""
         resident, inf = self.resident, np.inf
-        work = np.add(prio, self._absent, out=self._work)  # +inf outside the resident set
         blocked = resident.intersection(protected)
-        for k in blocked:
-            work[k] = inf
-        allowed = len(resident) - len(blocked)
-        if allowed <= 0:
+        if len(resident) <= len(blocked):
             raise ConfigError(
                 f"{self.name}: no evictable expert for {incoming} (capacity "
                 f"{self.capacity_slots} slots, {len(protected)} protected)")
-        if avoid_mask is not None:  # the avoided keys are +inf: a finite minimum is a
-            shunned = np.add(work, avoid_mask, out=self._work_avoid)  # key not avoided
-            flat = int(shunned.argmin())
-            if shunned.flat[flat] != inf:
+        if shielded is not None:  # a finite minimum is a resident that is not avoided
+            work = np.add(prio, shielded, out=self._work)
+            for k in blocked:
+                work[k] = inf
+            flat = int(work.argmin())
+            if work.flat[flat] != inf:
                 return divmod(flat, self.num_experts)
-        elif avoid:
+        work = np.add(prio, self._absent, out=self._work)  # +inf outside the resident set
+        for k in blocked:
+            work[k] = inf
+        if avoid:
             shun = [k for k in avoid if k in resident and k not in protected]
-            if len(shun) < allowed:
+            if len(shun) < len(resident) - len(blocked):
                 for k in shun:
                     work[k] = inf
         return divmod(int(work.argmin()), self.num_experts)  # (layer, expert)

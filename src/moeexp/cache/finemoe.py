@@ -73,10 +73,11 @@ class FineMoECache(CachePolicy):
         self._checked: dict[int, np.ndarray] = {}  # id -> read-only score rows already checked
         # waiting prefetched experts (see the module docstring), per layer; any use of the
         # layer ends the wait of all of them (the used one is no longer unused, the others
-        # saw their layer run). ``_wait_mask``: +inf at the waiting keys, else 0.
+        # saw their layer run). ``_shielded``: +inf at the waiting keys and outside the
+        # resident set, else 0 (lowest_priority's ``shielded``).
         self._waiting_in: list[set[Key]] = [set() for _ in range(num_layers)]
         self._num_waiting = 0
-        self._wait_mask = np.zeros((num_layers, num_experts))
+        self._shielded = np.full((num_layers, num_experts), np.inf)
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         """Set ``p`` of the given layers (float[J] each; values outside [0, 1] are an error).
@@ -132,8 +133,9 @@ class FineMoECache(CachePolicy):
         super().on_insert(key, now, prefetched)
         if prefetched and self.protect_prefetched:
             self._waiting_in[key[0]].add(key)
-            self._wait_mask[key] = np.inf
             self._num_waiting += 1
+        else:
+            self._shielded[key] = 0.0
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         freq = self.freq
@@ -143,18 +145,18 @@ class FineMoECache(CachePolicy):
         if self._num_waiting:
             waiting = self._waiting_in[key[0]]
             if waiting:  # the layer ran: its waiting experts are ordinary residents now
-                mask = self._wait_mask
+                shielded = self._shielded
                 for k in waiting:
-                    mask[k] = 0.0
+                    shielded[k] = 0.0
                 self._num_waiting -= len(waiting)
                 waiting.clear()
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
+        self._shielded[key] = np.inf
         waiting = self._waiting_in[key[0]]
         if key in waiting:
             waiting.discard(key)
-            self._wait_mask[key] = 0.0
             self._num_waiting -= 1
         if self.frequency == "in_cache":
             self.freq[key] = 0
@@ -179,7 +181,7 @@ class FineMoECache(CachePolicy):
         # the device protects a demand load's own key, never a prefetch's
         shield = self._num_waiting and (self.protect_from_demand or incoming not in protected)
         return self.lowest_priority(incoming, protected, self._prio,
-                                    avoid_mask=self._wait_mask if shield else None)
+                                    shielded=self._shielded if shield else None)
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         """The same rule on an explicit candidate list (the base class's path, which does
