@@ -58,6 +58,10 @@ class Prediction:
         scores: layer -> float[J] expert probabilities for that layer (cache hints).
         predicted: layer -> int[n] experts predicted for that layer (recall accounting);
             layers absent here fall back to the prefetched experts of that layer.
+
+    A predictor may return the same Prediction object (and the same arrays in it) again
+    (``expert_map`` memoises its one-query emits): the mechanisms only read a prediction;
+    nothing may modify one it was given.
     """
 
     prefetch: list[Prefetch] = field(default_factory=list)
