@@ -183,7 +183,11 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
         if (k & 255) == 0 and len(heap) > 4 * size + 1024:
             heap = [e for e in cur if e >= 0]
             heapify(heap)
-        append(max(0, count - min(capacity, n_seen)) if free_start else count)
+        if free_start:  # max(0, count - min(capacity, n_seen)), without the calls
+            free = count - (n_seen if n_seen < capacity else capacity)
+            append(free if free > 0 else 0)
+        else:
+            append(count)
     return out
 
 
