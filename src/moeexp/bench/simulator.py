@@ -112,6 +112,21 @@ TARGET_S = 2.0
 #: moe_infinity 1.93 -> 1.78, oracle 2.13 -> 2.24, emoe 1.93 -> 2.18 (the two pairs
 #: disagreed: the 3-10 % gain of alternating A/B runs is below this machine's noise); still
 #: over: finemoe, finemoe_no_semantic, moe_infinity_oss (oracle, emoe at the line).
+#: Sixth step (every one-iteration pass sliced from trace-wide routing tables; a pass's keys
+#: and protected sets made once; the floor's MIN walk by index; finemoe's waiting shield as
+#: one matrix, float64 visit counts and row views; PredictionSets remembering read-only
+#: arrays' sets; belady's heaps built on first search; eam oss's one-pass match; expert_map's
+#: whole Predictions memoised and built by a per-pass preview; every metric and series of
+#: all 12 systems identical): d43535b -> 87cb9c9, two bench runs each in sequence (ref,
+#: new, ref, new; 19:57-20:01 UTC, load ~1, machine factor 0.96 / 0.92 (ref), 0.94 / 1.00
+#: (new)), best of both: no_offload 0.49 -> 0.40, deepspeed 0.67 -> 0.55, oracle 1.93 ->
+#: 1.53, emoe 1.85 -> 1.78, finemoe 2.65 -> 2.04, finemoe_no_semantic 2.54 -> 1.89,
+#: mixtral_offloading 1.57 -> 1.28, moe_infinity 1.81 -> 1.54, moe_infinity_oss 2.31 ->
+#: 1.71, oracle_aggressive 1.44 -> 1.33, promoe 1.34 -> 1.25, promoe_learned 1.77 -> 1.58
+#: (a second pair minutes later, under host contention, machine factor 1.01-1.35: finemoe
+#: 2.72 -> 2.37). Still over: finemoe (2.04-2.07 on the quiet pair); its replay is now many
+#: 3-8 % parts each near its numpy-call floor (the trajectory search's gemv over the store,
+#: the cache's per-event scalar updates and victim argmin, the floor, the plan).
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
