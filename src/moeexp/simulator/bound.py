@@ -183,11 +183,9 @@ def min_copies(seq: SetSeq, capacity: int, lo: int = 0, hi: int | None = None,
         if (k & 255) == 0 and len(heap) > 4 * size + 1024:
             heap = [e for e in cur if e >= 0]
             heapify(heap)
-        if free_start:  # max(0, count - min(capacity, n_seen)), without the calls
-            free = count - (n_seen if n_seen < capacity else capacity)
-            append(free if free > 0 else 0)
-        else:
-            append(count)
+        # max(0, count - min(capacity, n_seen)) without the calls (n_seen = 0 unless free_start)
+        free = count - (n_seen if n_seen < capacity else capacity)
+        append(free if free > 0 else 0)
     return out
 
 
