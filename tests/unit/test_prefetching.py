@@ -87,3 +87,22 @@ def test_prefetched_sets_union_over_hooks_and_predicted_replaces() -> None:
     ps.take(Prediction(predicted={3: np.array([6, 2])}), hook_layer=2)
     assert ps.for_layer(3) == {2, 6}
     assert ps.for_layer(1) is None  # prefetched by the hook at layer 1 itself: not before
+
+
+def test_prediction_sets_remember_only_arrays_that_cannot_change() -> None:
+    """The set of a read-only array that owns its data is made once (the same object comes
+    back); a writable array is read afresh at every take, so changing it changes P."""
+    ps = PredictionSets()
+    frozen = np.array([1, 3])
+    frozen.setflags(write=False)
+    ps.take(Prediction(predicted={1: frozen}), hook_layer=-1)
+    first = ps.for_layer(1)
+    ps.clear()
+    ps.take(Prediction(predicted={1: frozen}), hook_layer=-1)
+    assert ps.for_layer(1) == {1, 3} and ps.for_layer(1) is first
+    live = np.array([0, 2])
+    ps.take(Prediction(predicted={2: live}), hook_layer=-1)
+    assert ps.for_layer(2) == {0, 2}
+    live[1] = 3
+    ps.take(Prediction(predicted={2: live}), hook_layer=-1)
+    assert ps.for_layer(2) == {0, 3}

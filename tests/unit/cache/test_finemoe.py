@@ -131,3 +131,19 @@ def test_incremental_priorities_equal_the_product() -> None:
                     cache.on_insert(key, step, bool(r < 0.6))
                 cache.on_access(key, step, True)
             assert np.array_equal(cache._prio, cache.priorities())
+
+
+def test_when_every_candidate_waits_the_lowest_waiting_one_goes() -> None:
+    """Both residents are fresh prefetches of a layer that has not run: the shield cannot
+    hold, the victim is the lowest p·freq among them (ties: the lowest key), for a
+    prefetch and for a demand load alike; a protected waiting expert is never taken."""
+    cache = make(2)
+    use(cache, (1, 2), 0, prefetched=True)
+    use(cache, (1, 1), 0, prefetched=True)
+    assert cache.waiting() == {(1, 1), (1, 2)}
+    assert cache.victim((0, 0), set(), 0) == (1, 1)
+    assert cache.victim((0, 0), {(0, 0)}, 0) == (1, 1)
+    assert cache.victim((0, 0), {(0, 0), (1, 1)}, 0) == (1, 2)
+    cache.on_access((1, 2), 0, True)  # layer 1 ran: (1, 2) used, (1, 1)'s wait ends too
+    assert cache.waiting() == set()
+    assert cache.victim((0, 0), set(), 0) == (1, 1)  # freq 0: the lowest product

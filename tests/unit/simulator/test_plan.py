@@ -54,3 +54,31 @@ def test_online_arrivals_seeded_and_cycled() -> None:
     q = _plan(arrival_rate=10.0, num_requests=7, seed=3)
     assert np.array_equal(p.arrivals, q.arrivals)
     assert p.group(p.batches[0].groups[0]) is p.group(p.batches[3].groups[0])  # memoised
+
+
+def test_groups_from_the_trace_wide_tables_equal_a_direct_count() -> None:
+    """A one-iteration pass is sliced from the trace-wide tables (``_IterationTables``), a
+    batched one counted per pass: both equal ``Trace.iteration_counts`` + ``np.nonzero``
+    (experts, per-expert seconds, keys, arrays) on a random trace with K = 2."""
+    from moeexp.traces.synthetic import random_trace
+
+    tr = random_trace(num_layers=3, num_experts=5, top_k=2, hidden_size=4, num_requests=4,
+                      prompt_len=3, output_len=4, seed=1)
+    cost = unit_cost(tr.dims)
+    for bs in (1, 2):
+        p = Plan(tr, cost, batch_size=bs, arrival_rate=None, num_requests=None, seed=0)
+        for b in p.batches:
+            for iters in b.groups:
+                g = p.group(iters)
+                counts = sum(tr.iteration_counts(i) for i in iters)
+                assert np.array_equal(g.counts, counts)
+                for layer in range(3):
+                    want = np.flatnonzero(counts[layer]).tolist()
+                    assert g.experts[layer] == want
+                    assert g.ce[layer] == [cost.expert_s(int(n)) for n in counts[layer][want]]
+                    assert g.expert_arrays()[layer].tolist() == want
+                    keys, sets = g.layer_keys()
+                    assert keys[layer] == [(layer, e) for e in want] and sets[layer] == set(keys[layer])
+                flat, sizes = g.flat_experts()
+                assert flat.tolist() == [e for es in g.experts for e in es]
+                assert sizes.tolist() == [len(es) for es in g.experts]
