@@ -46,7 +46,6 @@ phase's copy counts per decode step (``floorgap_ttft_*``: per prefill).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from collections.abc import Sequence
@@ -55,6 +54,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import tables as T  # experiments/regime_map/tables.py: run as a script, its directory is on sys.path
 
 #: The decomposition's terms, in the order they add up (tail subtracts).
 TERMS = ("start", "extra", "idle_mid", "idle_tail", "tail")
@@ -227,16 +227,6 @@ def _means(name: str, k: str, per_ms: list[tuple[dict[str, float], float]],
 
 
 # ---------------------------------------------------------------------------- table
-def _tables_module() -> Any:
-    """``experiments/regime_map/tables.py`` (its formatting and reading helpers)."""
-    path = Path(__file__).with_name("tables.py")
-    spec = importlib.util.spec_from_file_location("regime_map_tables", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _cell(m: float, h: float, d: int = 2) -> str:
     """``0.39 ± 0.02`` with ``d`` decimals (``-`` for NaN)."""
     if not math.isfinite(m):
@@ -247,8 +237,7 @@ def _cell(m: float, h: float, d: int = 2) -> str:
 def table(path: Path, q: str = "tpot") -> str:
     """One row per (budget, ratio, system): the latency and the floor over no_offload's,
     the gap and its terms in the same unit (mean ± 95 % half-width over the seeds)."""
-    t = _tables_module()
-    rows, _ = t._read(path)
+    rows, _ = T._read(path)
     pre = "floorgap_" if q == "tpot" else "floorgap_ttft_"
     head = ["budget", "copy/compute", "system", f"{q.upper()} / no_offload", "floor",
             "gap (% of floor)", "start state", "extra copies", "idle: copy of the pass to start",
@@ -259,15 +248,15 @@ def table(path: Path, q: str = "tpot") -> str:
     rows = rows[pd.to_numeric(rows.get(f"{pre}time_norm"), errors="coerce").notna()]
     for (cap, x), g in rows.sort_values(["_cap", "_x"]).groupby(["_cap", "_x"], sort=False):
         for _, r in g.iterrows():
-            m, h = t._f(r, f"{q}_norm_mean")
-            fl = t._f(r, f"{pre}floor_norm")[0]
+            m, h = T._f(r, f"{q}_norm_mean")
+            fl = T._f(r, f"{pre}floor_norm")[0]
             cells = [f"{cap:.0%}", f"{x:.3g}", str(r["system"]), _cell(m, h), _cell(fl, math.nan),
                      f"{m - fl:.2f} ({100 * (m / fl - 1):+.1f} %)"]
             for k in TERMS:
-                v, vh = t._f(r, f"{pre}{k}_norm")
+                v, vh = T._f(r, f"{pre}{k}_norm")
                 cells.append(_cell(-v if k == "tail" else v, vh))
             name = "floorgap_{}_per_token" if q == "tpot" else "floorgap_ttft_{}"
-            cells.append(" / ".join(f"{t._f(r, name.format(k))[0]:.2f}"
+            cells.append(" / ".join(f"{T._f(r, name.format(k))[0]:.2f}"
                                     for k in ("q_free", "q_state", "copies")))
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
@@ -285,7 +274,7 @@ def main(argv: Sequence[str]) -> int:
     if argv and argv[0] == "table":
         path = Path(argv[1])
         print(table(path, "tpot"))
-        rows, _ = _tables_module()._read(path)
+        rows, _ = T._read(path)
         if "floorgap_ttft_time_ms" in rows:
             print(table(path, "ttft"))
         return 0

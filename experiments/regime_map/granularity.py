@@ -14,32 +14,19 @@ against its own whole-expert copies, paired on the seed.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pandas as pd
+import tables as T  # experiments/regime_map/tables.py: run as a script, its directory is on sys.path
 
 from moeexp.tracking.intervals import mean_ci
 
 CHUNK = "hardware.copy_chunk_mb"
 
-
-def _tables_module() -> Any:
-    """``experiments/regime_map/tables.py`` (its formatting and reading helpers)."""
-    path = Path(__file__).with_name("tables.py")
-    spec = importlib.util.spec_from_file_location("regime_map_tables", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-T = _tables_module()
 
 
 def _copies(chunk_mb: float, expert_bytes: float) -> str:
