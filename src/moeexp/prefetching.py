@@ -35,6 +35,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from moeexp.frozen_memo import FrozenMemo
+
 if TYPE_CHECKING:
     from collections.abc import Container, Iterable
     from collections.abc import Set as AbstractSet
@@ -44,8 +46,6 @@ if TYPE_CHECKING:
 Key = tuple[int, int]
 _NEG_INF = float("-inf")
 _INF = float("inf")
-#: read-only predicted arrays whose sets :class:`PredictionSets` remembers (cleared when full)
-MEMO_SETS = 1 << 16
 
 
 class PrefetchQueue:
@@ -168,8 +168,8 @@ class PredictionSets:
         self._predicted: dict[int, AbstractSet[int]] = {}
         self._prefetched: dict[int, set[int]] = {}
         self._unfolded: list[tuple[int, list[Prefetch]]] = []  # (hook layer, its prefetches)
-        # id -> (read-only array, its set): predictors resend memoised arrays (expert_map)
-        self._as_sets: dict[int, tuple[np.ndarray, frozenset[int]]] = {}
+        # the sets of read-only arrays: predictors resend memoised arrays (expert_map)
+        self._as_sets: FrozenMemo[frozenset[int]] = FrozenMemo()
 
     def clear(self) -> None:
         """A forward pass begins: no hook has spoken for it yet."""
@@ -187,17 +187,11 @@ class PredictionSets:
                     self._predicted[layer] = self._as_set(experts)
 
     def _as_set(self, experts: np.ndarray) -> AbstractSet[int]:
-        """The experts as a set; the set of a read-only array that owns its data (it
-        cannot change) is made once and remembered with a reference (so its id is not
-        reused)."""
-        got = self._as_sets.get(id(experts))
-        if got is not None and got[0] is experts:
-            return got[1]
-        out = frozenset(np.asarray(experts).tolist())
-        if isinstance(experts, np.ndarray) and not experts.flags.writeable and experts.base is None:
-            if len(self._as_sets) >= MEMO_SETS:
-                self._as_sets.clear()
-            self._as_sets[id(experts)] = (experts, out)
+        """The experts as a set (made once for a read-only array: :mod:`moeexp.frozen_memo`)."""
+        out = self._as_sets.get(experts)
+        if out is None:
+            out = frozenset(np.asarray(experts).tolist())
+            self._as_sets.put(experts, out)
         return out
 
     def for_layer(self, layer: int) -> AbstractSet[int] | None:

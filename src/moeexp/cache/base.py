@@ -17,7 +17,6 @@ flight). Capacity is in expert slots; the mechanism converts bytes to slots.
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from typing import ClassVar
 
 import numpy as np
@@ -108,23 +107,21 @@ class CachePolicy:
         self._absent[key] = np.inf
 
     def lowest_priority(self, incoming: Key, protected: set[Key], prio: np.ndarray,
-                        avoid: Collection[Key] | None = None,
                         shielded: np.ndarray | None = None) -> Key:
         """The unprotected resident key of lowest ``prio`` (float[L, J], no NaN or -inf);
         ties go to the lowest (layer, expert), as ``choose`` over the sorted candidates
-        does. Keys in ``avoid`` are taken only when nothing else is left; so are the
-        residents at +inf in ``shielded`` (float[L, J]: +inf outside the resident set and
-        at the avoided keys, 0 elsewhere: the same rule kept as a matrix by the policy;
-        ``prio`` must then be finite). For policies that rank by a matrix (finemoe,
-        moe_infinity): the simulator's hottest decision, done with one addition and one
-        argmin (protected keys are masked one by one: they are few)."""
+        does. With ``shielded`` (float[L, J]: +inf outside the resident set and at keys
+        the policy shields, 0 elsewhere; ``prio`` then finite), shielded residents are
+        taken only when nothing else is left. For policies that rank by a matrix
+        (finemoe, moe_infinity): the simulator's hottest decision, done with one addition
+        and one argmin (protected keys are masked one by one: they are few)."""
         resident, inf = self.resident, np.inf
         blocked = resident.intersection(protected)
         if len(resident) <= len(blocked):
             raise ConfigError(
                 f"{self.name}: no evictable expert for {incoming} (capacity "
                 f"{self.capacity_slots} slots, {len(protected)} protected)")
-        if shielded is not None:  # a finite minimum is a resident that is not avoided
+        if shielded is not None:  # a finite minimum is a resident that is not shielded
             work = np.add(prio, shielded, out=self._work)
             for k in blocked:
                 work[k] = inf
@@ -134,11 +131,6 @@ class CachePolicy:
         work = np.add(prio, self._absent, out=self._work)  # +inf outside the resident set
         for k in blocked:
             work[k] = inf
-        if avoid:
-            shun = [k for k in avoid if k in resident and k not in protected]
-            if len(shun) < len(resident) - len(blocked):
-                for k in shun:
-                    work[k] = inf
         return divmod(int(work.argmin()), self.num_experts)  # (layer, expert)
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:

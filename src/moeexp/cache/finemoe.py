@@ -35,9 +35,7 @@ import numpy as np
 
 from moeexp.cache.base import CACHES, CachePolicy, Key
 from moeexp.errors import ConfigError
-
-#: Read-only score rows remembered as checked (cleared when full).
-CHECKED_ROWS = 1 << 16
+from moeexp.frozen_memo import FrozenMemo
 
 
 @CACHES.register("finemoe")
@@ -70,7 +68,7 @@ class FineMoECache(CachePolicy):
         # per-layer row views of freq and p · freq (a view per score update costs as much
         # as the product)
         self._freq_rows, self._prio_rows = list(self.freq), list(self._prio)
-        self._checked: dict[int, np.ndarray] = {}  # id -> read-only score rows already checked
+        self._checked: FrozenMemo[bool] = FrozenMemo()  # read-only score rows already checked
         # waiting prefetched experts (see the module docstring), per layer; any use of the
         # layer ends the wait of all of them (the used one is no longer unused, the others
         # saw their layer run). ``_shielded``: +inf at the waiting keys and outside the
@@ -89,14 +87,14 @@ class FineMoECache(CachePolicy):
             return
         if len(scores) == 1:  # one layer (each trajectory step): no stacking
             (layer, row), = scores.items()
-            if self._checked.get(id(row)) is not row:
+            if self._checked.get(row) is None:
                 self._check_row(row)
             self.p[layer] = row
             np.multiply(row, self._freq_rows[layer], out=self._prio_rows[layer])
             return
         checked, p = self._checked, self.p
         for row in scores.values():  # one check per distinct read-only row, as above
-            if checked.get(id(row)) is not row:
+            if checked.get(row) is None:
                 self._check_row(row)
         for layer, row in scores.items():  # row by row: cheaper than stacking them
             p[layer] = row
@@ -118,16 +116,7 @@ class FineMoECache(CachePolicy):
         if a.shape != (self.num_experts,) or not self._in_unit(a):
             raise ValueError(f"finemoe cache: scores must be {self.num_experts} probabilities "
                              f"per layer, got {a.shape}: {a}")
-        self._remember(row)
-
-    def _remember(self, row: np.ndarray) -> None:
-        """Note a checked row as checked if it cannot change: a read-only float64[J]
-        array that owns its data (the reference keeps its id from being reused)."""
-        if (isinstance(row, np.ndarray) and row.dtype == np.float64 and not row.flags.writeable
-                and row.base is None and row.shape == (self.num_experts,)):
-            if len(self._checked) >= CHECKED_ROWS:
-                self._checked.clear()
-            self._checked[id(row)] = row
+        self._checked.put(row, True)  # a read-only row cannot change: checked once
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
