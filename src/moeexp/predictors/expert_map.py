@@ -60,6 +60,7 @@ import math
 import time
 from bisect import bisect_left
 from collections.abc import Sequence
+from itertools import repeat
 from typing import Literal, NamedTuple
 
 import numpy as np
@@ -420,17 +421,16 @@ class ExpertMapPredictor(Predictor):
         self._next_layer += 1
         if self.mode == "online":
             self._buf_probs.append(np.asarray(obs.probs).astype(np.float32, copy=True))
+        pre = self._pre  # a preview exists only when this layer would search (below)
+        if pre is not None and pre.probs[layer] is obs.probs:  # made by preview_pass,
+            self._layer = layer  # which timed it (_t_traj)
+            return pre.preds[layer]
         want = layer + self.d < self.dims.num_layers
         if self._n == 0 or self._silent or not (self.use_trajectory
                                                 or (want and self.use_semantic)):
             return Prediction()
         t0 = time.perf_counter()
-        pre = self._pre
-        if pre is not None and pre.probs[layer] is obs.probs:  # made by preview_pass
-            self._layer = layer
-            pred = pre.preds[layer]
-        else:
-            pred = self._observe(layer, np.asarray(obs.probs), want)
+        pred = self._observe(layer, np.asarray(obs.probs), want)
         self._t_traj.append(time.perf_counter() - t0)
         return pred
 
@@ -470,6 +470,7 @@ class ExpertMapPredictor(Predictor):
         if (self._n == 0 or self._silent or not self.use_trajectory or len(obs) != L
                 or self._next_layer != 0):
             return
+        t0 = time.perf_counter()
         probs = [o.probs for o in obs]
         T, B, n = len(probs[0]), len(self._queries), self._n
         if T == 1 and all(len(p) == 1 for p in probs):  # one token: the query is its row
@@ -497,6 +498,9 @@ class ExpertMapPredictor(Predictor):
         preds = self._preview_preds(rows, best, qsq[:m])
         preds.extend(Prediction() for _ in range(m, L))  # no target layer: nothing to say
         self._pre = _Preview(probs, dots, qsq, preds)
+        # each layer's trajectory query costs a 1/L share of the pass's search (the
+        # previewed observe_layer calls only look their Prediction up)
+        self._t_traj.extend(repeat((time.perf_counter() - t0) / L, L))
 
     def _preview_preds(self, rows: np.ndarray, best: np.ndarray, qsq: np.ndarray
                        ) -> list[Prediction]:

@@ -5,6 +5,7 @@ replay's metrics are identical."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -149,3 +150,24 @@ def test_layer_observations_equal_the_constructor() -> None:
         assert obs.layer == layer and obs.hidden is not None and obs.spec_probs is None
         with pytest.raises(AttributeError):
             obs.layer = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("preview", ["none", "same"])
+def test_expert_map_reports_the_searchs_time_per_layer_when_previewed(
+        monkeypatch: pytest.MonkeyPatch, preview: str) -> None:
+    """``trajectory_query_us_mean`` is the search's time per layer either way: previewed,
+    each layer is a 1/L share of the pass's search (the previewed ``observe_layer`` only
+    looks its Prediction up and is not timed); not previewed, each layer's own search.
+    On a clock that advances 1 s per reading: 1/L s and 1 s per layer query."""
+    import moeexp.predictors.expert_map as em
+
+    clock = iter(range(10**6))
+    monkeypatch.setattr(em, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    trace = _trace()
+    pred = PREDICTORS.build("expert_map", dims=trace.dims, prefetch_distance=2,
+                            use_semantic=False)
+    pred.fit(trace.split("store"))
+    _hooks(pred, trace.split("test"), preview)
+    L = trace.dims.num_layers
+    want = 1e6 / L if preview == "same" else 1e6
+    assert pred.stats()["trajectory_query_us_mean"] == pytest.approx(want)
