@@ -92,10 +92,11 @@ class FineMoECache(CachePolicy):
             self.p[layer] = row
             np.multiply(row, self._freq_rows[layer], out=self._prio_rows[layer])
             return
-        checked, p = self._checked, self.p
+        checked, p, last = self._checked, self.p, None
         for row in scores.values():  # one check per distinct read-only row, as above
-            if checked.get(row) is None:
-                self._check_row(row)
+            if row is not last and checked.get(row) is None:  # (an iteration start
+                self._check_row(row)  # sends one uniform row for most layers)
+            last = row
         for layer, row in scores.items():  # row by row: cheaper than stacking them
             p[layer] = row
         if len(scores) == self.num_layers:  # every layer (each iteration start)
@@ -128,9 +129,9 @@ class FineMoECache(CachePolicy):
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         freq = self.freq
-        f = freq[key] + 1
-        freq[key] = f
-        self._prio[key] = self.p[key] * f
+        f = freq.item(key) + 1.0  # Python floats: the same IEEE sum and product, fewer
+        freq[key] = f  # numpy scalars
+        self._prio[key] = self.p.item(key) * f
         if self._num_waiting:
             waiting = self._waiting_in[key[0]]
             if waiting:  # the layer ran: its waiting experts are ordinary residents now
