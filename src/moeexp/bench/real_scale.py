@@ -222,12 +222,8 @@ def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
     forced to the trace (the same passes as the engine's): the overhead's reference."""
     import torch
 
-    from moeexp.engine.routing_replay import (
-        RoutingReplay,
-        kv_argument,
-        request_cache,
-        request_latencies,
-    )
+    from moeexp.engine.routing_replay import RoutingReplay, request_cache, request_latencies
+    from moeexp.models.kv import kv_argument
     from moeexp.models.random_init import experts_resident
 
     device = next(model.parameters()).device

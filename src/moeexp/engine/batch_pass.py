@@ -55,6 +55,7 @@ from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.runtime import Engine, EngineSettings
 from moeexp.errors import ConfigError
 from moeexp.models.base import MoEAdapter
+from moeexp.models.kv import kv_argument, kv_of
 from moeexp.predictors.base import IterationStart, Predictor
 from moeexp.traces.recorder import trace_dims
 from moeexp.traces.schema import Trace
@@ -188,8 +189,7 @@ class PassModel(OffloadedModel):
                                         thread_name_prefix="moeexp-pass")
         self.max_members = max(1, max_members)
         params = inspect.signature(self.model.forward).parameters
-        # transformers >= 5.2x names the cache argument ``cache`` (``past_key_values`` before)
-        self._cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._cache_arg = kv_argument(self.model)
         # generate computes the logits of the last position only: so do we (same numbers)
         self._keep = {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
@@ -292,14 +292,14 @@ class PassModel(OffloadedModel):
             m = members[group[0]]
             out = self.model(input_ids=m.input_ids, use_cache=True,
                              **{self._cache_arg: m.cache}, **self._keep)
-            cache = out.get("cache", None) if "cache" in out else out.past_key_values
+            cache = kv_of(out)
             return [(out.logits[:, -1, :], cache)]
         cfg = self.model.config
         batched, lengths, mask, pos = stack([members[i].cache for i in group], cfg)
         ids = torch.cat([members[i].input_ids for i in group])
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True,
                          **{self._cache_arg: batched}, **self._keep)
-        cache = out.get("cache", None) if "cache" in out else out.past_key_values
+        cache = kv_of(out)
         logits = out.logits[:, -1, :]
         return list(zip((logits[r:r + 1] for r in range(len(group))),
                         unstack(cache, lengths, cfg), strict=True))

@@ -45,6 +45,7 @@ from tqdm.auto import tqdm
 
 from moeexp.errors import ConfigError
 from moeexp.models.base import MoEAdapter
+from moeexp.models.kv import kv_argument
 from moeexp.traces.schema import Trace
 
 if TYPE_CHECKING:
@@ -213,15 +214,6 @@ def request_latencies(start: float, ends: list[float], prefill: bool) -> tuple[f
         n = len(ends) - 1
         return ends[0] - start, (ends[-1] - ends[0]) / n if n else float("nan"), e2e
     return float("nan"), e2e / len(ends), e2e
-
-
-def kv_argument(model: nn.Module) -> str:
-    """The name of ``model.forward``'s KV-cache argument (transformers 5.x renames
-    ``past_key_values`` to ``cache``; the old name warns)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters \
-        else "past_key_values"
 
 
 def request_cache(model: Any, prompt_len: int) -> Any:

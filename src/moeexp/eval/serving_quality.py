@@ -95,6 +95,7 @@ from moeexp.backends.base import BackendContext, BackendResult
 from moeexp.backends.serving_check import kv_pool_bytes, slo_targets
 from moeexp.errors import ConfigError
 from moeexp.eval.tasks import LOCAL_TASKS
+from moeexp.models.kv import kv_argument, kv_of
 from moeexp.registry import typed
 from moeexp.schedulers import build_scheduler
 from moeexp.serving.arrivals import poisson_arrivals
@@ -233,15 +234,15 @@ def _plain_reference(model: Any, prompts: Sequence[Any],
 
 def _plain_greedy(model: Any, prompts: Sequence[Any], eos: Sequence[int]) -> dict[int, list[int]]:
     """The plain model's free-running greedy tokens (EOS suppressed, output_len each)."""
-    dev = next(model.parameters()).device
+    dev, kv = next(model.parameters()).device, kv_argument(model)
     out: dict[int, list[int]] = {}
     with torch.no_grad():
         for p in prompts:
             ids = torch.tensor([list(p.input_ids)], dtype=torch.long, device=dev)
             past, toks = None, []
             for _ in range(int(p.output_len)):
-                res = model(input_ids=ids, past_key_values=past, use_cache=True)
-                past = res.past_key_values
+                res = model(input_ids=ids, use_cache=True, **{kv: past})
+                past = kv_of(res)
                 scores = res.logits[0, -1].float().clone()
                 if eos:
                     scores[list(eos)] = float("-inf")

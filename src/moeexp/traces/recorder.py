@@ -39,6 +39,7 @@ import numpy as np
 from tqdm import tqdm
 
 from moeexp.errors import ConfigError
+from moeexp.models.kv import kv_argument, kv_of
 from moeexp.traces.schema import RequestMeta, Trace, TraceDims
 
 if TYPE_CHECKING:
@@ -156,13 +157,6 @@ def _next_token(logits: torch.Tensor, sampling: str, top_k: int, temperature: fl
     return int(idx[int(torch.multinomial(probs, 1, generator=gen))])
 
 
-def _cache_of(res: Any) -> Any:
-    """The KV cache of a forward output (``cache`` in transformers >= 5.2x, else
-    ``past_key_values``)."""
-    cache = res.get("cache") if hasattr(res, "get") else None
-    return cache if cache is not None else getattr(res, "past_key_values", None)
-
-
 def trace_dims(adapter: MoEAdapter, spec_depth: int) -> TraceDims:
     """TraceDims of the model behind ``adapter`` (bytes in the model's dtype)."""
     return TraceDims(
@@ -223,6 +217,7 @@ def record_trace(
     t0 = time.perf_counter()
     handle = adapter.embedding().register_forward_hook(step.embed_hook)
     keep_hidden = spec_depth > 0 or record_hidden
+    kv = kv_argument(model)  # the KV cache's argument name (transformers 5.x renamed it)
     try:
         with RoutingCapture(adapter, keep_hidden=keep_hidden) as cap, torch.inference_mode():
             for p in tqdm(prompts, desc="recording trace", unit="req", disable=not progress):
@@ -235,9 +230,9 @@ def record_trace(
                 out_ids: list[int] = []
                 req_parts: dict[str, list[torch.Tensor]] = {}
                 for s in range(p.output_len):
-                    res = model(input_ids=ids, cache=past, use_cache=True,
-                                logits_to_keep=1)
-                    past = _cache_of(res)
+                    res = model(input_ids=ids, use_cache=True, logits_to_keep=1,
+                                **{kv: past})
+                    past = kv_of(res)
                     tensors = step.collect(cap)
                     tensors["token_ids"] = ids[0].to(torch.int32)
                     for k, v in tensors.items():

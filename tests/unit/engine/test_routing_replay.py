@@ -17,7 +17,6 @@ from moeexp.costmodel import CostModel, load_profile
 from moeexp.engine import build_offloaded
 from moeexp.engine.routing_replay import (
     RoutingReplay,
-    kv_argument,
     ordered,
     replay_labels,
     replay_requests,
@@ -27,6 +26,7 @@ from moeexp.engine.routing_replay import (
 from moeexp.engine.runtime import EngineSettings
 from moeexp.errors import ConfigError
 from moeexp.models.adapters import adapter_for
+from moeexp.models.kv import kv_argument
 from moeexp.models.toy_configs import toy_model
 from moeexp.predictors import PREDICTORS
 from moeexp.simulator import simulate
