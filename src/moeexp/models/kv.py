@@ -3,7 +3,8 @@
 ``model.forward`` took ``past_key_values=`` and returned ``output.past_key_values``; from
 5.2x it takes ``cache=`` and returns ``output["cache"]`` (the old argument still works
 but warns that it goes in 5.40). Every forward loop of moeexp (trace recording, the
-engine's batched passes, routing replay, the serving-quality reference) asks here.
+engine's batched passes, routing replay, the serving-quality reference, the real-scale
+bench) asks here; ``generate`` handles the name itself.
 """
 
 from __future__ import annotations
