@@ -140,6 +140,13 @@ class EMoE(Predictor):
         self.invocations = 0
         self._query_ns = 0
         self._queries = 0
+        # memoised Predictions (read-only arrays; callers only read them): _all_experts by
+        # its prefetch layer (fixed once fitted), _current by its layers (cleared whenever
+        # ``sets`` or ``scores`` change)
+        self._all_memo: dict[int | None, Prediction] = {}
+        self._current_memo: dict[tuple[int, ...], Prediction] = {}
+        # preview_pass: (the pass's probs objects, per request its float64[L, J] counts)
+        self._pre: tuple[list[np.ndarray], dict[int, np.ndarray]] | None = None
 
     # ------------------------------------------------------------------ configuration
     @staticmethod
@@ -185,6 +192,8 @@ class EMoE(Predictor):
                                               if r.task == task]))
         rng = np.random.default_rng(self.seed)
         self.models = []
+        self._all_memo.clear()
+        self._current_memo.clear()
         for layer in range(L):
             x, y = training_pairs(full, prefill, self.variant, layer)
             m = SoftmaxRegression(x.shape[1], J, self.prior[layer], rng)
@@ -199,6 +208,7 @@ class EMoE(Predictor):
         N = expected_tokens(f, running, self.w_out, self.w_default, sens, self.s_default)
         out = Prediction()
         L = self.dims.num_layers
+        self._current_memo.clear()  # sets and scores change below
         for layer in layers:
             row = N[layer]
             if row.max() <= 0:  # insensitive for every running task: skip prediction
@@ -226,30 +236,43 @@ class EMoE(Predictor):
 
         The first prompt streams the whole model through the budget one layer ahead
         (layer 0 at the iteration start, layer l+1 while layer l runs), most used first.
+        Memoised per ``prefetch_layer`` (it depends on the fitted prior only): read-only
+        arrays, shared; callers never modify a Prediction.
         """
+        out = self._all_memo.get(prefetch_layer)
+        if out is not None:
+            return out
         L, J = self.dims.num_layers, self.dims.num_experts
         out = Prediction()
+        every, ones = _frozen(np.arange(J, dtype=np.int64)), _frozen(np.ones(J))
         for layer in range(L):
-            out.predicted[layer] = np.arange(J, dtype=np.int64)
-            out.scores[layer] = np.ones(J)
+            out.predicted[layer] = every
+            out.scores[layer] = ones
         if prefetch_layer is not None and prefetch_layer < L:
             order = select_top(self.prior[prefetch_layer], J)
             out.prefetch = [Prefetch(float(L - prefetch_layer) - 1e-3 * i, prefetch_layer,
                                      int(e)) for i, e in enumerate(order)]
+        self._all_memo[prefetch_layer] = out
         return out
 
     def _current(self, layers: Sequence[int]) -> Prediction:
-        """Re-request the current resident set of ``layers`` (reuse prompts)."""
+        """Re-request the current resident set of ``layers`` (reuse prompts). Memoised
+        per ``layers`` until ``sets`` or ``scores`` change (read-only copies; shared)."""
+        key = tuple(layers)
+        out = self._current_memo.get(key)
+        if out is not None:
+            return out
         L = self.dims.num_layers
         out = Prediction()
-        for layer in layers:
+        for layer in key:
             chosen = self.sets[layer]
             if chosen is None:
                 chosen = np.arange(self.dims.num_experts, dtype=np.int64)
             out.prefetch.extend(Prefetch(float(L - layer) - 1e-3 * i, layer, int(e))
                                 for i, e in enumerate(chosen))
             out.predicted[layer] = chosen
-            out.scores[layer] = self.scores[layer].copy()
+            out.scores[layer] = _frozen(self.scores[layer].copy())
+        self._current_memo[key] = out
         return out
 
     # ------------------------------------------------------------------ hooks
@@ -265,6 +288,7 @@ class EMoE(Predictor):
             self._mode[rid] = "all"
             self.sets = [None] * L
             self.scores = np.ones((L, J))
+            self._current_memo.clear()
             return self._all_experts(0)
         if (n - 1) % self.period:
             self._mode[rid] = "reuse"
@@ -305,7 +329,45 @@ class EMoE(Predictor):
         # loading the end of the previous iteration cut short
         return self._current([layer for layer in range(L) if layer not in skip])
 
+    previews = True
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """A pass in which no request streams the model (the first prompt) or predicts
+        from its prefill: every layer's router top-K counts per request at once (the
+        same stable argsort per token row, stacked over layers; integer counts as
+        float64), which :meth:`observe_layer` then adds layer by layer. Other passes are
+        not previewed."""
+        self._pre = None
+        L = self.dims.num_layers
+        rids = self._iter_rids
+        if (len(obs) != L or any(self._mode.get(r) == "all" for r in rids)
+                or any(r in self._pending for r in rids)):
+            return
+        probs = [o.probs for o in obs]
+        T = len(probs[0])
+        if any(len(p) != T for p in probs):
+            return
+        K, J = self.dims.top_k, self.dims.num_experts
+        top = np.argsort(-np.asarray(probs, dtype=np.float64), axis=2, kind="stable")[:, :, :K]
+        tok_req = self._token_request if len(self._token_request) == T else None
+        base = (np.arange(L, dtype=np.int64) * J)[:, None, None]  # [L, 1, 1]
+        counts: dict[int, np.ndarray] = {}
+        for rid in rids:
+            if rid not in self._acc:
+                continue
+            rows = top if tok_req is None else top[:, tok_req == rid]  # [L, T_r, K]
+            if rows.shape[1] == 0:
+                continue
+            counts[rid] = np.bincount((rows + base).reshape(-1), minlength=L * J).reshape(
+                L, J).astype(np.float64)
+        self._pre = (probs, counts)
+
     def observe_layer(self, obs: LayerObservation) -> Prediction:
+        pre = self._pre
+        if pre is not None and pre[0][obs.layer] is obs.probs:  # previewed: nothing to
+            for rid, c in pre[1].items():  # predict, only the history to extend
+                self._acc[rid][obs.layer] += c[obs.layer]
+            return Prediction()
         K, J = self.dims.top_k, self.dims.num_experts
         top = np.argsort(-np.asarray(obs.probs, dtype=np.float64), axis=1, kind="stable")[:, :K]
         tok_req = self._token_request if len(self._token_request) == len(top) else None
@@ -334,6 +396,7 @@ class EMoE(Predictor):
         return out
 
     def end_iteration(self) -> None:
+        self._pre = None
         for rid in list(self._pending):
             if rid in self._prefill:  # its first (prefill) iteration has run
                 self._pending.discard(rid)
@@ -352,6 +415,12 @@ class EMoE(Predictor):
         return {"params": float(sum(m.num_params for m in self.models)),
                 "query_us_mean": q, "invocations": float(self.invocations),
                 "experts_per_layer": float(self.experts_per_layer)}
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a``, made read-only (a memoised Prediction's arrays are shared)."""
+    a.setflags(write=False)
+    return a
 
 
 def _normalise(a: np.ndarray) -> np.ndarray:

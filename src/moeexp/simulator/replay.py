@@ -304,6 +304,8 @@ class Replay:
             misses += m
             stall += s
         self.pos = pos
+        if restricted:  # every token's K router choices, substituted, kept or dropped
+            self.tally.assignments += int(counts.sum())
         return t, hits, misses, stall
 
     def _pass_arrays(self, rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray | None,
@@ -339,6 +341,5 @@ class Replay:
             self.tr.router_probs(rows, layer),
             pos0, t, self.cost.expert_s)
         self.tally.substitutions += subs
-        self.tally.dropped_assignments += drops
-        self.tally.assignments += int(gd.counts[layer].sum())
+        self.tally.dropped_assignments += drops  # (assignments: counted per pass in layers)
         return t, h, m, 0.0

@@ -18,6 +18,7 @@ from moeexp.predictors.base import (
     LayerObservation,
     Prediction,
     Predictor,
+    RequestStart,
     layer_observations,
 )
 from moeexp.simulator import simulate
@@ -39,6 +40,10 @@ CASES = [
     ({"name": "speculative_gate", "distance": 1}, "lru_per_layer"),
     ({"name": "promoe", "distance": 3}, "lru"),
     ({"name": "promoe", "distance": 1}, "finemoe"),
+    # emoe: periods such that a prompt's prediction reads a previewed prompt's history
+    ({"name": "emoe", "steps": 20, "period": 1}, "emoe"),
+    ({"name": "emoe", "steps": 20, "period": 2}, "emoe"),
+    ({"name": "emoe", "steps": 20, "period": 1, "variant": "emoe_a"}, "emoe"),
 ]
 
 
@@ -80,7 +85,8 @@ def test_replay_metrics_identical_with_and_without_preview(cfg: dict, cache_name
 
 
 def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
-    """Every hook's Prediction over ``trace``'s iterations (one request each).
+    """Every hook's Prediction over ``trace``'s iterations (one request each, started
+    at its first iteration and ended after its last).
 
     ``preview``: ``none``; ``same`` (the observations previewed are the ones observed);
     ``other`` (equal copies are observed: the predictor must notice and compute anew)."""
@@ -88,9 +94,14 @@ def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
     L = trace.dims.num_layers
     assert trace.embed is not None and trace.probs is not None and trace.hidden is not None
     assert trace.spec_probs is not None
+    last = {int(r): it for it, r in enumerate(trace.iter_request)}
+    started: set[int] = set()
     for it in range(trace.num_iterations):
         sl, rid = trace.token_slice(it), int(trace.iter_request[it])
         T = sl.stop - sl.start
+        if rid not in started:
+            started.add(rid)
+            out.append(pred.start_request(RequestStart(request=trace.request(rid))))
         out.append(pred.start_iteration(IterationStart(
             request_ids=np.array([rid]), step=int(trace.iter_step[it]),
             embed=trace.embed[sl].astype(np.float32), token_request=np.full(T, rid))))
@@ -111,6 +122,8 @@ def _hooks(pred: Predictor, trace: Trace, preview: str) -> list[Prediction]:
         for layer in range(L):
             out.append(pred.observe_layer(seen[layer]))
         pred.end_iteration()
+        if last[rid] == it:
+            pred.end_request(rid)
     return out
 
 
