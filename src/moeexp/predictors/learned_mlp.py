@@ -42,8 +42,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moeexp.errors import ConfigError
-from moeexp.predictors.base import PREDICTORS, LayerObservation, Prediction, Predictor
-from moeexp.predictors.speculative import Aggregate, aggregate_topk, layer_prediction, require_array
+from moeexp.predictors.base import PREDICTORS, LayerObservation, Prediction, Predictor, Prefetch
+from moeexp.predictors.speculative import (
+    Aggregate,
+    aggregate_topk,
+    layer_prediction,
+    one_token_topk,
+    require_array,
+)
 from moeexp.traces.schema import Trace, TraceDims
 
 log = logging.getLogger(__name__)
@@ -214,7 +220,11 @@ class LearnedMLP(Predictor):
         self.seed, self.progress = int(seed), bool(progress)
         self.nets: dict[int, MLP] = {}
         self._stacked: _Stacked | None = None  # the nets' parameters stacked (preview_pass)
-        self._pre: tuple[list[np.ndarray], np.ndarray] | None = None
+        # preview_pass: (the hidden states it saw, their float32[n, T, J] probabilities,
+        # for one-token passes each layer's (experts, token-mean) as aggregate_topk's)
+        self._pre: tuple[list[np.ndarray], np.ndarray,
+                         tuple[np.ndarray, np.ndarray] | None] | None = None
+        self._made: dict[tuple[int, int, int], Prefetch] = {}  # layer_prediction's memo
         self._fit_stats: dict[str, float] = {}
         self._query_ns = 0
         self._queries = 0
@@ -276,7 +286,8 @@ class LearnedMLP(Predictor):
         """Every layer's :meth:`MLP.probs` of the pass at once: the nets of layers
         0..n-1 (n = L - d) stacked, the same operations on [n, T, ·] arrays (one
         matrix product per layer and Linear, as there), so each layer's probabilities
-        are bit-identical."""
+        are bit-identical; for a pass of one token also every layer's
+        :func:`aggregate_topk` (:func:`one_token_topk`)."""
         self._pre = None
         n = self.dims.num_layers - self.distance
         if len(obs) != self.dims.num_layers or any(o.hidden is None for o in obs[:n]):
@@ -287,14 +298,24 @@ class LearnedMLP(Predictor):
         if st is None:
             return
         hidden = [o.hidden for o in obs[:n] if o.hidden is not None]
-        self._pre = (hidden, st.probs(np.asarray(hidden)))
+        probs = st.probs(np.asarray(hidden))  # [n, T, J]
+        top = one_token_topk(probs[:, 0, :], self.top_k) if probs.shape[1] == 1 else None
+        self._pre = (hidden, probs, top)
 
-    def _net_probs(self, net: MLP, hidden: np.ndarray, layer: int) -> np.ndarray:
-        """float32[T, J]: ``net.probs(hidden)``, from the preview when it saw ``hidden``."""
+    def _previewed(self, hidden: np.ndarray, layer: int) -> bool:
+        """Whether the preview saw this very ``hidden`` at ``layer``."""
         pre = self._pre
-        if pre is not None and layer < len(pre[0]) and pre[0][layer] is hidden:
-            return pre[1][layer]
-        return net.probs(hidden)
+        return pre is not None and layer < len(pre[0]) and pre[0][layer] is hidden
+
+    def _topk(self, net: MLP, hidden: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """:func:`aggregate_topk` of ``net.probs(hidden)``: (experts best first, token-mean),
+        from the preview when it saw ``hidden``."""
+        pre = self._pre
+        if pre is None or not self._previewed(hidden, layer):
+            return aggregate_topk(net.probs(hidden), self.top_k, self.aggregate)
+        if pre[2] is not None:
+            return pre[2][0][layer], pre[2][1][layer]
+        return aggregate_topk(pre[1][layer], self.top_k, self.aggregate)
 
     def observe_layer(self, obs: LayerObservation) -> Prediction:
         net = self.nets.get(obs.layer)
@@ -304,9 +325,9 @@ class LearnedMLP(Predictor):
             raise ConfigError("learned_mlp: the mechanism passed no hidden state; record the "
                               "trace with trace.record_hidden=true")
         t0 = time.perf_counter_ns()
-        experts, mean = aggregate_topk(self._net_probs(net, obs.hidden, obs.layer), self.top_k,
-                                      self.aggregate)
-        out = layer_prediction(obs.layer + self.distance, experts, mean, self.dims.num_layers)
+        experts, mean = self._topk(net, obs.hidden, obs.layer)
+        out = layer_prediction(obs.layer + self.distance, experts, mean, self.dims.num_layers,
+                               self._made)
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1
         return out

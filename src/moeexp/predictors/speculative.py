@@ -74,6 +74,18 @@ def aggregate_topk(probs: np.ndarray, k: int, how: Aggregate = "union") -> tuple
     return order.astype(np.int64), mean
 
 
+def one_token_topk(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`aggregate_topk` of n one-token passes at once: ``rows`` float[n, J], one
+    token's probabilities each. Returns (read-only int64[n, min(k, J)] each row's experts
+    best first, read-only float64[n, J] the rows, each one's token-mean): the same values
+    as its one-token branch row by row (the same stable argsort per row)."""
+    mean = np.array(rows, dtype=np.float64)
+    mean.setflags(write=False)
+    order = np.argsort(-mean, axis=1, kind="stable")[:, :min(k, mean.shape[1])].astype(np.int64)
+    order.setflags(write=False)
+    return order, mean
+
+
 def layer_prediction(layer: int, experts: np.ndarray, scores: np.ndarray | None,
                      num_layers: int,
                      made: dict[tuple[int, int, int], Prefetch] | None = None) -> Prediction:
@@ -145,11 +157,8 @@ class _SpecBase(Predictor):
         src = [self._source(o) for o in obs]
         if any(a is None or len(a) != 1 for a in src):
             return
-        rows = np.asarray([a[0] for a in src if a is not None], dtype=np.float64)  # [L, J]
-        rows.setflags(write=False)
-        k = min(self.top_k, rows.shape[1])
-        order = np.argsort(-rows, axis=1, kind="stable")[:, :k].astype(np.int64)
-        order.setflags(write=False)
+        order, rows = one_token_topk(np.asarray([a[0] for a in src if a is not None]),
+                                     self.top_k)  # [L, k], [L, J]
         self._pre = ([obs[i].spec_probs if self.offset else obs[i].probs  # type: ignore[misc]
                       for i in range(len(obs))], order, rows)
 
