@@ -235,7 +235,9 @@ class EAMPredictor(Predictor):
         self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
         # one-request hooks: (phase, collection version, matched rows, layer) -> the hints
         # and the Prediction's parts, a function of those alone (cleared as versions move)
-        self._memo: dict[tuple[object, ...], tuple[dict[int, np.ndarray], Prediction]] = {}
+        # (phase, version, rows, layer) -> that hook's Prediction with the cache hints and
+        # without them (shared: callers only read a Prediction)
+        self._memo: dict[tuple[object, ...], tuple[Prediction, Prediction]] = {}
         # _decay[now + 1][i - now - 1] = decay of future layer i seen from layer now (-1..L-1)
         span = float(L) if variant == "paper" else float(L + 1)
         self._decay = [(1.0 - (np.arange(now + 1, L) - now) / span)[:, None]
@@ -407,7 +409,8 @@ class EAMPredictor(Predictor):
 
     def _predict_one(self, layer: int, coll: EAMCollection) -> Prediction:
         """:meth:`_predict` for a batch of one request: the match is searched at every
-        hook, what it implies is memoised per (phase, collection version, rows, layer)."""
+        hook, what it implies is memoised per (phase, collection version, rows, layer):
+        the Prediction itself, shared between hooks (read-only arrays)."""
         pre = self._pre
         matched: tuple[int, ...]  # the matched rows, best first
         if pre is not None and layer >= 0:  # previewed (paper): the same match, computed
@@ -442,10 +445,9 @@ class EAMPredictor(Predictor):
             full = self._prediction(layer, [peam], [score], True)
             for a in full.predicted.values():
                 a.setflags(write=False)
-            got = self._memo[key] = (full.scores, full)
-        rows_of, full = got
-        return Prediction(prefetch=list(full.prefetch), scores=dict(rows_of) if hints else {},
-                          predicted=dict(full.predicted))
+            got = self._memo[key] = (full, Prediction(prefetch=full.prefetch,
+                                                      predicted=full.predicted))
+        return got[0] if hints else got[1]
 
     def _prediction(self, layer: int, peams: list[np.ndarray], scores: list[np.ndarray],
                     hints: bool) -> Prediction:
