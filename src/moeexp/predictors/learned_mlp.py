@@ -42,9 +42,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from moeexp.errors import ConfigError
-from moeexp.predictors.base import PREDICTORS, LayerObservation, Prediction, Predictor, Prefetch
+from moeexp.predictors.base import PREDICTORS, LayerObservation, Prediction, Predictor
 from moeexp.predictors.speculative import (
     Aggregate,
+    Made,
     aggregate_topk,
     layer_prediction,
     one_token_topk,
@@ -224,7 +225,7 @@ class LearnedMLP(Predictor):
         # for one-token passes each layer's (experts, token-mean) as aggregate_topk's)
         self._pre: tuple[list[np.ndarray], np.ndarray,
                          tuple[np.ndarray, np.ndarray] | None] | None = None
-        self._made: dict[tuple[int, int, int], Prefetch] = {}  # layer_prediction's memo
+        self._made: Made = {}  # layer_prediction's memo
         self._fit_stats: dict[str, float] = {}
         self._query_ns = 0
         self._queries = 0

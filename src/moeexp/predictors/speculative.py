@@ -86,25 +86,40 @@ def one_token_topk(rows: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return order, mean
 
 
+#: :func:`layer_prediction`'s memo: (layer, experts best first) -> (the prefetch requests,
+#: the experts as a read-only int64 array); both shared by the Predictions made from it
+Made = dict[tuple[int, ...], tuple[list[Prefetch], np.ndarray]]
+#: entries a :data:`Made` memo holds before it is cleared (many experts: many orders)
+MADE_ENTRIES = 1 << 16
+
+
 def layer_prediction(layer: int, experts: np.ndarray, scores: np.ndarray | None,
-                     num_layers: int,
-                     made: dict[tuple[int, int, int], Prefetch] | None = None) -> Prediction:
+                     num_layers: int, made: Made | None = None) -> Prediction:
     """Prefetch ``experts`` (best first) for ``layer``; nearer layers get higher priority.
 
     Priority = (L - layer) - 1e-3 * rank, so a predictor's earlier target layers are issued
-    before later ones and, within a layer, the better experts first.
+    before later ones and, within a layer, the better experts first. ``made``: the
+    caller's memo (:data:`Made`) of what depends on (layer, experts) only: the same
+    requests and experts, made once (the mechanisms only read a Prediction; a read-only
+    array's set is remembered by :class:`~moeexp.prefetching.PredictionSets`).
     """
-    base = float(num_layers - layer)
     if made is None:
+        base = float(num_layers - layer)
         pf = [Prefetch(base - 1e-3 * i, layer, int(e)) for i, e in enumerate(experts)]
-    else:  # ``made``: the caller's memo of these immutable requests, by (layer, rank, expert)
-        pf = []
-        for i, e in enumerate(experts.tolist()):
-            got = made.get((layer, i, e))
-            if got is None:
-                got = made[(layer, i, e)] = Prefetch(base - 1e-3 * i, layer, e)
-            pf.append(got)
-    out = Prediction(prefetch=pf, predicted={layer: np.asarray(experts, dtype=np.int64)})
+        chosen = np.asarray(experts, dtype=np.int64)
+    else:
+        key = (layer, *experts.tolist())
+        got = made.get(key)
+        if got is None:
+            if len(made) >= MADE_ENTRIES:
+                made.clear()
+            base = float(num_layers - layer)
+            chosen = np.array(key[1:], dtype=np.int64)
+            chosen.setflags(write=False)
+            got = made[key] = ([Prefetch(base - 1e-3 * i, layer, e)
+                                for i, e in enumerate(key[1:])], chosen)
+        pf, chosen = got
+    out = Prediction(prefetch=pf, predicted={layer: chosen})
     if scores is not None:
         out.scores[layer] = np.asarray(scores, dtype=np.float64)
     return out
@@ -136,7 +151,7 @@ class _SpecBase(Predictor):
         self._query_ns = 0
         self._queries = 0
         self._pre: tuple[list[np.ndarray], np.ndarray, np.ndarray] | None = None
-        self._made: dict[tuple[int, int, int], Prefetch] = {}
+        self._made: Made = {}
 
     previews = True
 
