@@ -100,3 +100,45 @@ def test_distance_beyond_the_model_fails_at_construction() -> None:
         with pytest.raises(ConfigError, match=f"{name}: distance must be in 1..{ok}.*4 MoE"):
             PREDICTORS.build(name, dims=DIMS, distance=bad)
         PREDICTORS.build(name, dims=DIMS, distance=ok)
+
+
+def test_layer_prediction_memo_gives_the_same_prediction_and_is_capped(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a memo: the same requests, experts and scores as without, the experts
+    read-only and shared per (layer, experts); the memo is emptied at its cap."""
+    import moeexp.predictors.speculative as spec
+    from moeexp.predictors.speculative import layer_prediction
+
+    made: spec.Made = {}
+    scores = np.array([0.1, 0.5, 0.4, 0.0])
+    for experts in ([1, 2], [2, 1], [1, 2]):
+        e = np.array(experts, dtype=np.int64)
+        plain, memo = layer_prediction(3, e, scores, 6), layer_prediction(3, e, scores, 6, made)
+        assert memo.prefetch == plain.prefetch  # priorities 3 - 1e-3 * rank, best first
+        assert [p.expert for p in memo.prefetch] == experts
+        assert memo.predicted[3].tolist() == plain.predicted[3].tolist() == experts
+        assert not memo.predicted[3].flags.writeable
+        assert memo.scores[3].tolist() == plain.scores[3].tolist() == scores.tolist()
+    assert len(made) == 2  # (3, 1, 2) and (3, 2, 1)
+    again = layer_prediction(3, np.array([1, 2]), None, 6, made)
+    assert again.predicted[3] is made[(3, 1, 2)][1] and not again.scores
+    monkeypatch.setattr(spec, "MADE_ENTRIES", 2)
+    layer_prediction(4, np.array([0]), None, 6, made)
+    assert list(made) == [(4, 0)]
+
+
+def test_one_token_topk_is_aggregate_topk_row_by_row() -> None:
+    """The batched one-token order equals aggregate_topk's on each row alone (ties by
+    index), for every k, and both outputs are read-only."""
+    from moeexp.predictors.speculative import one_token_topk
+
+    rows = np.random.default_rng(3).random((7, 6)).astype(np.float32)
+    rows[2] = 0.5  # all tied
+    rows[4, [1, 3]] = rows[4, 0]  # a tie at the top
+    for k in (1, 2, 6, 9):
+        order, mean = one_token_topk(rows, k)
+        assert not order.flags.writeable and not mean.flags.writeable
+        for i, row in enumerate(rows):
+            want, want_mean = aggregate_topk(row[None], k)
+            assert order[i].tolist() == want.tolist()
+            assert mean[i].tolist() == want_mean.tolist()
