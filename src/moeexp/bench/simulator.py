@@ -127,6 +127,16 @@ TARGET_S = 2.0
 #: 2.72 -> 2.37). Still over: finemoe (2.04-2.07 on the quiet pair); its replay is now many
 #: 3-8 % parts each near its numpy-call floor (the trajectory search's gemv over the store,
 #: the cache's per-event scalar updates and victim argmin, the floor, the plan).
+#: Seventh step (emoe's per-pass preview of the router top-K counts and its memoised
+#: first-prompt / reuse Predictions; learned_mlp's one-token top-k in its preview;
+#: ``layer_prediction``'s memo by (layer, experts); eam's shared one-request Predictions;
+#: every metric and series of all 12 systems identical): 45a20fc -> 98cc5c8, two bench runs
+#: each in sequence (ref, new, ref, new; 2026-12-02 00:53-00:59 UTC, load ~1, machine factor
+#: 1.21-1.34: a slow host), best of both: emoe 3.25 -> 1.82, promoe_learned 3.08 -> 2.26,
+#: promoe 2.12 -> 1.93, moe_infinity 2.57 -> 2.36, moe_infinity_oss 2.94 -> 2.78,
+#: mixtral_offloading 2.15 -> 2.04, the rest within 3 % (finemoe 3.84 -> 3.87,
+#: finemoe_no_semantic 3.62 -> 3.66, oracle 2.39 -> 2.35). On that host 2b2bbb7's finemoe
+#: took 7.88 s (BEFORE: 5.19): the memory-bound replays follow the host more than the reference.
 BEFORE: dict[str, tuple[float, float]] = {
     "no_offload": (0.659, 247348.0), "deepspeed": (0.831, 201430.0),
     "oracle": (2.377, 56765.0), "emoe": (2.190, 54480.0),
