@@ -30,6 +30,7 @@ CASES = [
     ({"name": "expert_map", "prefetch_distance": 2}, "finemoe"),
     ({"name": "expert_map", "prefetch_distance": 2, "prefill": "token_union"}, "finemoe"),
     ({"name": "expert_map", "prefetch_distance": 1, "use_semantic": False}, "finemoe"),
+    ({"name": "expert_map", "prefetch_distance": 2, "use_delta": False}, "finemoe"),
     ({"name": "expert_map", "prefetch_distance": 2, "map_granularity": "iteration",
       "embed_pooling": "mean"}, "finemoe"),
     ({"name": "expert_map", "prefetch_distance": 2, "mode": "online"}, "finemoe"),
