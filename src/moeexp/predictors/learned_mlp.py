@@ -303,16 +303,11 @@ class LearnedMLP(Predictor):
         top = one_token_topk(probs[:, 0, :], self.top_k) if probs.shape[1] == 1 else None
         self._pre = (hidden, probs, top)
 
-    def _previewed(self, hidden: np.ndarray, layer: int) -> bool:
-        """Whether the preview saw this very ``hidden`` at ``layer``."""
-        pre = self._pre
-        return pre is not None and layer < len(pre[0]) and pre[0][layer] is hidden
-
     def _topk(self, net: MLP, hidden: np.ndarray, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """:func:`aggregate_topk` of ``net.probs(hidden)``: (experts best first, token-mean),
-        from the preview when it saw ``hidden``."""
+        from the preview when it saw this very ``hidden`` at ``layer``."""
         pre = self._pre
-        if pre is None or not self._previewed(hidden, layer):
+        if pre is None or layer >= len(pre[0]) or pre[0][layer] is not hidden:
             return aggregate_topk(net.probs(hidden), self.top_k, self.aggregate)
         if pre[2] is not None:
             return pre[2][0][layer], pre[2][1][layer]
