@@ -233,10 +233,9 @@ class EAMPredictor(Predictor):
         self._pre_oss: tuple[list[np.ndarray], np.ndarray, list[bool],
                              list[int | None]] | None = None
         self._sent: tuple[object, ...] = ()  # what the latest cache hints were computed from
-        # one-request hooks: (phase, collection version, matched rows, layer) -> the hints
-        # and the Prediction's parts, a function of those alone (cleared as versions move)
-        # (phase, version, rows, layer) -> that hook's Prediction with the cache hints and
-        # without them (shared: callers only read a Prediction)
+        # one-request hooks: (phase, collection version, matched rows, layer) -> that
+        # hook's Prediction with the cache hints and without them, a function of those
+        # alone (cleared as versions move; shared: callers only read a Prediction)
         self._memo: dict[tuple[object, ...], tuple[Prediction, Prediction]] = {}
         # _decay[now + 1][i - now - 1] = decay of future layer i seen from layer now (-1..L-1)
         span = float(L) if variant == "paper" else float(L + 1)

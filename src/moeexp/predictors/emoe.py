@@ -257,7 +257,8 @@ class EMoE(Predictor):
 
     def _current(self, layers: Sequence[int]) -> Prediction:
         """Re-request the current resident set of ``layers`` (reuse prompts). Memoised
-        per ``layers`` until ``sets`` or ``scores`` change (read-only copies; shared)."""
+        per ``layers`` until ``sets`` or ``scores`` change (shared: the scores as read-only
+        copies; ``sets``' arrays are replaced by :meth:`_select`, never modified)."""
         key = tuple(layers)
         out = self._current_memo.get(key)
         if out is not None:
