@@ -19,12 +19,12 @@ Override keys lose their ``+``/``++``/``~`` prefix. When an override key is also
 key (``system=deepspeed`` and the metric ``system``), the metric's value is kept: it is
 the resolved name; a table shows the identity string ``cache_capacity`` only when
 ``cache.capacity`` is no column of it (one column per setting; the csv files keep both).
-Derived columns ``<q>_vs_<baseline>_pct`` give
-each row's change relative to the baseline's own bundle (the row labelled ``<baseline>``,
-e.g. ``deepspeed`` = predictor none + LRU) with the same values of every other swept key
-(negative = reduction), e.g. ``ttft_vs_deepspeed_pct = 100 * (ttft_ms_mean /
-ttft_ms_mean[deepspeed] - 1)``; the baseline's own rows have none (a row is never compared
-with itself), and :func:`pairing_note` says what was paired.
+Derived columns ``<q>_vs_<baseline>_pct`` give each row's change relative to the baseline's
+own bundle (the row labelled ``<baseline>``, e.g. ``deepspeed`` = predictor none + LRU)
+with the same values of every other swept key (negative = reduction), e.g.
+``ttft_vs_deepspeed_pct = 100 * (ttft_ms_mean / ttft_ms_mean[deepspeed] - 1)``; the
+baseline's own rows have none (a row is never compared with itself), and
+:func:`pairing_note` says what was paired.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def pair_keys(df: pd.DataFrame, keys: Sequence[str]) -> list[str]:
 def add_baseline_deltas(df: pd.DataFrame, baseline: str, keys: Sequence[str]) -> pd.DataFrame:
     """Add ``<q>_vs_<baseline>_pct`` columns (see module docstring): each row against the
     row labelled ``baseline`` with the same :func:`pair_keys`; NaN for the baseline's own
-    rows and where there is no such row (or several: a warning)."""
+    rows and where there is no such row."""
     if "system" not in df.columns or not (table_labels(df) == baseline).any():
         return df
     others = pair_keys(df, keys)
