@@ -63,8 +63,8 @@ lint: $(STAMP) ## ruff + mypy on src/
 tiny-model: $(STAMP) ## retrain the embedded tiny model + tokenizer deterministically (~17 min on one idle core; 25 min measured on a loaded 2-core machine)
 	$(PY) -m moeexp.models.tiny.train
 
-figures: $(STAMP) ## paper figures from results/ into results/figures/
-	$(PY) -m moeexp.figures
+figures: $(STAMP) ## paper figures from results/ into results/figures/; SWEEP=dir: the figures of that sweep (any --multirun) into dir/figures
+	$(PY) -m moeexp.figures $(if $(SWEEP),--sweep $(SWEEP))
 
 .PHONY: reproduction
 reproduction: $(STAMP) ## FineMoE's claims vs ours: SWEEPS="sweep dirs" -> the table in experiments/README.md

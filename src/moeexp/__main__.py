@@ -26,6 +26,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from moeexp.labels import register_resolver
 from moeexp.paths import CONF_DIR
 
 log = logging.getLogger("moeexp")
@@ -99,6 +100,7 @@ def main() -> None:
         return
     if not any(a.split("=")[0] in _NO_OUTPUT_FLAGS for a in sys.argv[1:]):
         _check_results_dir()
+    register_resolver()  # ${moeexp.label:}: the job folders' names (moeexp.labels)
     app()
 
 

@@ -33,9 +33,12 @@ the trace cache are checked to be writable directories before any work.
 Metrics are flat: the backend's keys (:data:`moeexp.metrics.CORE_KEYS` plus its extras,
 e.g. the simulator's ``ttft_norm_mean``/``tpot_norm_mean``: latency over the same
 request's latency with every expert resident, on the same hardware profile), timings of
-the pipeline's stages (``*_time_s``), and the run's identity as strings (``system``,
-``predictor``, ``cache``, ``model``, ``dataset``, ``hardware``, ``backend``,
-``experiment``, ``cache_capacity``, ``trace_hash``).
+the pipeline's stages (``*_time_s``), and the run's identity as strings (``label``,
+``system``, ``predictor``, ``cache``, ``model``, ``dataset``, ``hardware``, ``backend``,
+``experiment``, ``cache_capacity``, ``trace_hash``). ``label`` names the configuration
+that ran (``deepspeed+cache=lfu``: the system and each group whose option differs from the
+system bundle's, :func:`moeexp.labels.config_label`); the log lines and the W&B run's name
+use it too.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ from moeexp.costmodel.roofline import CostModel, kv_bytes_per_token
 from moeexp.data.prompts import sample_prompts
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalInputs, run_eval
+from moeexp.labels import config_label
 from moeexp.predictors import build_predictor
 from moeexp.traces.schema import Trace, TraceDims, missing_for
 from moeexp.tracking.env import collect_env
@@ -75,6 +79,7 @@ from moeexp.tracking.run_dir import (
     write_metrics,
     write_series,
 )
+from moeexp.units import format_bytes
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +105,7 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     """
     t_start = time.perf_counter()
     spec = validate(cfg)
+    label = config_label(cfg)
     run_dir = Path(run_dir) if run_dir is not None else output_dir()
     config = _resolved(cfg)
     if spec.resume and _already_complete(run_dir, config):
@@ -111,9 +117,9 @@ def run(cfg: DictConfig, run_dir: str | Path | None = None) -> dict[str, Any]:
     loaded, prompts = _model_and_prompts(spec, times)
     write_env(run_dir, collect_env(hardware_profile=dataclasses.asdict(spec.hardware)))
     logger.start(run_dir, config=config, group=spec.experiment_name or "adhoc",
-                 name=_run_name(spec, run_dir), tags=_tags(spec))
+                 name=_run_name(label, spec, run_dir), tags=_tags(label, spec))
     try:
-        metrics, series = _execute(spec, loaded, prompts, times, run_dir)
+        metrics, series = _execute(spec, loaded, prompts, times, run_dir, label)
         metrics["total_time_s"] = time.perf_counter() - t_start
         write_metrics(run_dir, metrics)
         write_series(run_dir, series)
@@ -207,8 +213,9 @@ def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
 
 
 def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, float],
-             run_dir: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Trace, fit, serve the test split, evaluate; returns (metrics, series)."""
+             run_dir: Path, label: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Trace, fit, serve the test split, evaluate; returns (metrics, series). ``label``:
+    the run's configuration (:func:`moeexp.labels.config_label`)."""
     t = time.perf_counter()
     trace = _routing_trace(spec, loaded, prompts)
     times["trace_time_s"] = time.perf_counter() - t
@@ -224,9 +231,9 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     lacks = missing_for(predictor.needs, trace.capabilities)
     if lacks:
         reason = f"not applicable: the trace lacks {', and '.join(lacks)}"
-        log.warning("%s (predictor=%s): %s", spec.system.name, spec.predictor.name, reason)
+        log.warning("%s (predictor=%s): %s", label, spec.predictor.name, reason)
         return {"status": "not_applicable", "not_applicable_reason": reason, **times,
-                **_identity(spec, trace)}, {}
+                **_identity(spec, trace, label)}, {}
     t = time.perf_counter()
     predictor.fit(store)
     cache.fit(store)
@@ -251,7 +258,7 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     if "prefill" not in trace.capabilities:
         _mark_no_prefill(metrics)
     metrics.update(times)
-    metrics.update(_identity(spec, trace))
+    metrics.update(_identity(spec, trace, label))
     if unused is not None:
         metrics.update(run_eval(spec.eval, EvalInputs(
             loaded=loaded, prompts=prompts, system=spec.system.name,
@@ -353,10 +360,12 @@ def _dtype_bytes(spec: RunSpec, loaded: Any) -> int:
     return 2
 
 
-def _identity(spec: RunSpec, trace: Trace) -> dict[str, Any]:
-    """The run's identity as strings, plus the split sizes and the test split's task count."""
+def _identity(spec: RunSpec, trace: Trace, label: str) -> dict[str, Any]:
+    """The run's identity as strings (``label``: its configuration), plus the split sizes
+    and the test split's task count."""
     recorded = spec.trace.source == "record"
     return {
+        "label": label,
         "system": spec.system.name,
         "predictor": spec.predictor.name,
         "cache": spec.cache.name,
@@ -383,15 +392,18 @@ def _resolved(cfg: DictConfig) -> dict[str, Any]:
     return {str(k): v for k, v in out.items()}
 
 
-def _tags(spec: RunSpec) -> list[str]:
-    return [f"model:{spec.model.name}", f"dataset:{spec.dataset.name}",
+def _tags(label: str, spec: RunSpec) -> list[str]:
+    return [f"label:{label}", f"model:{spec.model.name}", f"dataset:{spec.dataset.name}",
             f"system:{spec.system.name}", f"predictor:{spec.predictor.name}",
             f"cache:{spec.cache.name}", f"hardware:{spec.hardware.name}",
             f"backend:{spec.backend.name}"]
 
 
-def _run_name(spec: RunSpec, run_dir: Path) -> str:
-    return f"{spec.system.name}-{spec.model.name}-{spec.dataset.name}-{run_dir.name}"
+def _run_name(label: str, spec: RunSpec, run_dir: Path) -> str:
+    """``<label>-<model>-<dataset>-<job>``: the job is the run directory's name without the
+    label a sweep's job folder ends with (``3_deepspeed+cache=lfu`` -> ``3``)."""
+    job = run_dir.name.removesuffix(f"_{label}") or run_dir.name
+    return f"{label}-{spec.model.name}-{spec.dataset.name}-{job}"
 
 
 def _headline(m: Mapping[str, Any]) -> str:
@@ -399,7 +411,9 @@ def _headline(m: Mapping[str, Any]) -> str:
         v = m.get(k)
         return "-" if v is None else (f"{v:.4g}" if isinstance(v, float) else str(v))
 
-    return (f"{g('system')}: hit_rate {g('hit_rate')}, prediction_recall "
+    h2d = m.get("h2d_bytes_total")
+    h2d_text = format_bytes(h2d) if isinstance(h2d, (int, float)) else "-"
+    return (f"{g('label')}: hit_rate {g('hit_rate')}, prediction_recall "
             f"{g('prediction_recall')}, ttft_ms_mean {g('ttft_ms_mean')}, tpot_ms_mean "
             f"{g('tpot_ms_mean')} (x{g('tpot_norm_mean')} of no_offload), h2d_bytes_total "
-            f"{g('h2d_bytes_total')}")
+            f"{h2d_text}")

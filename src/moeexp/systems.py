@@ -35,8 +35,9 @@ def _load(root: Path, group: str, name: str) -> Any:
     return OmegaConf.create(read_option(root / group, name, group))
 
 
-def _choices(system_cfg: Any, system: str) -> dict[str, str]:
-    """``{group: option}`` from a system file's ``override /group: option`` defaults."""
+def defaults_choices(system_cfg: Mapping[str, Any]) -> dict[str, str]:
+    """``{group: option}`` from a system file's ``override /group: option`` defaults, in
+    the file's order (e.g. ``{"predictor": "none", "cache": "lru"}`` for deepspeed)."""
     out: dict[str, str] = {}
     for item in system_cfg.get("defaults", []) or []:
         if isinstance(item, str):
@@ -44,6 +45,22 @@ def _choices(system_cfg: Any, system: str) -> dict[str, str]:
         for key, value in dict(item).items():
             group = str(key).replace("override", "").strip().lstrip("/")
             out[group] = str(value)
+    return out
+
+
+def bundle_choices(system: str, conf_dir: str | Path | None = None) -> dict[str, str] | None:
+    """The groups system bundle ``system`` chooses and its option for each (its
+    ``override /group: option`` defaults, in file order); None when ``conf/system`` has no
+    such file (an experiment's own bundle, which renames ``system.name``)."""
+    path = Path(conf_dir or CONF_DIR) / "system" / f"{system}.yaml"
+    if not path.is_file():
+        return None
+    return defaults_choices(read_option(path.parent, system, "system"))
+
+
+def _choices(system_cfg: Any, system: str) -> dict[str, str]:
+    """``{group: option}`` of a system file; ConfigError without a predictor or cache."""
+    out = defaults_choices(system_cfg)
     for group in ("predictor", "cache"):
         if group not in out:
             raise ConfigError(f"system {system!r} does not choose a {group} "

@@ -49,13 +49,14 @@ def test_multirun_summary(tmp_path, small, run_app, launcher):
     _ok(out)
     df = pd.read_csv(sweep / "summary.csv")
     assert len(df) == 2 and list(df["cache"]) == ["lru", "lfu"]
-    assert list(df["run"]) == ["0_deepspeed", "1_deepspeed"]
+    assert list(df["label"]) == ["deepspeed", "deepspeed+cache=lfu"]
+    assert list(df["run"]) == ["0_deepspeed", "1_deepspeed+cache=lfu"]
     for job in df["run"]:
         d = sweep / job
         assert (d / "metrics.json").is_file() and (d / "env.json").is_file()
         assert not (d / "wandb").exists() and not (d / "wandb_logged.json").exists()
     assert "hit_rate" in out.stdout and "lfu" in out.stdout
-    assert (sweep / "summary.md").read_text().startswith("| system | cache |")
+    assert (sweep / "summary.md").read_text().startswith("| label | n |")
 
 
 def test_config_error_before_any_work(tmp_path, model_overrides, run_app):

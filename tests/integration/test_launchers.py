@@ -68,7 +68,7 @@ def test_shared_trace_cache_and_resume(tmp_path, model_overrides, run_app):
     args = ["--multirun", "cache=lru,lfu", *model_overrides, *SMALL,
             f"trace.cache_dir={traces}", f"hydra.sweep.dir={sweep}", "logger=none"]
     _ok(run_app(*args, "hydra/launcher=local"))
-    jobs = [sweep / "0_deepspeed", sweep / "1_deepspeed"]
+    jobs = [sweep / "0_deepspeed", sweep / "1_deepspeed+cache=lfu"]
     logs = [_log(j) for j in jobs]
     assert sum("recording trace" in t for t in logs) == 1
     assert sum("reusing trace" in t for t in logs) == 1

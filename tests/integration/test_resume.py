@@ -148,7 +148,7 @@ def test_natural_lengths_are_cut_to_the_models_context(tmp_path, cfg_of, monkeyp
     class Sampled(Exception):
         pass
 
-    def capture(spec, loaded, prompts, times, run_dir):
+    def capture(spec, loaded, prompts, times, run_dir, label):
         raise Sampled(prompts, loaded.model.config.max_position_embeddings)
 
     monkeypatch.setattr(pipeline, "_execute", capture)

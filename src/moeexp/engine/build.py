@@ -29,6 +29,7 @@ from moeexp.registry import unknown_keys
 from moeexp.systems import resolve_system
 from moeexp.traces.recorder import trace_dims
 from moeexp.traces.schema import Trace, TraceDims, missing_for
+from moeexp.units import format_bytes
 
 if TYPE_CHECKING:
     from moeexp.engine.routing_replay import RoutingReplay
@@ -130,9 +131,9 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
     fut = _load_store(future, dims)
     om = build_offloaded(model, adapter, pred, pol, settings, device=device,
                          system=system, record=record, future=fut)
-    log.info("offloaded %s: system=%s predictor=%s cache=%s slots=%d of %d (%.1f MB budget)",
+    log.info("offloaded %s: system=%s predictor=%s cache=%s slots=%d of %d (%s budget)",
              type(model).__name__, system, pred_name, pol.name, budget.slots,
-             dims.num_layers * dims.num_experts, budget.budget_bytes / 1e6)
+             dims.num_layers * dims.num_experts, format_bytes(budget.budget_bytes))
     return om
 
 

@@ -5,14 +5,20 @@ per configuration with its mean and 95 % interval over the seeds, and
 ``summary_paired.csv`` beside it for FineMoE's paired changes) and writes PNG and PDF
 files under ``results/figures/``. For a figure whose experiment has not
 run yet it says which experiment to run instead.
+
+``make figures SWEEP=DIR`` / ``python -m moeexp.figures --sweep DIR [--out OUT]``: the
+figures of one sweep directory (any ``--multirun``, an experiment's or one's own) into
+``OUT`` (default ``DIR/figures``), each configuration named by its label in the legend
+(:mod:`moeexp.figures.sweep`).
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
-import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 
@@ -20,7 +26,9 @@ from moeexp.figures import plots
 from moeexp.figures.eviction_landscape import eviction_landscape
 from moeexp.figures.load import latest_summary, read_summary
 from moeexp.figures.regime_map import regime_map
+from moeexp.figures.sweep import sweep_figures_of
 from moeexp.paths import results_dir
+from moeexp.tracking.results import summarize
 
 log = logging.getLogger("moeexp.figures")
 
@@ -58,24 +66,77 @@ def make_figures(results: Path, out: Path | None = None) -> tuple[list[Path], li
         if summary is None:
             missing.append(f"{stem}: no results yet; run `python -m moeexp +experiment={experiment}`")
             continue
-        fig = fn(read_summary(summary))
-        out.mkdir(parents=True, exist_ok=True)
-        for ext in ("png", "pdf"):
-            path = out / f"{stem}.{ext}"
-            fig.savefig(path, dpi=150)  # type: ignore[attr-defined]
-            written.append(path)
+        written += _save(fn(read_summary(summary)), out, stem)
         log.info("%s <- %s", stem, summary)
     return written, missing
 
 
+def _save(fig: Any, out: Path, stem: str) -> list[Path]:
+    """``fig`` as ``out/<stem>.png`` and ``.pdf`` (closed afterwards); the paths."""
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{stem}.{ext}" for ext in ("png", "pdf")]
+    for path in paths:
+        fig.savefig(path, dpi=150)
+    plt.close(fig)
+    return paths
+
+
+def sweep_figures(sweep: Path, out: Path | None = None) -> list[Path]:
+    """The figures of the sweep directory ``sweep`` into ``out`` (default ``sweep/figures``):
+    the generic ones (:mod:`moeexp.figures.sweep`) and, for a named experiment's sweep, its
+    own (:data:`FIGURES`). FileNotFoundError when it holds no complete run."""
+    sweep = Path(sweep)
+    out = out or sweep / "figures"
+    summary = summarize(sweep, baseline=None)
+    if summary.runs.empty:
+        raise FileNotFoundError(f"no complete run (metrics.json + done.json) under {sweep}")
+    written: list[Path] = []
+    for stem, fig in sweep_figures_of(summary.rows, summary.keys).items():
+        written += _save(fig, out, stem)
+    experiments = set(summary.rows.get("experiment", pd.Series(dtype=str)).astype(str))
+    csv = sweep / "summary.csv"
+    for stem, (experiment, fn) in FIGURES.items():
+        if experiment not in experiments:
+            continue
+        try:
+            drawn = fn(read_summary(csv) if csv.is_file() else summary.rows)
+        except (KeyError, ValueError) as err:
+            log.warning("%s (experiment %s) not drawn: %s", stem, experiment, err)
+            continue
+        written += _save(drawn, out, stem)
+    log.info("%d figures of %s (%d runs) in %s", len(written) // 2, sweep, len(summary.runs), out)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m moeexp.figures",
+                                     description=(__doc__ or "").split("\n")[0])
+    parser.add_argument("results", nargs="?", default=None,
+                        help="results directory (default $MOEEXP_RESULTS or results/)")
+    parser.add_argument("--sweep", default=None,
+                        help="draw the figures of this sweep directory instead")
+    parser.add_argument("--out", default=None, help="output directory")
+    ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = sys.argv[1:] if argv is None else argv
-    results = Path(args[0]) if args else results_dir()
-    written, missing = make_figures(results)
+    out = Path(ns.out) if ns.out else None
+    if ns.sweep:
+        try:
+            sweep_figures(Path(ns.sweep), out)
+        except FileNotFoundError as err:
+            log.error("%s", err)
+            return 1
+        return 0
+    results = Path(ns.results) if ns.results else results_dir()
+    written, missing = make_figures(results, out)
     for m in missing:
         log.warning(m)
-    log.info("wrote %d files under %s", len(written), results / "figures")
+    if missing:
+        log.info("for the figures of one sweep (e.g. your own --multirun): "
+                 "make figures SWEEP=<sweep dir>, or python -m moeexp.figures --sweep <dir>")
+    log.info("wrote %d files under %s", len(written), out or results / "figures")
     return 0
 
 

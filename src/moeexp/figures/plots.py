@@ -10,7 +10,10 @@ to milliseconds for a summary without them. Lossy systems (restricted routing: a
 ones: their latency belongs to a different model output. A row reported not applicable
 is written ``n/a`` where its bar would be, never drawn as zero.
 
-The system names on the axes are the config names (``finemoe``, ``moe_infinity``, ...).
+The names on the axes and in the legends are the configurations' labels (the config
+names ``finemoe``, ``moe_infinity``, ..., and e.g. ``deepspeed+cache=lfu`` for a bundle run
+with another cache: :mod:`moeexp.labels`), or the system names of a summary written
+before labels.
 Hit rate and prediction recall are drawn as separate panels: they are different metrics
 (algorithms.md §8) and are never mixed. Where the paper gives a number (FineMoE's
 reductions against its four baselines, algorithms.md §9) it is drawn beside ours; where it
@@ -88,8 +91,8 @@ def latency(df: pd.DataFrame, q: str) -> tuple[str, str]:
 def is_lossy(df: pd.DataFrame, sys_c: str | None) -> np.ndarray:
     """Per row: a lossy system (restricted routing)?"""
     lossy = np.isfinite(_num(df, "substitution_rate"))
-    if sys_c is not None:
-        lossy |= df[sys_c].astype(str).isin(LOSSY_SYSTEMS).to_numpy()
+    if sys_c is not None:  # a label's system: its name before the first "+"
+        lossy |= df[sys_c].astype(str).str.split("+").str[0].isin(LOSSY_SYSTEMS).to_numpy()
     return lossy
 
 
@@ -145,7 +148,7 @@ def system_bars(df: pd.DataFrame) -> Figure:
     """FineMoE Fig. 10: TTFT and TPOT over no_offload's, hit rate and prediction recall per
     system (first dataset / budget), and FineMoE's paired change against each of its four
     baselines beside the paper's (second row, when the summary has them)."""
-    sys_c = _need(df, "system", "system.name")
+    sys_c = _need(df, "label", "system", "system.name")
     df, where = _first_of_other_keys(df)
     systems = list(dict.fromkeys(df[sys_c].astype(str)))
     lossy = is_lossy(df, sys_c)
@@ -237,14 +240,14 @@ def _line(ax: Axes, x: Any, y: Any, err: np.ndarray | None, **kw: Any) -> None:
 
 
 def _lines(df: pd.DataFrame, x: str, xlabel: str, panels: list[tuple[str, str]],
-           group: tuple[str, ...] = ("system", "system.name"), note: str = "",
+           group: tuple[str, ...] = ("label", "system", "system.name"), note: str = "",
            xlog: bool = False) -> Figure:
     """One line per group over ``x`` with 95 % error bars; lossy groups dashed."""
     x_c = _need(df, x)
     g_c = column(df, *group)
     fig, axes = _fig(len(panels))
     groups = list(dict.fromkeys(df[g_c])) if g_c else [None]
-    lossy = is_lossy(df, g_c if g_c and g_c.split(".")[0] == "system" else None)
+    lossy = is_lossy(df, g_c if g_c and g_c.split(".")[0] in ("system", "label") else None)
     for ax, (metric, label) in zip(axes, panels, strict=True):
         for g in groups:
             mask = np.ones(len(df), bool) if g is None else (df[g_c] == g).to_numpy()

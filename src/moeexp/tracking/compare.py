@@ -11,9 +11,12 @@ present with the same values of the other swept keys (e.g. the same ``dataset``)
     hit_vs_<b>_pct    = 100 * (hit_rate / hit_rate[b] - 1)
 
 and the absolute differences ``ttft_vs_<b>_ms``, ``tpot_vs_<b>_ms`` (ms) and
-``recall_vs_<b>_pp``, ``hit_vs_<b>_pp`` (percentage points). Rows are matched on every
-swept key that varies within one system's rows, the seed (``dataset.seed``) included, so
-each change is *paired*: the two systems served the same prompts.
+``recall_vs_<b>_pp``, ``hit_vs_<b>_pp`` (percentage points). A row is a configuration, named
+by its ``label`` (:mod:`moeexp.labels`: ``deepspeed+cache=lfu`` ran DeepSpeed's bundle with
+LFU); baseline ``b`` is the row labelled ``b`` (its bundle as shipped), matched on every
+swept key that varies within one configuration's rows, the seed (``dataset.seed``)
+included, so each change is *paired*: the two configurations served the same prompts. A
+baseline's own row has no change against itself (NaN, printed ``-``).
 
 FineMoE's "hit rate" is the prediction recall ("overlapped expert ratio", §8), so the
 paper's hit-rate numbers sit beside ``recall_vs_<b>_pct``; our real cache ``hit_rate`` has
@@ -38,6 +41,7 @@ from typing import Any
 
 import pandas as pd
 
+from moeexp.labels import ALIASES, labelled_columns, table_labels
 from moeexp.tracking.intervals import SEED_KEY, aggregate, mean_ci, not_applicable
 
 #: FineMoE's four baselines, in the paper's order (config names).
@@ -65,7 +69,8 @@ ABSOLUTE: dict[str, tuple[str, float]] = {"ttft": ("ms", 1.0), "tpot": ("ms", 1.
                                           "recall": ("pp", 100.0), "hit": ("pp", 100.0)}
 
 #: Keys that identify a row but never select the matching baseline row.
-_NOT_MATCHED = frozenset({"run", "system", "predictor", "cache", "trace_hash", "experiment"})
+_NOT_MATCHED = frozenset({"run", "label", "system", "predictor", "cache", "trace_hash",
+                          "experiment"})
 
 
 def _pct(x: Any, b: Any) -> float:
@@ -83,28 +88,30 @@ def match_keys(df: pd.DataFrame) -> list[str]:
     """Swept keys a baseline row must share (e.g. ``dataset``, ``cache.capacity``).
 
     A candidate is a label column (non-numeric, or an override key with a ``.`` or ``/``)
-    whose value varies *within* one system's rows: a key that only follows the system
-    (``predictor``, a bundle such as ``experiment/online``) never selects the baseline.
+    whose value varies *within* one configuration's rows (one ``label``): a key that only
+    follows the configuration (``predictor``, a bundle such as ``experiment/online``) or
+    that the label names (``cache``, ``cache.name``) never selects the baseline.
     """
     if "system" not in df.columns:
         return []
+    skip = _NOT_MATCHED | labelled_columns(df["system"])
+    names = table_labels(df)
     out = []
     for c in df.columns:
-        if c in _NOT_MATCHED or c.endswith(("_pct", "_pp")):
+        if c in skip or c.endswith(("_pct", "_pp")) or ALIASES.get(c) in df.columns:
             continue
         if pd.api.types.is_numeric_dtype(df[c]) and "." not in c and "/" not in c:
             continue  # a metric, not a swept key
-        if (df.groupby(df["system"].astype(str))[c].agg(lambda s: s.astype(str).nunique())
-                > 1).any():
+        if (df.groupby(names)[c].agg(lambda s: s.astype(str).nunique()) > 1).any():
             out.append(c)
     return out
 
 
 def baselines_present(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELINES) -> list[str]:
-    """The ``baselines`` that have at least one row in ``df`` (paper order)."""
+    """The ``baselines`` whose own bundle has at least one row in ``df`` (paper order)."""
     if "system" not in df.columns:
         return []
-    names = set(df["system"].astype(str))
+    names = set(table_labels(df))
     return [b for b in baselines if b in names]
 
 
@@ -118,14 +125,16 @@ def _diff(x: Any, b: Any, scale: float) -> float:
 
 
 def _refs(df: pd.DataFrame, b: str, keys: Sequence[str]) -> list[Any]:
-    """For every row of ``df``, the row of system ``b`` with the same ``keys`` (or None)."""
-    base = df[df["system"].astype(str) == b]
+    """For every row of ``df``, the row labelled ``b`` with the same ``keys``; None for
+    ``b``'s own rows (never compared with themselves) and where there is none."""
+    names = table_labels(df)
+    base = df[names == b]
     refs = []
-    for _, row in df.iterrows():
+    for i, row in df.iterrows():
         m = base
         for k in keys:
             m = m[m[k].astype(str) == str(row[k])]
-        refs.append(m.iloc[0] if len(m) else None)
+        refs.append(m.iloc[-1] if len(m) and names[i] != b else None)  # -1: a rerun
     return refs
 
 
@@ -133,8 +142,8 @@ def baseline_changes(df: pd.DataFrame, baselines: Sequence[str] = PAPER_BASELINE
     """``df`` plus ``<q>_vs_<b>_pct`` and the absolute ``<q>_vs_<b>_ms|_pp`` for every
     present baseline (module docstring).
 
-    A row's baseline is the row of system ``b`` with the same :func:`match_keys` values;
-    without one the cells are NaN. ``_na_<b>`` (bool) says the baseline row was reported
+    A row's baseline is the row labelled ``b`` with the same :func:`match_keys` values;
+    without one, and for ``b``'s own rows, the cells are NaN. ``_na_<b>`` (bool) says the baseline row was reported
     not applicable (read by :func:`paired_changes`).
     """
     present = baselines_present(df, baselines)
@@ -170,11 +179,11 @@ def paired_changes(df: pd.DataFrame, system: str = PAPER_SYSTEM,
     (mean and 95 % Student-t half-width over the seeds), and ``q_paper`` (the paper's %).
     """
     present = baselines_present(df, baselines)
-    if not present or system not in set(df["system"].astype(str)):
+    if not present or system not in set(table_labels(df)):
         return pd.DataFrame()
     ch = baseline_changes(df, present)
     keys = [k for k in match_keys(df) if k != SEED_KEY]
-    mine = ch[ch["system"].astype(str) == system]
+    mine = ch[table_labels(ch) == system]
     ident = mine[keys].map(str).agg("\x1f".join, axis=1) if keys else \
         pd.Series("", index=mine.index)
     rows = []
@@ -233,7 +242,8 @@ def _systems_table(df: pd.DataFrame, present: Sequence[str], keys: Sequence[str]
     """Every system against each baseline: the mean over the seeds of the paired changes."""
     ch = baseline_changes(df, present)
     ch = ch.drop(columns=[c for c in ch.columns if c.startswith("_na_")])
-    group = [k for k in ("system", *keys) if k in ch.columns]
+    group = [k for k in ("label" if "label" in ch.columns else "system", *keys)
+             if k in ch.columns]
     rows_df = aggregate(ch, group)
     cols = [(f"{q}_vs_{b}_pct", f"{q.upper() if q != 'recall' else 'recall'} vs "
              f"{_SHORT.get(b, b)}") for q in ("ttft", "tpot", "recall") for b in present
@@ -244,8 +254,11 @@ def _systems_table(df: pd.DataFrame, present: Sequence[str], keys: Sequence[str]
             for _, row in rows_df.iterrows()]
     note = "; mean over the n seeds of the change on the same prompts" \
         if (rows_df["n"] > 1).any() else ""
+    same = " and ".join([*keys, "prompt sample (dataset.seed)"])
+    pairs = (f"\nEach row against each baseline's own bundle ({', '.join(present)} as shipped) "
+             f"with the same {same}; a baseline's own row: -.\n")
     return (f"\n### Change against FineMoE's baselines (negative TTFT/TPOT = faster{note})"
-            "\n\n" + _count_table([*group, "n", *(h for _, h in cols)], rows))
+            "\n\n" + _count_table([*group, "n", *(h for _, h in cols)], rows) + pairs)
 
 
 def _count_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -3,7 +3,8 @@
 Every experiment sweeps ``dataset.seed`` (:data:`SEED_KEY`): each seed samples other
 prompts (a recorded trace) or another store/test split (an imported trace). The per-run
 rows of :func:`moeexp.tracking.results.gather` are folded by :func:`aggregate` into one
-row per group of the other swept keys::
+row per group of the run's ``label`` (the configuration that ran, :mod:`moeexp.labels`)
+and the other swept keys::
 
     <metric>        mean over the group's runs (finite values only)
     <metric>_ci95   half-width of the two-sided 95 % Student-t interval over the runs,
@@ -21,7 +22,9 @@ baseline (``*_vs_<b>_pct``, matched on the seed too) are aggregated like any met
 mean and interval are the *paired* difference over the same prompts.
 
 Two runs of one group with the same seed (two sweeps collected together) count once: the
-later one (natural order of the run directories) is kept, with a warning.
+later one (natural order of the run directories) is kept, with a warning. The group
+includes the label, so runs of two configurations (``deepspeed`` and
+``deepspeed+cache=lfu``) are never taken for repeats.
 """
 
 from __future__ import annotations

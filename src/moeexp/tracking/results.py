@@ -8,15 +8,23 @@ with ``metrics.json`` but no marker (a job killed before its last output, or rer
 left out with a warning. Its Hydra overrides (``.hydra/overrides.yaml``) give the swept
 keys. One row per run::
 
-    run | <override keys, e.g. dataset.seed, system, cache.capacity> | <metrics.json keys>
+    run | label | <override keys, e.g. dataset.seed, system, cache.capacity> | <metrics.json keys>
 
-A run whose seed is not an override gets its ``dataset.seed`` from ``.hydra/config.yaml``.
+``label`` names the configuration that ran (``deepspeed+cache=lfu``:
+:func:`moeexp.labels.config_label`; for a run written before labels, computed from its
+``.hydra/config.yaml`` or its identity keys). A run whose seed is not an override gets its
+``dataset.seed`` from ``.hydra/config.yaml``.
 
 Override keys lose their ``+``/``++``/``~`` prefix. When an override key is also a metric
 key (``system=deepspeed`` and the metric ``system``), the metric's value is kept: it is
-the resolved name. Derived columns ``<q>_vs_<baseline>_pct`` give each row's change
-relative to the baseline system's row with the same other swept values (negative =
-reduction), e.g. ``ttft_vs_deepspeed_pct = 100 * (ttft_ms_mean / ttft_ms_mean[deepspeed] - 1)``.
+the resolved name; a table shows the identity string ``cache_capacity`` only when
+``cache.capacity`` is no column of it (one column per setting; the csv files keep both).
+Derived columns ``<q>_vs_<baseline>_pct`` give each row's change relative to the baseline's
+own bundle (the row labelled ``<baseline>``, e.g. ``deepspeed`` = predictor none + LRU)
+with the same values of every other swept key (negative = reduction), e.g.
+``ttft_vs_deepspeed_pct = 100 * (ttft_ms_mean / ttft_ms_mean[deepspeed] - 1)``; the
+baseline's own rows have none (a row is never compared with itself), and
+:func:`pairing_note` says what was paired.
 """
 
 from __future__ import annotations
@@ -32,14 +40,16 @@ from typing import Any
 
 import pandas as pd
 
+from moeexp.labels import ALIASES, config_label, labelled_columns, run_label, table_labels
 from moeexp.tracking.intervals import SEED_KEY, aggregate, group_keys, not_applicable
 from moeexp.tracking.run_dir import DONE_FILE, METRICS_FILE, is_complete, read_metrics
+from moeexp.units import format_bytes, format_bytes_interval
 
 log = logging.getLogger(__name__)
 
 #: The string metrics identifying a run (written by the pipeline), in table order.
-IDENTITY_KEYS: tuple[str, ...] = ("system", "predictor", "cache", "model", "dataset",
-                                  "hardware", "backend")
+IDENTITY_KEYS: tuple[str, ...] = ("label", "system", "predictor", "cache", "model",
+                                  "dataset", "hardware", "backend")
 
 #: Columns of the printed comparison table (those present are shown).
 TABLE_METRICS: tuple[str, ...] = (
@@ -97,15 +107,35 @@ def _natural_key(p: Path) -> list[Any]:
     return key
 
 
-def read_seed(run_dir: Path) -> str | None:
-    """``dataset.seed`` from ``run_dir/.hydra/config.yaml`` (None when absent)."""
+def read_config(run_dir: Path) -> Any:
+    """The job's composed config (``run_dir/.hydra/config.yaml``, a DictConfig), or None."""
     path = run_dir / ".hydra" / "config.yaml"
     if not path.exists():
         return None
     from omegaconf import OmegaConf
 
-    value = OmegaConf.select(OmegaConf.load(path), SEED_KEY, default=None)
+    return OmegaConf.load(path)
+
+
+def read_seed(run_dir: Path) -> str | None:
+    """``dataset.seed`` from ``run_dir/.hydra/config.yaml`` (None when absent)."""
+    from omegaconf import OmegaConf
+
+    config = read_config(run_dir)
+    value = None if config is None else OmegaConf.select(config, SEED_KEY, default=None)
     return None if value is None else str(value)
+
+
+def _label(run_dir: Path, metrics: dict[str, Any]) -> str:
+    """The run's label: its ``metrics.json``'s, else from its config or identity keys (a run
+    written before labels)."""
+    if isinstance(metrics.get("label"), str):
+        return str(metrics["label"])
+    config = read_config(run_dir)
+    if config is not None and config.get("system") is not None:
+        return config_label(config)
+    return run_label(str(metrics.get("system", "?")),
+                     {k: metrics.get(k) for k in ("predictor", "cache")})
 
 
 def _gather(root: Path, baseline: str | None) -> tuple[pd.DataFrame, list[str]]:
@@ -119,11 +149,13 @@ def _gather(root: Path, baseline: str | None) -> tuple[pd.DataFrame, list[str]]:
         for k in over:
             if k not in override_keys:
                 override_keys.append(k)
-        rows.append({"run": str(run.relative_to(root)) or ".", **over, **read_metrics(run)})
+        metrics = read_metrics(run)
+        rows.append({"run": str(run.relative_to(root)) or ".", **over, **metrics,
+                     "label": _label(run, metrics)})
     if not rows:
         return pd.DataFrame(), []
     df = pd.DataFrame(rows)
-    first = ["run", *override_keys, *[k for k in IDENTITY_KEYS if k not in override_keys]]
+    first = ["run", "label", *override_keys, *[k for k in IDENTITY_KEYS if k not in override_keys]]
     first = [c for c in dict.fromkeys(first) if c in df.columns]
     df = df[first + [c for c in df.columns if c not in first]]
     if baseline:
@@ -153,7 +185,7 @@ class Summary:
 def summarize(root: str | Path, baseline: str | None = "deepspeed") -> Summary:
     """:class:`Summary` of the complete runs under ``root`` (empty frames when none)."""
     runs, override_keys = _gather(Path(root), baseline)
-    keys = group_keys(runs, override_keys)
+    keys = group_keys(runs, ["label", *override_keys])
     return Summary(runs, aggregate(runs, keys), tuple(keys))
 
 
@@ -162,33 +194,69 @@ def swept_keys(df: pd.DataFrame, candidates: Sequence[str]) -> list[str]:
     return [k for k in candidates if k in df.columns and df[k].astype(str).nunique() > 1]
 
 
+def pair_keys(df: pd.DataFrame, keys: Sequence[str]) -> list[str]:
+    """The swept ``keys`` a row and its baseline row share: all but those the label
+    accounts for (system, and the groups a bundle chooses: :func:`labelled_columns`)."""
+    names = df["system"] if "system" in df.columns else []
+    labelled = labelled_columns(names)
+    return [k for k in keys if k in df.columns and k not in labelled]
+
+
 def add_baseline_deltas(df: pd.DataFrame, baseline: str, keys: Sequence[str]) -> pd.DataFrame:
-    """Add ``<q>_vs_<baseline>_pct`` columns (see module docstring); NaN without a baseline."""
-    if "system" not in df.columns or not (df["system"] == baseline).any():
+    """Add ``<q>_vs_<baseline>_pct`` columns (see module docstring): each row against the
+    row labelled ``baseline`` with the same :func:`pair_keys`; NaN for the baseline's own
+    rows and where there is no such row."""
+    if "system" not in df.columns or not (table_labels(df) == baseline).any():
         return df
-    others = [k for k in keys if k != "system" and k in df.columns]
+    others = pair_keys(df, keys)
     df = df.copy()
-    base = df[df["system"] == baseline]
+    names = table_labels(df)
+    refs: list[Any] = []
+    for i, row in df.iterrows():
+        match = df[names == baseline]
+        for k in others:
+            match = match[match[k].astype(str) == str(row[k])]
+        # several: the same run collected twice; the later one, as the summary keeps it
+        refs.append(match.iloc[-1] if len(match) and names[i] != baseline else None)
     for q, metric in COMPARED.items():
-        if metric not in df.columns:
-            continue
-        col = f"{q}_vs_{baseline}_pct"
-        values = []
-        for _, row in df.iterrows():
-            match = base
-            for k in others:
-                match = match[match[k].astype(str) == str(row[k])]
-            b = float(match[metric].iloc[0]) if len(match) else math.nan
-            x = float(row[metric]) if pd.notna(row[metric]) else math.nan
-            values.append(100.0 * (x / b - 1.0) if b and math.isfinite(b) else math.nan)
-        df[col] = values
+        if metric in df.columns:
+            df[f"{q}_vs_{baseline}_pct"] = [
+                _change(row[metric], ref[metric] if ref is not None else None)
+                for (_, row), ref in zip(df.iterrows(), refs, strict=True)]
     return df
 
 
+def _change(x: Any, b: Any) -> float:
+    """``100 * (x / b - 1)``; NaN when either is missing or ``b`` is 0."""
+    try:
+        x, b = float(x), float(b)
+    except (TypeError, ValueError):
+        return math.nan
+    return 100.0 * (x / b - 1.0) if b and math.isfinite(b) and math.isfinite(x) else math.nan
+
+
+def pairing_note(df: pd.DataFrame, baseline: str | None, keys: Sequence[str]) -> str:
+    """One sentence saying what the ``*_vs_<baseline>_pct`` columns of ``df`` pair ("" when
+    there are none)."""
+    if not baseline or not any(c.endswith(f"_vs_{baseline}_pct") for c in df.columns):
+        return ""
+    others = [k for k in pair_keys(df, keys) if k != SEED_KEY]
+    same = f"{', '.join(others)} and prompt sample" if others else "prompt sample"
+    return (f"`*_vs_{baseline}_pct`: each row's change against the `{baseline}` row (the "
+            f"system bundle as shipped) with the same {same} (dataset.seed); `{baseline}`'s own "
+            "rows: -.")
+
+
 def label_columns(df: pd.DataFrame) -> list[str]:
-    """Columns that name a row in a comparison: ``system`` first, then the other swept keys."""
-    cands = [c for c in df.columns if c not in _NOT_LABELS and not _is_numeric_metric(df, c)]
+    """Columns that name a row in a comparison: ``label`` (the configuration) first, then
+    the other swept keys (not the columns the label accounts for: ``system``, ``cache``,
+    ...); ``system`` first in a table without labels."""
+    cands = [c for c in df.columns if c not in _NOT_LABELS and not _is_numeric_metric(df, c)
+             and ALIASES.get(c) not in df.columns]
     varying = swept_keys(df, cands)
+    if "label" in df.columns:
+        labelled = labelled_columns(df["system"] if "system" in df.columns else [])
+        return ["label"] + [c for c in varying if c not in labelled]
     if "system" in df.columns:
         varying = ["system"] + [c for c in varying if c != "system"]
     return varying or ["run"]
@@ -217,7 +285,8 @@ def table_columns(df: pd.DataFrame, baseline: str | None = "deepspeed") -> list[
 
 
 def fmt(col: str, value: Any) -> str:
-    """Human formatting of one cell (bytes in MB, percentages signed, ratios 3 decimals)."""
+    """Human formatting of one cell (bytes in B/kB/MB/GB/TB by :func:`moeexp.units.format_bytes`,
+    percentages signed, ratios 3 decimals)."""
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
     if isinstance(value, str) or not isinstance(value, (int, float)):
@@ -225,7 +294,7 @@ def fmt(col: str, value: Any) -> str:
     if col.endswith("_pct"):
         return f"{value:+.1f}%"
     if "bytes" in col:
-        return f"{value / 1e6:,.2f} MB"
+        return format_bytes(value)
     if col.endswith(("_ms_mean", "_ms_p50", "_ms_p99", "_ms_total")):
         return f"{value:,.3f}"
     if isinstance(value, float):
@@ -241,7 +310,7 @@ def fmt_interval(col: str, mean: Any, half: Any) -> str:
     if col.endswith("_pct"):
         return f"{mean:+.1f} ± {half:.1f}%"
     if "bytes" in col:
-        return f"{mean / 1e6:,.2f} ± {half / 1e6:,.2f} MB"
+        return format_bytes_interval(mean, half)
     return f"{fmt(col, mean)} ± {fmt(col, half)}"
 
 

@@ -3,16 +3,18 @@
 Registered in ``conf/config.yaml`` under ``hydra.callbacks.summary``, so every multirun
 (an experiment's own sweep or ``--multirun``) ends with, in the sweep directory:
 
-- ``summary_runs.csv``: one row per job (swept keys as columns, then every metric, then
-  the ``<q>_vs_<baseline>_pct`` deltas, matched on the seed; see
-  :mod:`moeexp.tracking.results`);
-- ``summary.csv``: one row per group of the swept keys other than ``dataset.seed``: each
+- ``summary_runs.csv``: one row per job (its ``label``, the configuration that ran, e.g.
+  ``deepspeed+cache=lfu`` (:mod:`moeexp.labels`), swept keys as columns, then every
+  metric, then the ``<q>_vs_<baseline>_pct`` deltas against the baseline's own bundle,
+  matched on the other swept keys and the seed; see :mod:`moeexp.tracking.results`);
+- ``summary.csv``: one row per label and group of the swept keys other than ``dataset.seed``: each
   metric's mean over the seeds, its ``<metric>_ci95`` (half-width of the 95 % Student-t
   interval over the seeds) and ``n`` (see :mod:`moeexp.tracking.intervals`);
 - ``summary_paired.csv``: when the sweep holds FineMoE and any of its four baselines,
   FineMoE's paired change against each (mean, interval, ``n``, the paper's number;
   :func:`moeexp.tracking.compare.paired_changes`);
-- ``summary.md``: the tables as markdown (for experiment READMEs), intervals as ``±``;
+- ``summary.md``: the tables as markdown (for experiment READMEs), intervals as ``±``,
+  with a line saying what the ``*_vs_<baseline>_pct`` columns pair;
 - the comparison table (and the paired changes) printed on stdout (rich) and logged.
 
 Jobs run by the basic, joblib or submitit launchers all write into the sweep directory,
@@ -32,7 +34,14 @@ from omegaconf import DictConfig
 
 from moeexp.atomic import write_text
 from moeexp.tracking.compare import comparison_markdown, interval_cell, paired_changes
-from moeexp.tracking.results import print_table, summarize, table_columns, to_markdown
+from moeexp.tracking.results import (
+    pairing_note,
+    print_table,
+    summarize,
+    swept_keys,
+    table_columns,
+    to_markdown,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +86,16 @@ def write_summary(root: Path, csv: Path, baseline: str | None = "deepspeed",
     cols = table_columns(rows, baseline)
     note = INTERVAL_NOTE.replace("summary_runs", f"{csv.stem}_runs") \
         if (rows["n"] > 1).any() else ""
+    pairs = pairing_note(runs, baseline, swept_keys(runs, summary.keys))
     # + each system against FineMoE's four baselines beside the paper's numbers, if present
-    write_text(csv.with_suffix(".md"), note + to_markdown(rows, cols) + comparison_markdown(runs))
+    write_text(csv.with_suffix(".md"), note + to_markdown(rows, cols)
+               + (f"\n{pairs}\n" if pairs else "") + comparison_markdown(runs))
     title = title or f"{root} ({len(runs)} runs)"
     if show:
         text = print_table(rows, cols, f"{title}{_seeds(rows)}")
         log.debug("comparison table:\n%s", text)  # printed once above; also in the .md
+        if pairs:
+            log.info("%s", pairs.replace("`", ""))
         if len(paired):
             print_paired(paired)
     log.info("summary of %d runs in %d rows: %s", len(runs), len(rows), csv)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from math import nan
 from pathlib import Path
 
 import pandas as pd
@@ -37,13 +38,17 @@ def sweep(tmp_path) -> Path:
 
 
 def test_gather_rows_columns_and_deltas(sweep):
-    """One row per job, override keys first (prefix '+' dropped), deltas against the
-    deepspeed row of the same dataset: oracle -50% on a, -75% on b, deepspeed 0%."""
+    """One row per job, its label and the override keys first (prefix '+' dropped), deltas
+    against the deepspeed row of the same dataset: oracle -50% on a, -75% on b, deepspeed
+    none (a row is never compared with itself)."""
     df = gather(sweep)
     assert list(df["run"]) == ["0", "1", "2", "3"]
-    assert list(df.columns[:5]) == ["run", "experiment", "dataset.num_prompts", "dataset", "system"]
-    assert list(df["ttft_vs_deepspeed_pct"]) == pytest.approx([0.0, -50.0, 0.0, -75.0])
-    assert list(df["tpot_vs_deepspeed_pct"]) == pytest.approx([0.0] * 4)
+    assert list(df.columns[:6]) == ["run", "label", "experiment", "dataset.num_prompts",
+                                    "dataset", "system"]
+    assert list(df["label"]) == ["deepspeed", "oracle", "deepspeed", "oracle"]
+    assert list(df["ttft_vs_deepspeed_pct"]) == pytest.approx([nan, -50.0, nan, -75.0],
+                                                              nan_ok=True)
+    assert list(df["tpot_vs_deepspeed_pct"]) == pytest.approx([nan, 0.0, nan, 0.0], nan_ok=True)
 
 
 def test_no_baseline_row_no_delta_columns(sweep):
@@ -57,7 +62,7 @@ def test_summary_callback_writes_csv_md_and_prints(sweep, capsys):
     df = pd.read_csv(sweep / "summary.csv")
     assert len(df) == 4 and set(df["system"]) == {"deepspeed", "oracle"}
     md = (sweep / "summary.md").read_text()
-    assert md.startswith("| system | dataset |") and "-75.0%" in md
+    assert md.startswith("| label | dataset |") and "-75.0%" in md
     out = capsys.readouterr().out
     assert "ttft_vs_deepspeed_pct" in out and "oracle" in out and "1.00 MB" in out and "ttft_vs_deepsp…" not in out
 
