@@ -39,7 +39,8 @@ SEP = "+"
 
 #: Identity string of ``metrics.json`` -> the override key holding the same setting: a
 #: table shows one of the two (the override when both are columns).
-ALIASES: dict[str, str] = {"cache_capacity": "cache.capacity"}
+ALIASES: dict[str, str] = {"cache_capacity": "cache.capacity", "cost_as_model": "cost.as_model",
+                           "cost_expert_bytes_scale": "cost.expert_bytes_scale"}
 
 
 def run_label(system: str, choices: Mapping[str, Any], conf_dir: str | Path | None = None) -> str:

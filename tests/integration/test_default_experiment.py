@@ -29,7 +29,17 @@ def test_default_experiment_end_to_end(tmp_path, model_overrides, run_app):
     exp = OmegaConf.load(CONF_DIR / "experiment" / "finemoe_vs_moeinfinity.yaml")
     systems = str(exp.hydra.sweeper.params.system).split(",")
     assert str(exp.hydra.sweeper.params["dataset.seed"]) == "0,1,2"
-    df = pd.read_csv(sweep / "summary.csv")
+    assert str(exp.hydra.sweeper.params["cost.as_model"]) == "null,mixtral_8x7b"
+    full = pd.read_csv(sweep / "summary.csv")
+    # Both cost regimes over the same traces: the embedded model's own costs and the
+    # Mixtral projection (FineMoE's testbed regime), each printed as its own titled table.
+    regimes = full["cost.as_model"].fillna("null").astype(str)
+    assert sorted(regimes.unique()) == ["mixtral_8x7b", "null"]
+    ratio = full.groupby(regimes)["copy_to_compute"].median()
+    assert ratio["null"] < 1 < 3 < ratio["mixtral_8x7b"]
+    assert "cost regime: the traced model's own costs" in out.stdout
+    assert "cost regime: projected onto mixtral_8x7b" in out.stdout
+    df = full[regimes == "null"]
     assert list(df["system"]) == systems
     assert (df["n"] == 2).all() and (df["seeds"] == "0;1").all()
     assert (df["cache_capacity"].astype(str) == "0.25").all()
@@ -45,15 +55,15 @@ def test_default_experiment_end_to_end(tmp_path, model_overrides, run_app):
     # One row per job, each seed its own trace; each job's delta against the same seed's
     # deepspeed job.
     runs = pd.read_csv(sweep / "summary_runs.csv")
-    assert len(runs) == 2 * len(systems)
+    assert len(runs) == 2 * 2 * len(systems)  # seeds x regimes x systems
     assert sorted(runs["dataset.seed"].unique()) == [0, 1]
     assert runs.groupby("dataset.seed")["trace_hash"].nunique().eq(1).all()
     assert runs["trace_hash"].nunique() == 2
     assert runs.loc[runs["system"] == "deepspeed", "tpot_vs_deepspeed_pct"].isna().all()
     assert runs.loc[runs["system"] != "deepspeed", "tpot_vs_deepspeed_pct"].notna().all()
     paired = pd.read_csv(sweep / "summary_paired.csv")
-    assert list(paired["baseline"]) == ["deepspeed", "mixtral_offloading", "promoe",
-                                        "moe_infinity"]
+    assert list(paired["baseline"]) == 2 * ["deepspeed", "mixtral_offloading", "promoe",
+                                            "moe_infinity"]
     assert (paired["n"] == 2).all() and paired["tpot_pct_ci95"].notna().all()
     # The tables are printed: a title, the systems as rows, the metric columns, the pairs.
     assert "finemoe_vs_moeinfinity" in out.stdout

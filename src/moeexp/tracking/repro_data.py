@@ -2,7 +2,7 @@
 
 :func:`load` reads each sweep directory's ``summary_runs.csv`` (one row per run, written at
 the end of every multirun by :mod:`moeexp.tracking.summary`), names its claim (the
-``experiment`` column, :data:`CLAIMS`) and its setting (:func:`regime_of`), pools the sweeps
+``experiment`` column, :data:`CLAIMS`) and its setting (:func:`row_regime`; a sweep over two settings splits, :func:`by_regime`), pools the sweeps
 of one claim and setting, and lets an ablation adopt its FineMoE point from the Fig. 10 sweep
 (:func:`adopt`). :func:`level` and :func:`paired` give means and 95 % Student-t intervals over
 the seeds (:mod:`moeexp.tracking.intervals`), a comparison paired per seed. Torch-free. The
@@ -97,18 +97,28 @@ class Setting:
 # ---------------------------------------------------------------------------------- reading
 
 
-def regime_of(runs: pd.DataFrame) -> Regime:
+def row_regime(r: pd.Series) -> Regime:
     """``real`` for gpt-oss-20b's routing, ``projected`` when a cost projection is set,
-    else ``embedded``; ValueError when a sweep mixes them."""
-    found = set()
-    for _, r in runs.iterrows():
-        proj = r.get("cost_as_model")
-        proj = "" if proj is None or (isinstance(proj, float) and math.isnan(proj)) else str(proj)
-        found.add("real" if str(r.get("model")) == "gpt_oss_20b"
-                  else "projected" if proj else "embedded")
+    else ``embedded``."""
+    proj = r.get("cost_as_model")
+    proj = "" if proj is None or (isinstance(proj, float) and math.isnan(proj)) else str(proj)
+    return "real" if str(r.get("model")) == "gpt_oss_20b" else "projected" if proj else "embedded"
+
+
+def regime_of(runs: pd.DataFrame) -> Regime:
+    """The one setting (:func:`row_regime`) of every run; ValueError when they differ."""
+    found = {row_regime(r) for _, r in runs.iterrows()}
     if len(found) != 1:
         raise ValueError(f"a sweep must hold one setting, found {sorted(found)}")
-    return found.pop()  # type: ignore[return-value]
+    return found.pop()
+
+
+def by_regime(runs: pd.DataFrame) -> list[tuple[Regime, pd.DataFrame]]:
+    """``runs`` split by setting (:func:`row_regime`): the default experiment sweeps the
+    embedded costs and the Mixtral projection over the same traces."""
+    regimes = [row_regime(r) for _, r in runs.iterrows()]
+    return [(g, runs[[x == g for x in regimes]].reset_index(drop=True))
+            for g in dict.fromkeys(regimes)]
 
 
 def commits_of(sweep_dir: Path, runs: pd.DataFrame) -> list[str]:
@@ -139,13 +149,13 @@ def load(dirs: Sequence[str | Path]) -> dict[tuple[str, Regime], Setting]:
         if not claims:
             log.warning("%s: experiment %s is not one of the table's claims; skipped", d, exps)
             continue
-        regime = regime_of(runs)
         runs["_dir"] = str(d)
-        for claim in claims:
-            s = out.setdefault((claim, regime), Setting(runs.iloc[0:0]))
-            s.runs = pd.concat([s.runs, runs], ignore_index=True)
-            s.dirs.append(str(d))
-            s.commits += [c for c in commits_of(d, runs) if c not in s.commits]
+        for regime, part in by_regime(runs):
+            for claim in claims:
+                s = out.setdefault((claim, regime), Setting(part.iloc[0:0]))
+                s.runs = pd.concat([s.runs, part], ignore_index=True)
+                s.dirs.append(str(d))
+                s.commits += [c for c in commits_of(d, part) if c not in s.commits]
     for regime in REGIMES:
         adopt(out, regime)
     return out

@@ -92,14 +92,45 @@ def write_summary(root: Path, csv: Path, baseline: str | None = "deepspeed",
                + (f"\n{pairs}\n" if pairs else "") + comparison_markdown(runs))
     title = title or f"{root} ({len(runs)} runs)"
     if show:
-        text = print_table(rows, cols, f"{title}{_seeds(rows)}")
-        log.debug("comparison table:\n%s", text)  # printed once above; also in the .md
+        for regime, part in regime_tables(rows, summary.keys):
+            text = print_table(part, cols, f"{title}{regime}{_seeds(part)}")
+            log.debug("comparison table:\n%s", text)  # printed once above; also in the .md
         if pairs:
             log.info("%s", pairs.replace("`", ""))
         if len(paired):
             print_paired(paired)
     log.info("summary of %d runs in %d rows: %s", len(runs), len(rows), csv)
     return csv
+
+
+#: Swept keys that change the cost regime a trace is replayed in (moeexp.costmodel.projection):
+#: a sweep over them prints one table per regime, titled with it.
+REGIME_KEYS = ("cost.as_model", "cost.expert_bytes_scale")
+
+
+def regime_tables(rows: pd.DataFrame, keys: tuple[str, ...] | list[str]) -> list[tuple[str, pd.DataFrame]]:
+    """``rows`` split by the swept cost projection (:data:`REGIME_KEYS`), each part with a
+    title suffix naming its regime: the projection, the hardware profile and the
+    copy-to-compute ratio (one expert copy over one decode layer's compute); one untitled
+    part when no projection key varies."""
+    split = [k for k in REGIME_KEYS if k in swept_keys(rows, keys)]
+    if not split:
+        return [("", rows)]
+    out = []
+    for _, part in rows.groupby(split, sort=False, dropna=False):
+        first = part.iloc[0]
+        onto = first.get("cost.as_model")
+        onto = "the traced model's own costs" if onto is None or str(onto) in ("None", "null", "nan") \
+            else f"projected onto {onto}"
+        scale = first.get("cost.expert_bytes_scale")
+        if "cost.expert_bytes_scale" in split:
+            onto += f", expert bytes x{scale}"
+        hw = f" on {first['hardware']}" if "hardware" in part.columns else ""
+        ratio = ""
+        if "copy_to_compute" in part.columns:
+            ratio = f", copy/compute {pd.to_numeric(part['copy_to_compute']).median():.2f}"
+        out.append((f" - cost regime: {onto}{hw}{ratio}", part))
+    return out
 
 
 def _seeds(rows: pd.DataFrame) -> str:

@@ -50,6 +50,19 @@ def test_regime_from_model_and_projection() -> None:
         regime_of(pd.DataFrame(_fig10() + _fig10(proj="mixtral_8x7b")))
 
 
+def test_a_sweep_over_two_settings_splits(tmp_path: Path) -> None:
+    """The default experiment sweeps the embedded costs and the Mixtral projection over the
+    same traces: load() files each half under its own setting, both from the one dir."""
+    d = _sweep(tmp_path, "both", _fig10() + _fig10(proj="mixtral_8x7b"))
+    data = load([d])
+    assert set(data) == {("fig10", "embedded"), ("fig10", "projected")}
+    for regime in ("embedded", "projected"):
+        s = data[("fig10", regime)]
+        assert len(s.runs) == 6 and s.dirs == [str(d)]
+    proj = data[("fig10", "projected")].runs["cost_as_model"]
+    assert (proj == "mixtral_8x7b").all()
+
+
 def test_paired_change_is_per_seed() -> None:
     """Changes -20, -18, -22 % -> mean -20, half-width t(0.975, 2) * 2 / sqrt(3) = 4.968."""
     st = paired(pd.DataFrame(_fig10()), "system", "finemoe", "deepspeed", "tpot_ms_mean")
