@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from moeexp.backends import BACKENDS
 from moeexp.cache import check_cache
+from moeexp.costmodel.formats import format_spec
 from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.data.prompts import DatasetConfig
 from moeexp.data.tasks import KEYWORD_TASKS, LABELS
@@ -75,7 +76,8 @@ class ModelSpec:
     #: checkpoint, for imported traces (:mod:`moeexp.models.arch`); None = none given
     arch: dict[str, Any] | None = None
     #: how offloaded experts are held in the cost model of an imported trace: ``dense``
-    #: (the model dtype) or ``mxfp4`` (4.25 bits per weight, gpt-oss's storage)
+    #: (the model dtype), ``mxfp4`` (gpt-oss's storage), ``int8``, ``int4``, ``hqq3``,
+    #: ``hqq2`` (:mod:`moeexp.costmodel.formats`)
     expert_format: str = "dense"
 
     def __post_init__(self) -> None:
@@ -84,9 +86,7 @@ class ModelSpec:
                               f"got {self.prefetch_distance}")
         if self.path is not None and not Path(self.path).expanduser().exists():
             raise ConfigError(f"model={self.name}: model.path={self.path!r} does not exist")
-        if self.expert_format not in ("dense", "mxfp4"):
-            raise ConfigError(f"model={self.name}: expert_format={self.expert_format!r} "
-                              "(valid: dense, mxfp4)")
+        format_spec(self.expert_format, f"model={self.name}")
 
 
 @dataclass(frozen=True)
