@@ -238,7 +238,7 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     test_ids = {r.request_id for r in test.requests}
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
                          trace=test, predictor=predictor, cache=cache,
-                         cost=_cost_model(spec, trace.dims, loaded), seed=spec.trace.seed,
+                         cost=_cost_model(spec, trace, loaded), seed=spec.trace.seed,
                          store=store, run_dir=run_dir, scheduler=spec.scheduler,
                          kv_bytes_per_token=_kv_bytes_per_token(spec, loaded))
     regime = {"cost_as_model": spec.cost.as_model or "", "cost_expert_bytes_scale":
@@ -302,9 +302,12 @@ def _mark_no_prefill(metrics: dict[str, Any]) -> None:
     metrics["ttft_available"] = False
 
 
-def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
-    """The hardware profile's cost model for ``dims`` (projected by the ``cost`` block), at
-    the weights' bytes per element."""
+def _cost_model(spec: RunSpec, trace: Trace, loaded: Any) -> CostModel:
+    """The hardware profile's cost model for the trace's dims (projected by the ``cost``
+    block), at the weights' bytes per element, in the expert format the dims were built
+    with (an imported trace's ``model.expert_format``, else ``dense``; a projection onto
+    ``cost.as_model`` takes that preset's format)."""
+    dims, fmt = trace.dims, str(trace.meta.get("expert_format") or "dense")
     if spec.cost.projected:
         from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
         from moeexp.paths import load_group_yaml
@@ -312,10 +315,12 @@ def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
         onto = None
         if spec.cost.as_model is not None:
             preset = load_group_yaml("model", spec.cost.as_model)
+            fmt = str(preset.get("expert_format") or "dense")
             onto = arch_dims(preset["arch"], dtype=str(preset.get("dtype") or "bfloat16"),
-                             where=f"cost.as_model={spec.cost.as_model}")
+                             expert_format=fmt, where=f"cost.as_model={spec.cost.as_model}")
         dims = project(dims, onto, float(spec.cost.expert_bytes_scale))
-    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded))
+    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded),
+                                  expert_format=fmt)
 
 
 def _kv_bytes_per_token(spec: RunSpec, loaded: Any) -> int | None:
