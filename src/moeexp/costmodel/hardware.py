@@ -97,7 +97,7 @@ class HardwareProfile:
         """The CPU block, or ConfigError saying that ``what`` needs one and which shipped
         profiles have one."""
         if self.cpu is None:
-            with_cpu = [n for n in available_profiles() if load_profile(n).cpu is not None]
+            with_cpu = [n for n in available_profiles() if _has_cpu(n)]
             raise ConfigError(f"{what} computes experts on the CPU, but hardware={self.name} has "
                               f"no cpu: block; profiles with one: {', '.join(with_cpu) or '(none)'}")
         return self.cpu
@@ -140,6 +140,14 @@ class HardwareProfile:
 _OPTIONAL_KEYS: frozenset[str] = frozenset({"copy_chunk_mb", "cpu"})
 #: Fields that are not plain numbers.
 _NON_NUMERIC: frozenset[str] = frozenset({"name", "cpu"})
+
+
+def _has_cpu(name: str) -> bool:
+    """Whether shipped profile ``name`` has a CPU block (False if it does not load)."""
+    try:
+        return load_profile(name).cpu is not None
+    except ConfigError:
+        return False
 
 
 def _finite_nonneg(v: Any) -> bool:
