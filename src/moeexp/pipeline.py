@@ -53,6 +53,7 @@ from omegaconf import DictConfig, OmegaConf
 from moeexp.backends import BACKENDS, BackendContext
 from moeexp.cache import build_cache
 from moeexp.config import RunSpec, validate
+from moeexp.costmodel.formats import is_lossy
 from moeexp.costmodel.projection import copy_to_compute, project
 from moeexp.costmodel.roofline import CostModel, kv_bytes_per_token
 from moeexp.data.prompts import sample_prompts
@@ -243,7 +244,9 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
                          kv_bytes_per_token=_kv_bytes_per_token(spec, loaded))
     regime = {"cost_as_model": spec.cost.as_model or "", "cost_expert_bytes_scale":
               float(spec.cost.expert_bytes_scale), "cost_expert_bytes": ctx.cost.expert_bytes,
-              "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k)}
+              "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k),
+              "cost_expert_format": ctx.cost.expert_format,
+              "expert_format_lossy": _format_lossy(spec, ctx.cost.expert_format)}
     t = time.perf_counter()
     result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t
@@ -321,6 +324,17 @@ def _cost_model(spec: RunSpec, trace: Trace, loaded: Any) -> CostModel:
         dims = project(dims, onto, float(spec.cost.expert_bytes_scale))
     return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded),
                                   expert_format=fmt)
+
+
+def _format_lossy(spec: RunSpec, fmt: str) -> bool:
+    """Whether the experts' format changes the priced model's weights (dense never; gpt-oss's
+    MXFP4 is its own checkpoint's format), for tables that mark lossy rows."""
+    arch: Any = spec.model.arch or {}
+    if spec.cost.as_model is not None:
+        from moeexp.paths import load_group_yaml
+
+        arch = load_group_yaml("model", spec.cost.as_model).get("arch") or {}
+    return is_lossy(fmt, arch.get("model_type"))
 
 
 def _kv_bytes_per_token(spec: RunSpec, loaded: Any) -> int | None:
