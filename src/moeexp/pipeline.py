@@ -307,10 +307,11 @@ def _mark_no_prefill(metrics: dict[str, Any]) -> None:
 
 def _cost_model(spec: RunSpec, trace: Trace, loaded: Any) -> CostModel:
     """The hardware profile's cost model for the trace's dims (projected by the ``cost``
-    block), at the weights' bytes per element, in the expert format the dims were built
-    with (an imported trace's ``model.expert_format``, else ``dense``; a projection onto
-    ``cost.as_model`` takes that preset's format)."""
-    dims, fmt = trace.dims, str(trace.meta.get("expert_format") or "dense")
+    block), at the weights' bytes per element, with the experts held in
+    ``model.expert_format``: an imported trace's dims were built in it, a projection onto
+    ``cost.as_model`` builds that preset's dims in it (a recorded trace without a projection
+    is dense: :func:`moeexp.config.validate` refuses another format there)."""
+    dims, fmt = trace.dims, spec.model.expert_format
     if spec.cost.projected:
         from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
         from moeexp.paths import load_group_yaml
@@ -318,7 +319,6 @@ def _cost_model(spec: RunSpec, trace: Trace, loaded: Any) -> CostModel:
         onto = None
         if spec.cost.as_model is not None:
             preset = load_group_yaml("model", spec.cost.as_model)
-            fmt = str(preset.get("expert_format") or "dense")
             onto = arch_dims(preset["arch"], dtype=str(preset.get("dtype") or "bfloat16"),
                              expert_format=fmt, where=f"cost.as_model={spec.cost.as_model}")
         dims = project(dims, onto, float(spec.cost.expert_bytes_scale))
