@@ -34,6 +34,7 @@ from omegaconf import DictConfig
 
 from moeexp.backends import BACKENDS
 from moeexp.cache import check_cache
+from moeexp.costmodel.formats import format_spec
 from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.data.prompts import DatasetConfig
 from moeexp.data.tasks import KEYWORD_TASKS, LABELS
@@ -74,8 +75,10 @@ class ModelSpec:
     #: the hub config's shape numbers (``model_type`` + keys): cost dims without a
     #: checkpoint, for imported traces (:mod:`moeexp.models.arch`); None = none given
     arch: dict[str, Any] | None = None
-    #: how offloaded experts are held in the cost model of an imported trace: ``dense``
-    #: (the model dtype) or ``mxfp4`` (4.25 bits per weight, gpt-oss's storage)
+    #: how offloaded experts are held in the cost model (:mod:`moeexp.costmodel.formats`):
+    #: ``dense`` (the model dtype), ``mxfp4`` (gpt-oss's storage), ``int8``, ``int4``,
+    #: ``hqq3``, ``hqq2``; applied to an imported trace's dims and to a ``cost.as_model``
+    #: projection's (a recorded trace alone stays dense: other formats are refused there)
     expert_format: str = "dense"
 
     def __post_init__(self) -> None:
@@ -84,9 +87,7 @@ class ModelSpec:
                               f"got {self.prefetch_distance}")
         if self.path is not None and not Path(self.path).expanduser().exists():
             raise ConfigError(f"model={self.name}: model.path={self.path!r} does not exist")
-        if self.expert_format not in ("dense", "mxfp4"):
-            raise ConfigError(f"model={self.name}: expert_format={self.expert_format!r} "
-                              "(valid: dense, mxfp4)")
+        format_spec(self.expert_format, f"model={self.name}")
 
 
 @dataclass(frozen=True)
@@ -231,6 +232,18 @@ def _check_imported(spec: RunSpec) -> None:
                           "model; an imported trace is routing only (use eval=none)")
 
 
+def _check_recorded_format(spec: RunSpec) -> None:
+    """A recorded trace's expert bytes are the loaded model's (dense): another
+    ``model.expert_format`` prices only a projection onto ``cost.as_model``'s real shapes."""
+    fmt = spec.model.expert_format
+    if fmt != "dense" and spec.cost.as_model is None:
+        raise ConfigError(f"model.expert_format={fmt} with a recorded trace: its expert bytes are "
+                          "the loaded model's (dense) and no shapes are known to quantise; price "
+                          "the format on a model's real shapes with cost.as_model=<preset with an "
+                          "arch: block>, or replay an imported trace (trace.source), or use "
+                          "expert_format=dense")
+
+
 def _check_scheduler(spec: RunSpec) -> None:
     """A known scheduler with valid keys; a continuous one only with ``backend=sim``, a
     static batch size of 1 and a T_max that holds one fixed-length prompt."""
@@ -333,6 +346,7 @@ def validate(cfg: DictConfig) -> RunSpec:
     check_predictor(spec.predictor)
     if trace.source == "record":
         _check_needs(spec.predictor, trace)
+        _check_recorded_format(spec)
     else:
         _check_imported(spec)
     check_cache(spec.cache)

@@ -56,6 +56,7 @@ from omegaconf import DictConfig, OmegaConf
 from moeexp.backends import BACKENDS, BackendContext
 from moeexp.cache import build_cache
 from moeexp.config import RunSpec, validate
+from moeexp.costmodel.formats import is_lossy
 from moeexp.costmodel.projection import copy_to_compute, project
 from moeexp.costmodel.roofline import CostModel, kv_bytes_per_token
 from moeexp.data.prompts import sample_prompts
@@ -245,12 +246,14 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     test_ids = {r.request_id for r in test.requests}
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
                          trace=test, predictor=predictor, cache=cache,
-                         cost=_cost_model(spec, trace.dims, loaded), seed=spec.trace.seed,
+                         cost=_cost_model(spec, trace, loaded), seed=spec.trace.seed,
                          store=store, run_dir=run_dir, scheduler=spec.scheduler,
                          kv_bytes_per_token=_kv_bytes_per_token(spec, loaded))
     regime = {"cost_as_model": spec.cost.as_model or "", "cost_expert_bytes_scale":
               float(spec.cost.expert_bytes_scale), "cost_expert_bytes": ctx.cost.expert_bytes,
-              "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k)}
+              "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k),
+              "cost_expert_format": ctx.cost.expert_format,
+              "expert_format_lossy": _format_lossy(spec, ctx.cost.expert_format)}
     t = time.perf_counter()
     result = backend.run(ctx)
     times["run_time_s"] = time.perf_counter() - t
@@ -309,9 +312,13 @@ def _mark_no_prefill(metrics: dict[str, Any]) -> None:
     metrics["ttft_available"] = False
 
 
-def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
-    """The hardware profile's cost model for ``dims`` (projected by the ``cost`` block), at
-    the weights' bytes per element."""
+def _cost_model(spec: RunSpec, trace: Trace, loaded: Any) -> CostModel:
+    """The hardware profile's cost model for the trace's dims (projected by the ``cost``
+    block), at the weights' bytes per element, with the experts held in
+    ``model.expert_format``: an imported trace's dims were built in it, a projection onto
+    ``cost.as_model`` builds that preset's dims in it (a recorded trace without a projection
+    is dense: :func:`moeexp.config.validate` refuses another format there)."""
+    dims, fmt = trace.dims, spec.model.expert_format
     if spec.cost.projected:
         from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
         from moeexp.paths import load_group_yaml
@@ -320,9 +327,21 @@ def _cost_model(spec: RunSpec, dims: TraceDims, loaded: Any) -> CostModel:
         if spec.cost.as_model is not None:
             preset = load_group_yaml("model", spec.cost.as_model)
             onto = arch_dims(preset["arch"], dtype=str(preset.get("dtype") or "bfloat16"),
-                             where=f"cost.as_model={spec.cost.as_model}")
+                             expert_format=fmt, where=f"cost.as_model={spec.cost.as_model}")
         dims = project(dims, onto, float(spec.cost.expert_bytes_scale))
-    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded))
+    return CostModel.from_profile(spec.hardware, dims, dtype_bytes=_dtype_bytes(spec, loaded),
+                                  expert_format=fmt)
+
+
+def _format_lossy(spec: RunSpec, fmt: str) -> bool:
+    """Whether the experts' format changes the priced model's weights (dense never; gpt-oss's
+    MXFP4 is its own checkpoint's format), for tables that mark lossy rows."""
+    arch: Any = spec.model.arch or {}
+    if spec.cost.as_model is not None:
+        from moeexp.paths import load_group_yaml
+
+        arch = load_group_yaml("model", spec.cost.as_model).get("arch") or {}
+    return is_lossy(fmt, arch.get("model_type"))
 
 
 def _kv_bytes_per_token(spec: RunSpec, loaded: Any) -> int | None:

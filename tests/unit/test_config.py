@@ -206,3 +206,14 @@ def test_console_script_from_another_directory(tmp_path):
     out = subprocess.run([str(script), "collect", str(tmp_path)], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "no run (metrics.json)" in out.stderr
+
+
+def test_expert_format_on_a_recorded_trace_needs_a_projection():
+    """A recorded trace's experts are the loaded model's (dense): another format is refused
+    unless a projection onto a preset's real shapes (cost.as_model) prices it."""
+    with pytest.raises(ConfigError, match="model.expert_format=int4 with a recorded trace"):
+        validate(_compose(["+model.expert_format=int4"]))
+    with pytest.raises(ConfigError, match="expert_format='int3'; valid: dense"):
+        validate(_compose(["+model.expert_format=int3", "cost.as_model=mixtral_8x7b"]))
+    spec = validate(_compose(["+model.expert_format=hqq2", "cost.as_model=mixtral_8x7b"]))
+    assert spec.model.expert_format == "hqq2"

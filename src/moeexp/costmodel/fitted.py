@@ -314,6 +314,7 @@ class CalibratedProfile:
     def write_hardware_yaml(self, conf_root: str | Path) -> Path:
         """``conf_root/hardware/<name>.yaml`` (use ``hydra.searchpath=[file://conf_root]``)."""
         hp = asdict(self.hardware_profile())
+        hp.pop("cpu")  # None: a calibrated roofline profile has no CPU block (yet)
         text = ("# Roofline approximation of a calibrated profile "
                 "(moeexp.costmodel.fitted); written, not edited.\n"
                 + yaml.safe_dump({k: (float(v) if k != "name" else v) for k, v in hp.items()},

@@ -5,6 +5,12 @@ its keys are exactly the fields of :class:`HardwareProfile`. Spec-sheet values (
 memory bandwidth, peak FLOPS, memory size) carry a comment naming their source; the
 efficiencies, copy latency and launch overheads are estimates meant to be calibrated from
 engine runs.
+
+A profile may add a ``cpu:`` block (:class:`~moeexp.costmodel.cpu.CpuProfile`: the host
+CPU's achieved DRAM bandwidth, kernel efficiency per expert format, FLOP/s, overheads,
+each with a source). It is optional: a profile without one is a copy-only machine, and its
+cost numbers do not depend on whether the field exists (CPU execution needs the block and
+is refused without it, :meth:`HardwareProfile.require_cpu`).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from moeexp.costmodel.cpu import CpuProfile
 from moeexp.errors import ConfigError
 from moeexp.paths import CONF_DIR, read_option
 
@@ -38,6 +45,8 @@ class HardwareProfile:
             the link as one copy, which a demand load cannot overtake; > 0 = in chunks of
             this size, each paying ``copy_latency_us``, after any of which a demand load
             may go first (:mod:`moeexp.costmodel.copies`). Optional in a profile file.
+        cpu: the host CPU (:mod:`moeexp.costmodel.cpu`), or None: a copy-only profile.
+            Optional in a profile file.
     """
 
     name: str
@@ -52,9 +61,11 @@ class HardwareProfile:
     dense_overhead_us: float
     expert_overhead_us: float
     copy_chunk_mb: float = 0.0
+    cpu: CpuProfile | None = None
 
     def __post_init__(self) -> None:
-        bad = [f.name for f in fields(self) if f.name != "name" and not _finite_nonneg(getattr(self, f.name))]
+        bad = [f.name for f in fields(self)
+               if f.name not in _NON_NUMERIC and not _finite_nonneg(getattr(self, f.name))]
         for eff in ("h2d_efficiency", "compute_efficiency", "memory_efficiency"):
             if not 0 < float(getattr(self, eff)) <= 1:
                 bad.append(eff)
@@ -82,6 +93,15 @@ class HardwareProfile:
         """Achieved device-memory bandwidth, bytes/s."""
         return self.hbm_gbps * 1e9 * self.memory_efficiency
 
+    def require_cpu(self, what: str) -> CpuProfile:
+        """The CPU block, or ConfigError saying that ``what`` needs one and which shipped
+        profiles have one."""
+        if self.cpu is None:
+            with_cpu = [n for n in available_profiles() if _has_cpu(n)]
+            raise ConfigError(f"{what} computes experts on the CPU, but hardware={self.name} has "
+                              f"no cpu: block; profiles with one: {', '.join(with_cpu) or '(none)'}")
+        return self.cpu
+
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> HardwareProfile:
         """Build from a mapping (a YAML file or the composed ``hardware`` config group).
@@ -102,8 +122,10 @@ class HardwareProfile:
                 f"hardware profile {name!r}: {'; '.join(parts)}. Keys: {', '.join(sorted(want))}"
             )
         kwargs: dict[str, Any] = {"name": str(cfg["name"])}
+        if cfg.get("cpu") is not None:
+            kwargs["cpu"] = CpuProfile.from_mapping(cfg["cpu"], f"hardware {cfg['name']!r} cpu")
         for f in fields(cls):
-            if f.name != "name" and f.name in cfg:
+            if f.name not in _NON_NUMERIC and f.name in cfg:
                 try:
                     kwargs[f.name] = float(cfg[f.name])
                 except (TypeError, ValueError):
@@ -115,7 +137,17 @@ class HardwareProfile:
 
 
 #: Profile keys a file may omit (their field default applies): added after the first profiles.
-_OPTIONAL_KEYS: frozenset[str] = frozenset({"copy_chunk_mb"})
+_OPTIONAL_KEYS: frozenset[str] = frozenset({"copy_chunk_mb", "cpu"})
+#: Fields that are not plain numbers.
+_NON_NUMERIC: frozenset[str] = frozenset({"name", "cpu"})
+
+
+def _has_cpu(name: str) -> bool:
+    """Whether shipped profile ``name`` has a CPU block (False if it does not load)."""
+    try:
+        return load_profile(name).cpu is not None
+    except ConfigError:
+        return False
 
 
 def _finite_nonneg(v: Any) -> bool:

@@ -20,6 +20,18 @@ What the KV cache *occupies* on the device is :func:`kv_bytes_per_token` (the mo
 KV heads and head dim, every attention layer), or :meth:`CostModel.kv_bytes_per_token`
 (the same MHA width as the reads) when the model's config is not known.
 
+**CPU execution** (algorithms.md §11; only with a profile's ``cpu:`` block,
+:mod:`moeexp.costmodel.cpu`): one expert on n tokens on the host CPU costs
+``max(B / (eta_f * BW_dram), 2 * P * n / F_cpu) + t_call`` seconds (B: the expert's bytes in
+its format f, eta_f: the CPU kernel's efficiency for f, P = 3 H I matrix weights, so
+2 P n = 6 H I n FLOPs as on the GPU), plus the hidden state over the link both ways
+(``t_lat + n * H * dtype_bytes / link`` each way). The layer that mixes both sides is
+:mod:`moeexp.costmodel.hybrid`. **Expert formats** (:mod:`moeexp.costmodel.formats`):
+``expert_bytes`` are the format's bytes (what a copy moves, what a kernel reads); a format
+whose GPU kernel dequantises first adds ``P * bytes_per_weight / HBM`` to every expert call.
+With ``expert_format="dense"`` (the default) and no CPU call, every number is the one this
+model gave before CPUs and formats existed.
+
 A decode step of a 47B-parameter Mixtral is therefore memory bound (each active expert
 reads 352 MB), a long prefill compute bound, as on real hardware. The same model gives the
 ``no_offload`` latency (every expert resident), so normalised latencies need no second
@@ -35,6 +47,8 @@ from typing import Any
 import numpy as np
 
 from moeexp.costmodel.copies import CopyPlan
+from moeexp.costmodel.cpu import share_host_bandwidth
+from moeexp.costmodel.formats import format_spec
 from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import TraceDims
@@ -54,6 +68,8 @@ class CostModel:
         dense_layer_bytes: always-resident weight bytes read per layer and iteration.
         dense_bytes: all always-resident weight bytes (for the memory estimate).
         dtype_bytes: bytes per weight/activation element (2 for fp16/bf16).
+        expert_format: how the routed experts are held (:mod:`moeexp.costmodel.formats`);
+            ``expert_bytes`` are already in this format (the dims' builder applies it).
     """
 
     profile: HardwareProfile
@@ -65,11 +81,17 @@ class CostModel:
     dense_layer_bytes: float
     dense_bytes: int
     dtype_bytes: int
+    expert_format: str = "dense"
     _expert_cache: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
 
+    def __post_init__(self) -> None:
+        format_spec(self.expert_format, "cost model")
+
     @classmethod
-    def from_profile(cls, profile: HardwareProfile, dims: TraceDims, dtype_bytes: int = 2) -> CostModel:
-        """Build from a profile and a trace's dims.
+    def from_profile(cls, profile: HardwareProfile, dims: TraceDims, dtype_bytes: int = 2,
+                     expert_format: str = "dense") -> CostModel:
+        """Build from a profile and a trace's dims (``expert_bytes`` already in
+        ``expert_format``).
 
         ``intermediate_size`` falls back to ``expert_bytes / (3 H dtype_bytes)`` when the
         dims leave it 0; the dense part to ``4 H^2`` parameters when ``dense_bytes`` is 0.
@@ -96,6 +118,7 @@ class CostModel:
             dense_layer_bytes=float(dense_layer),
             dense_bytes=int(dense_total),
             dtype_bytes=dtype_bytes,
+            expert_format=expert_format,
         )
 
     # ------------------------------------------------------------------ transfers
@@ -128,8 +151,23 @@ class CostModel:
                 flops = 6.0 * H * inter * tokens
                 nbytes = self.expert_bytes + tokens * (2 * H + 3 * inter) * b
                 t = self._roof(flops, nbytes) + self.profile.expert_overhead_us * 1e-6
+                if self.expert_format != "dense":
+                    t += self.gpu_dequant_s
             self._expert_cache[tokens] = t
         return t
+
+    @property
+    def expert_params(self) -> int:
+        """P = 3 H I: weights of one routed expert's three matrices."""
+        return 3 * self.hidden_size * self.intermediate_size
+
+    @property
+    def gpu_dequant_s(self) -> float:
+        """Seconds a GPU expert call spends dequantising its weights first: P times the
+        format's extra device-memory bytes per weight over achieved HBM bandwidth (0 for
+        ``dense`` and for fused kernels)."""
+        extra = format_spec(self.expert_format).gpu_dequant_bytes_per_weight
+        return self.expert_params * extra / self.profile.hbm_bytes_per_s if extra else 0.0
 
     def dense_s(self, tokens: int, ctx_tokens: int, kv_tokens: int, members: int = 1) -> float:
         """Seconds for one layer's dense part (attention + router + shared experts).
@@ -154,6 +192,58 @@ class CostModel:
     def experts_s(self, counts: np.ndarray) -> float:
         """Seconds for all active experts of one layer; ``counts``: int[J] tokens per expert."""
         return sum(self.expert_s(int(c)) for c in counts if c > 0)
+
+    # ------------------------------------------------------------------ CPU execution
+    def check_cpu(self, what: str) -> None:
+        """ConfigError unless this profile has a CPU block with a kernel efficiency for
+        ``expert_format`` (``what``: who asks, e.g. ``execution=cpu_on_miss``)."""
+        self.profile.require_cpu(what).efficiency_of(self.expert_format)
+
+    def cpu_read_bytes_per_s(self) -> float:
+        """What the CPU expert kernel reads, bytes/s: eta(format) * achieved DRAM bandwidth."""
+        cpu = self.profile.require_cpu("a CPU expert")
+        return cpu.efficiency_of(self.expert_format) * cpu.dram_bytes_per_s
+
+    def cpu_expert_s(self, tokens: int, read_bytes_per_s: float | None = None) -> float:
+        """Seconds for one expert FFN over ``tokens`` tokens on the host CPU (0 tokens: 0 s):
+        ``max(B / (eta * BW), 6 H I n / F_cpu) + t_call``, without the hidden-state transfer.
+
+        ``read_bytes_per_s``: the CPU's read bandwidth to use instead of
+        :meth:`cpu_read_bytes_per_s` (e.g. cut by :meth:`contended_rates`).
+        """
+        if tokens <= 0:
+            return 0.0
+        cpu = self.profile.require_cpu("a CPU expert")
+        bw = self.cpu_read_bytes_per_s() if read_bytes_per_s is None else read_bytes_per_s
+        flops = 6.0 * self.hidden_size * self.intermediate_size * tokens
+        return max(self.expert_bytes / bw, flops / cpu.flops_per_s) + cpu.call_overhead_us * 1e-6
+
+    def hidden_transfer_s(self, tokens: int) -> float:
+        """Seconds to move ``tokens`` hidden states to the host and the results back: each
+        way ``t_lat + tokens * H * dtype_bytes / link`` (the profile's achieved link
+        bandwidth, both directions). 0 tokens: 0 s."""
+        if tokens <= 0:
+            return 0.0
+        cpu = self.profile.require_cpu("a hidden-state transfer")
+        one_way = tokens * self.hidden_size * self.dtype_bytes / self.profile.h2d_bytes_per_s
+        return 2.0 * (cpu.hidden_latency_us * 1e-6 + one_way)
+
+    def cpu_miss_s(self, tokens: int) -> float:
+        """A missed expert served on the CPU: :meth:`cpu_expert_s` + :meth:`hidden_transfer_s`."""
+        return self.cpu_expert_s(tokens) + self.hidden_transfer_s(tokens)
+
+    def gpu_miss_s(self, tokens: int) -> float:
+        """A missed expert served by copy-then-GPU on an idle link: copy + :meth:`expert_s`."""
+        return self.copy_s + self.expert_s(tokens)
+
+    def contended_rates(self) -> tuple[float, float]:
+        """(CPU read, link copy) bytes/s while the CPU computes experts and the link copies
+        at once, both drawing on host memory (:func:`~moeexp.costmodel.cpu.share_host_bandwidth`
+        with the profile's ``host_memory_gbps``). An option: only callers that model the
+        overlap use it."""
+        cpu = self.profile.require_cpu("host-memory sharing")
+        return share_host_bandwidth(self.cpu_read_bytes_per_s(), self.profile.h2d_bytes_per_s,
+                                    cpu.host_memory_bytes_per_s)
 
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self) -> int:

@@ -74,6 +74,16 @@ def _num(df: pd.DataFrame, col: str) -> np.ndarray:
     return pd.to_numeric(df[col], errors="coerce").to_numpy(float)
 
 
+def _flag(df: pd.DataFrame, col: str) -> np.ndarray:
+    """``df[col]`` as booleans: True, "True" or a number > 0 (a mean over seeds); False
+    where missing."""
+    if col not in df.columns:
+        return np.zeros(len(df), bool)
+    v = df[col]
+    num = pd.to_numeric(v, errors="coerce").to_numpy(float)
+    return (np.nan_to_num(num) > 0) | v.astype(str).str.lower().eq("true").to_numpy()
+
+
 def _ci(df: pd.DataFrame, col: str) -> np.ndarray | None:
     """The 95 % half-widths of ``col`` (None when the summary has none: one seed each)."""
     err = _num(df, f"{col}_ci95")
@@ -89,8 +99,9 @@ def latency(df: pd.DataFrame, q: str) -> tuple[str, str]:
 
 
 def is_lossy(df: pd.DataFrame, sys_c: str | None) -> np.ndarray:
-    """Per row: a lossy system (restricted routing)?"""
-    lossy = np.isfinite(_num(df, "substitution_rate"))
+    """Per row: a lossy system (restricted routing) or lossy expert format (quantised
+    experts: ``expert_format_lossy``)?"""
+    lossy = np.isfinite(_num(df, "substitution_rate")) | _flag(df, "expert_format_lossy")
     if sys_c is not None:  # a label's system: its name before the first "+"
         lossy |= df[sys_c].astype(str).str.split("+").str[0].isin(LOSSY_SYSTEMS).to_numpy()
     return lossy

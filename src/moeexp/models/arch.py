@@ -9,27 +9,27 @@ parameter). This is how a trace imported from elsewhere (``trace.source``) gets 
 model's bytes and compute, e.g. gpt-oss-20b: 24 MoE layers, 32 experts, top-4, hidden
 2880, expert intermediate 2880, 20.9 B parameters, 49.8 MB per expert in bf16.
 
-``expert_format`` says how the offloaded experts are held:
+``expert_format`` says how the offloaded experts are held (:mod:`moeexp.costmodel.formats`:
+bits, group sizes and sources of every format):
 
 - ``dense``: in the model's ``dtype`` (what the engine moves: MXFP4 checkpoints are
   dequantised on load);
 - ``mxfp4``: as gpt-oss stores them, 4.25 bits per weight of the expert matrices (4-bit
-  values plus one 8-bit scale per 32), biases in bf16: 13.2 MB per gpt-oss-20b expert.
+  values plus one 8-bit scale per 32), biases in bf16: 13.2 MB per gpt-oss-20b expert;
+- ``int8``, ``int4``, ``hqq3``, ``hqq2``: quantised matrices (scales and zero points
+  included), vectors in the model's dtype. A format whose group does not divide the
+  expert matrices is refused naming the formats the model can take.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
+from moeexp.costmodel.formats import check_format_fits, format_spec, matrix_bytes
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import TraceDims
-
-ExpertFormat = Literal["dense", "mxfp4"]
-EXPERT_FORMATS: tuple[str, ...] = ("dense", "mxfp4")
-#: Bits per weight of an MXFP4 block: 32 four-bit values share one 8-bit scale.
-MXFP4_BITS = 4 + 8 / 32
 
 
 def arch_dims(arch: Mapping[str, Any], *, dtype: str = "bfloat16",
@@ -48,9 +48,7 @@ def arch_dims(arch: Mapping[str, Any], *, dtype: str = "bfloat16",
     from moeexp.models.loading import _torch_dtype
     from moeexp.traces.recorder import trace_dims
 
-    if expert_format not in EXPERT_FORMATS:
-        raise ConfigError(f"{where}: expert_format={expert_format!r}; valid: "
-                          f"{', '.join(EXPERT_FORMATS)}")
+    format_spec(expert_format, where)
     spec = dict(arch)
     model_type = spec.pop("model_type", None)
     if model_type not in supported_model_types():
@@ -67,17 +65,22 @@ def arch_dims(arch: Mapping[str, Any], *, dtype: str = "bfloat16",
         raise ConfigError(f"{where}: arch does not build a {model_type} model: {exc}") from exc
     adapter = adapter_for(model)
     dims = trace_dims(adapter, spec_depth)
-    if expert_format == "mxfp4":
-        dims = replace(dims, expert_bytes=_mxfp4_expert_bytes(adapter))
+    if expert_format != "dense":
+        dense_bits = 8 * torch.empty((), dtype=torch_dtype).element_size()
+        dims = replace(dims, expert_bytes=_format_expert_bytes(adapter, expert_format,
+                                                               dense_bits, where))
     return dims
 
 
-def _mxfp4_expert_bytes(adapter: Any) -> int:
-    """Bytes of one routed expert held as MXFP4: matrices at 4.25 bits, vectors in bf16."""
+def _format_expert_bytes(adapter: Any, fmt: str, dense_bits: int, where: str) -> int:
+    """Bytes of one routed expert held in ``fmt``: matrices at the format's bits (scales
+    included), vectors in the model's dtype. Raises ConfigError if the model cannot take it."""
     experts = adapter.moe_layers()[0].experts
+    tensors = [getattr(experts, name) for name in adapter.expert_tensor_names]
+    check_format_fits(fmt, [tuple(p.shape[1:]) for p in tensors if p.dim() >= 3], where)
     total = 0.0
-    for name in adapter.expert_tensor_names:
-        p = getattr(experts, name)
+    for p in tensors:
         n = p.numel() // p.shape[0]
-        total += n * MXFP4_BITS / 8 if p.dim() >= 3 else n * 2
+        total += (matrix_bytes(fmt, tuple(p.shape[1:]), dense_bits) if p.dim() >= 3
+                  else n * dense_bits / 8)
     return int(round(total))

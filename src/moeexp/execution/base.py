@@ -1,0 +1,159 @@
+"""The execution-policy interface: where a missed expert runs. Pure decisions, no bytes, no torch.
+
+When a layer needs experts that are not on the GPU (not resident, no copy in flight), the
+mechanism asks the policy once per layer and pass::
+
+    place(misses, cost) -> Placement(cpu=(...), copy=(...), stream=(...))
+
+``misses`` (:class:`LayerMisses`) says which experts of layer ``l`` are missing, how many
+tokens each serves in this pass, the pass's token count, the resident experts' own tokens
+and how long the link is still busy; ``cost`` is the run's
+:class:`~moeexp.costmodel.roofline.CostModel` (its profile's ``cpu:`` block prices the CPU
+side). Every missed expert lands in exactly one of ``cpu`` (computed on the host CPU from
+host memory, only the hidden states cross the link), ``copy`` (copied, computed on the GPU
+and kept in the cache: today's behaviour) or ``stream`` (copied for this pass only, never
+cached: llama.cpp's large-batch offload, kTransformers' layer-wise prefill).
+
+A policy may keep experts on the GPU for the whole run (:meth:`ExecutionPolicy.gpu_resident`:
+kTransformers' hot experts, the layers llama.cpp does not put on the CPU), learned from the
+store split in :meth:`ExecutionPolicy.fit`. Settings the cost model cannot honour (a CPU
+policy on a profile with no ``cpu:`` block, a format the CPU has no kernel efficiency for)
+are refused by :meth:`ExecutionPolicy.check`, before any work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from moeexp.costmodel.roofline import CostModel
+from moeexp.errors import ConfigError
+from moeexp.registry import Registry
+from moeexp.traces.schema import Trace
+
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class LayerMisses:
+    """A layer's missed experts in one pass.
+
+    Attributes:
+        layer: l, the MoE layer.
+        experts: the missed experts' ids (int, distinct).
+        tokens: per missed expert, tokens routed to it in this pass (same order, >= 1).
+        pass_tokens: tokens in the pass (every sequence of the batch), >= each entry of
+            ``tokens``.
+        resident_tokens: per resident expert the layer uses, its tokens (the GPU's own work).
+        link_free_s: seconds until the link is free of copies already queued.
+    """
+
+    layer: int
+    experts: tuple[int, ...]
+    tokens: tuple[int, ...]
+    pass_tokens: int
+    resident_tokens: tuple[int, ...] = ()
+    link_free_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if len(self.experts) != len(self.tokens) or len(set(self.experts)) != len(self.experts):
+            raise ValueError(f"LayerMisses: {len(self.experts)} distinct experts needed for "
+                             f"{len(self.tokens)} token counts, got {self.experts}")
+        if any(n < 1 for n in self.tokens) or any(n > self.pass_tokens for n in self.tokens):
+            raise ValueError(f"LayerMisses: token counts {self.tokens} must be in 1.."
+                             f"pass_tokens={self.pass_tokens}")
+
+    @classmethod
+    def of(cls, layer: int, experts: Sequence[int], tokens: Sequence[int], pass_tokens: int,
+           resident_tokens: Sequence[int] = (), link_free_s: float = 0.0) -> LayerMisses:
+        """Build from any int sequences (numpy arrays included)."""
+        return cls(int(layer), tuple(int(e) for e in experts), tuple(int(n) for n in tokens),
+                   int(pass_tokens), tuple(int(n) for n in resident_tokens), float(link_free_s))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each missed expert of a layer runs (every missed expert in exactly one field).
+
+    Attributes:
+        cpu: experts computed on the host CPU.
+        copy: experts copied to the GPU, computed there and kept in the cache, in copy order.
+        stream: experts copied to the GPU for this pass only (computed, then dropped, never
+            inserted in the cache), in copy order after ``copy``.
+        predicted_s: the policy's predicted expert time of the layer, seconds, when it
+            computed one (not part of the decision's identity).
+    """
+
+    cpu: tuple[int, ...] = ()
+    copy: tuple[int, ...] = ()
+    stream: tuple[int, ...] = ()
+    predicted_s: float | None = field(default=None, compare=False)
+
+    def covers(self, misses: LayerMisses) -> bool:
+        """Every missed expert placed exactly once, nothing else."""
+        placed = self.cpu + self.copy + self.stream
+        return len(placed) == len(set(placed)) and set(placed) == set(misses.experts)
+
+
+class ExecutionPolicy:
+    """Base class: where missed experts run.
+
+    Args:
+        num_layers: L (injected by :func:`moeexp.execution.build_execution`).
+        num_experts: J (injected).
+    """
+
+    name: ClassVar[str] = "base"
+    #: computes experts on the CPU: needs a profile with a ``cpu:`` block
+    uses_cpu: ClassVar[bool] = True
+    #: needs :meth:`fit` on the store split before :meth:`place`
+    needs_store: ClassVar[bool] = False
+
+    def __init__(self, *, num_layers: int, num_experts: int) -> None:
+        if num_layers < 1 or num_experts < 1:
+            raise ConfigError(f"execution={self.name}: needs L >= 1 and J >= 1, got "
+                              f"{num_layers}, {num_experts}")
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+
+    def check(self, cost: CostModel) -> None:
+        """ConfigError when ``cost`` cannot price this policy (CPU block, format, dims)."""
+        if (cost.num_layers, cost.num_experts) != (self.num_layers, self.num_experts):
+            raise ConfigError(f"execution={self.name}: built for L={self.num_layers}, "
+                              f"J={self.num_experts}, the cost model has L={cost.num_layers}, "
+                              f"J={cost.num_experts}")
+        if self.needs_cpu():
+            cost.check_cpu(f"execution={self.name}")
+
+    def needs_cpu(self) -> bool:
+        """Whether these settings compute experts on the CPU (default: :attr:`uses_cpu`)."""
+        return self.uses_cpu
+
+    def fit(self, store: Trace) -> None:
+        """Learn from the store split (``hot_pinned`` ranks experts). Default: nothing."""
+
+    def gpu_resident(self) -> list[Key]:
+        """Experts this placement keeps on the GPU for the whole run. Default: none."""
+        return []
+
+    def place(self, misses: LayerMisses, cost: CostModel) -> Placement:
+        """Where each of ``misses.experts`` runs."""
+        raise NotImplementedError
+
+    def _check_layer(self, misses: LayerMisses) -> None:
+        if not 0 <= misses.layer < self.num_layers:
+            raise ValueError(f"execution={self.name}: layer {misses.layer} outside 0..{self.num_layers - 1}")
+
+
+def heaviest_first(misses: LayerMisses) -> list[int]:
+    """Indices into ``misses.experts``, most tokens first (ties: lower expert id first)."""
+    tok = np.asarray(misses.tokens, dtype=np.int64)
+    ids = np.asarray(misses.experts, dtype=np.int64)
+    return [int(i) for i in np.lexsort((ids, -tok))]
+
+
+#: The ``execution`` config group's registry.
+EXECUTIONS: Registry[ExecutionPolicy] = Registry("execution")
