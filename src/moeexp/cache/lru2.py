@@ -1,0 +1,58 @@
+"""``lru2``: LRU-2 (O'Neil, O'Neil and Weikum, SIGMOD 1993) over all layers' experts.
+
+Evict the resident expert whose second-to-last use is oldest. A use is an access (a layer
+computing with the expert); an insert (a prefetch or an on-demand load) is not a use. An
+expert used fewer than two times since it became resident has no second-to-last use and
+goes first; among those, the least recently used (or, never used, least recently inserted)
+goes first; then the lowest ``(layer, expert)``. History is forgotten at eviction, as
+``lfu``'s in-cache counts are. The victim comes from :class:`RankedPolicy`'s heap: a key's
+rank changes only at its own insert and accesses.
+"""
+
+from __future__ import annotations
+
+from moeexp.cache.base import CACHES, Key, RankedPolicy
+
+
+@CACHES.register("lru2")
+class LRU2Cache(RankedPolicy):
+    """Least recent second-to-last use first.
+
+    Args:
+        capacity_slots: total slots (all layers share one pool).
+        num_layers: L.
+        num_experts: J.
+    """
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
+        super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
+                         num_experts=num_experts)
+        self._uses: dict[Key, list[int]] = {}  # resident key -> its last two uses' ``now``
+        self._inserted: dict[Key, int] = {}  # resident key -> ``now`` of its insert
+
+    def rank(self, key: Key) -> tuple[int, int]:
+        """(second-to-last use or -1, last use or else the insert): lowest is evicted."""
+        uses = self._uses[key]
+        second = uses[0] if len(uses) == 2 else -1
+        last = uses[-1] if uses else self._inserted[key]
+        return (second, last)
+
+    def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
+        if key not in self.resident:
+            self._uses[key] = []
+            self._inserted[key] = now
+        super().on_insert(key, now, prefetched)  # re-ranks key
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        uses = self._uses.get(key)
+        if uses is None:
+            return  # not resident: nothing to rank
+        uses.append(now)
+        if len(uses) > 2:
+            del uses[0]
+        super().on_access(key, now, hit)  # re-ranks key
+
+    def on_evict(self, key: Key) -> None:
+        super().on_evict(key)
+        self._uses.pop(key, None)
+        self._inserted.pop(key, None)
