@@ -2,11 +2,13 @@
 
 Evict the resident expert whose second-to-last use is oldest. A use is an access (a layer
 computing with the expert); an insert (a prefetch or an on-demand load) is not a use. An
-expert used fewer than two times since it became resident has no second-to-last use and
-goes first; among those, the least recently used (or, never used, least recently inserted)
-goes first; then the lowest ``(layer, expert)``. History is forgotten at eviction, as
-``lfu``'s in-cache counts are. The victim comes from :class:`RankedPolicy`'s heap: a key's
-rank changes only at its own insert and accesses.
+expert used fewer than two times has no second-to-last use and goes first; among those, the
+least recently used (or, never used, least recently inserted) goes first; then the lowest
+``(layer, expert)``. Every expert's last two uses are kept across evictions, as LRU-K's
+history is (its "retained information period" unbounded here: there are only L * J
+experts): an expert that returns is ranked by its uses before it left. (LRU-K's
+"correlated reference period" is not modelled.) The victim comes from
+:class:`RankedPolicy`'s heap: a key's rank changes only at its own insert and accesses.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class LRU2Cache(RankedPolicy):
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
-        self._uses: dict[Key, list[int]] = {}  # resident key -> its last two uses' ``now``
+        self._uses: dict[Key, list[int]] = {}  # key -> ``now`` of its last two uses, oldest first
         self._inserted: dict[Key, int] = {}  # resident key -> ``now`` of its insert
 
     def rank(self, key: Key) -> tuple[int, int]:
@@ -39,14 +41,14 @@ class LRU2Cache(RankedPolicy):
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         if key not in self.resident:
-            self._uses[key] = []
+            self._uses.setdefault(key, [])
             self._inserted[key] = now
         super().on_insert(key, now, prefetched)  # re-ranks key
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
-        uses = self._uses.get(key)
-        if uses is None:
+        if key not in self._inserted:
             return  # not resident: nothing to rank
+        uses = self._uses[key]
         uses.append(now)
         if len(uses) > 2:
             del uses[0]
@@ -54,5 +56,4 @@ class LRU2Cache(RankedPolicy):
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
-        self._uses.pop(key, None)
-        self._inserted.pop(key, None)
+        self._inserted.pop(key, None)  # its uses stay: they rank it when it returns

@@ -52,28 +52,34 @@ def test_fewer_than_two_uses_go_first() -> None:
         c.victim(D, {A, B, C}, 9)
 
 
-def test_history_is_forgotten_at_eviction() -> None:
-    """A used at t=1, 2, then evicted and reinserted at t=5 and used once at t=6: it starts
-    again with one use, so it goes before B (used at 3 and 4) although B is less recent."""
+def test_history_survives_eviction() -> None:
+    """A used at t=1 and t=7, then evicted; B inserted at t=2 and used at 2 and 3. A returns
+    at t=10 and is used once: its last two uses are 7 and 10 (its use at 7 was kept while it
+    was away), B's are 2 and 3 -> B goes, not the just-returned A."""
     c = build(cap=2)
     c.on_insert(A, 0, prefetched=False)
     c.on_access(A, 1, hit=False)
-    c.on_access(A, 2, hit=True)
-    c.on_insert(B, 3, prefetched=False)
-    c.on_access(B, 3, hit=False)
-    c.on_access(B, 4, hit=True)
+    c.on_insert(B, 2, prefetched=False)
+    c.on_access(B, 2, hit=False)
+    c.on_access(B, 3, hit=True)
+    c.on_access(A, 7, hit=True)
     c.on_evict(A)
-    c.on_insert(A, 5, prefetched=False)
-    c.on_access(A, 6, hit=False)
-    assert c.victim(C, set(), 7) == A
-    assert c.rank(A) == (-1, 6) and c.rank(B) == (3, 4)
+    c.on_insert(C, 8, prefetched=False)
+    c.on_evict(C)
+    c.on_insert(A, 10, prefetched=False)
+    c.on_access(A, 10, hit=False)
+    assert c.rank(A) == (7, 10) and c.rank(B) == (2, 3)
+    assert c.victim(D, set(), 11) == B
 
 
 def test_access_of_a_key_not_resident_is_ignored() -> None:
-    """An access of a key that is not resident changes nothing (no rank, no resident)."""
+    """An access of a key that is not resident changes nothing: A accessed at t=0 while
+    away, then inserted at t=3 and never used, ranks by its insert alone."""
     c = build(cap=1)
     c.on_access(A, 0, hit=False)
     assert c.resident == set() and c.victim(A, set(), 1) is None
+    c.on_insert(A, 3, prefetched=True)
+    assert c.rank(A) == (-1, 3)
 
 
 def test_room_means_no_victim() -> None:
