@@ -22,7 +22,7 @@ Victim choice, from the slowest to the fastest way to write a policy:
   accesses ran 5.5x slower than ``lru`` this way);
 - subclass :class:`RankedPolicy` and define :meth:`RankedPolicy.rank`: when a key's rank
   changes only at that key's own events (its insert and its accesses), the victim comes from
-  a lazy heap, O(log n) per event (``lru2``);
+  a lazy heap, O(log n) per key touched between two evictions (``lru2``);
 - rank by a matrix that changes for many keys at once (predictor scores): keep a float[L, J]
   priority and call :meth:`CachePolicy.lowest_priority` (``finemoe``, ``moe_infinity``);
 - keep an ordered structure yourself and override ``victim`` (``lru``: O(1)).
@@ -184,19 +184,22 @@ class RankedPolicy(CachePolicy):
 
     Contract: a key's rank may change only at that key's own events. A subclass updates its
     state in ``on_insert`` / ``on_access`` / ``on_evict`` and then calls ``super()``, which
-    re-ranks the key (it pushes ``(rank(key), key)`` onto a heap; an older entry of the key
-    becomes stale and is skipped when it reaches the top). A rank that moves with the clock
-    or with another key's events (predictor scores, ``now`` - last use) breaks the contract:
-    use :meth:`CachePolicy.lowest_priority` or :meth:`CachePolicy.choose` for those.
-    Costs: O(log n) per insert or access, O(log n) amortised per victim, plus the protected
-    keys met at the heap's top (they are few: the running layer's experts, copies in flight).
+    marks the key for re-ranking; the next :meth:`victim` pushes ``(rank(key), key)`` of each
+    marked key onto a heap (an older entry of the key becomes stale and is skipped when it
+    reaches the top). A rank that moves with the clock or with another key's events
+    (predictor scores, ``now`` - last use) breaks the contract: use
+    :meth:`CachePolicy.lowest_priority` or :meth:`CachePolicy.choose` for those.
+    Costs: O(log n) per key touched between two evictions, O(log n) amortised per victim,
+    plus the protected keys met at the heap's top (they are few: the running layer's
+    experts, copies in flight).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         self._heap: list[tuple[Any, Key, int]] = []  # (rank, key, stamp); stale ones included
-        self._stamp: dict[Key, int] = {}  # resident key -> the stamp of its current entry
+        self._stamp: dict[Key, int] = {}  # ranked resident key -> its current entry's stamp
+        self._touched: set[Key] = set()  # resident keys whose rank may have changed
         self._pushes = 0
 
     def rank(self, key: Key) -> Any:
@@ -204,18 +207,23 @@ class RankedPolicy(CachePolicy):
         every other key's rank, e.g. a tuple of ints). Subclasses define it."""
         raise NotImplementedError
 
-    def _rerank(self, key: Key) -> None:
-        self._pushes += 1
-        self._stamp[key] = self._pushes
-        heappush(self._heap, (self.rank(key), key, self._pushes))
-        if len(self._heap) > 2 * len(self._stamp) + 64:  # drop stale entries: O(n), rarely
-            stamp = self._stamp
-            self._heap = [e for e in self._heap if stamp.get(e[1]) == e[2]]
+    def _rerank_touched(self) -> None:
+        heap, stamp, rank, n = self._heap, self._stamp, self.rank, self._pushes
+        for key in self._touched:
+            n += 1
+            stamp[key] = n
+            heappush(heap, (rank(key), key, n))
+        self._pushes = n
+        self._touched.clear()
+        if len(heap) > 2 * len(stamp) + 64:  # drop stale entries: O(n), rarely
+            self._heap = [e for e in heap if stamp.get(e[1]) == e[2]]
             heapify(self._heap)
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         if self.has_room(incoming):
             return None
+        if self._touched:
+            self._rerank_touched()
         heap, stamp, held = self._heap, self._stamp, []
         try:
             while heap:
@@ -239,15 +247,16 @@ class RankedPolicy(CachePolicy):
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
-        self._rerank(key)
+        self._touched.add(key)
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
-        if key in self._stamp:
-            self._rerank(key)
+        if key in self.resident:
+            self._touched.add(key)
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
         self._stamp.pop(key, None)
+        self._touched.discard(key)
 
 
 CACHES: Registry[CachePolicy] = Registry("cache")

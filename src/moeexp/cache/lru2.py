@@ -29,30 +29,26 @@ class LRU2Cache(RankedPolicy):
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
-        self._uses: dict[Key, list[int]] = {}  # key -> ``now`` of its last two uses, oldest first
+        self._uses: dict[Key, tuple[int, int]] = {}  # key -> ``now`` of its (second-to-last,
+        #   last) use, -1 for none; kept across evictions
         self._inserted: dict[Key, int] = {}  # resident key -> ``now`` of its insert
 
     def rank(self, key: Key) -> tuple[int, int]:
         """(second-to-last use or -1, last use or else the insert): lowest is evicted."""
-        uses = self._uses[key]
-        second = uses[0] if len(uses) == 2 else -1
-        last = uses[-1] if uses else self._inserted[key]
-        return (second, last)
+        second, last = self._uses[key]
+        return (second, last if last >= 0 else self._inserted[key])
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         if key not in self.resident:
-            self._uses.setdefault(key, [])
+            self._uses.setdefault(key, (-1, -1))
             self._inserted[key] = now
-        super().on_insert(key, now, prefetched)  # re-ranks key
+        super().on_insert(key, now, prefetched)  # marks key to be re-ranked
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         if key not in self._inserted:
             return  # not resident: nothing to rank
-        uses = self._uses[key]
-        uses.append(now)
-        if len(uses) > 2:
-            del uses[0]
-        super().on_access(key, now, hit)  # re-ranks key
+        self._uses[key] = (self._uses[key][1], now)
+        super().on_access(key, now, hit)  # marks key to be re-ranked
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)

@@ -76,12 +76,13 @@ def test_ranked_victim_is_lowest_rank_then_lowest_key() -> None:
 
 
 def test_ranked_heap_drops_stale_entries() -> None:
-    """10,000 accesses of 3 resident keys leave the heap bounded (stale entries are
-    dropped), and the victim still follows the rank."""
+    """10,000 accesses of 3 resident keys, each followed by a victim query, leave the heap
+    bounded (stale entries are dropped), and the victim still follows the rank."""
     c = _ByExpert(capacity_slots=3, num_layers=1, num_experts=4)
     for k in [(0, 3), (0, 1), (0, 2)]:
         c.on_insert(k, 0, prefetched=True)
     for t in range(10_000):
         c.on_access((0, 1 + t % 3), t, hit=True)
+        assert c.victim((0, 0), {(0, 1)}, t) == (0, 2)
     assert len(c._heap) <= 2 * 3 + 64 + 1
     assert c.victim((0, 0), set(), 10_000) == (0, 1)
