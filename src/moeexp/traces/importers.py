@@ -12,7 +12,7 @@ request and token) and writes it in the interchange format to
                      each with router_data = [{"token_N": {"layer_l": {"selected_experts":
                      [4 ids], "selected_probs": [4 weights]}}}, ...] for decode steps only
     gpt-oss-repack   that trace repacked losslessly (routing.npz: experts, probs, offsets;
-                     requests.jsonl), as in ../shared/data/gpt-oss-20b-routing
+                     requests.jsonl): a directory such as gpt-oss-20b-routing/
 
 The embedded subset ``src/moeexp/assets/routing/gpt_oss_20b`` (``trace.source=gpt_oss_20b``)
 is :func:`shipped_subset` of the full import: :data:`SUBSET_SIZE` non-repetitive requests

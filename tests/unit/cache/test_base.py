@@ -1,4 +1,5 @@
-"""CachePolicy.lowest_priority: the matrix victim rule equals the candidate-list rule."""
+"""CachePolicy.lowest_priority (the matrix victim rule) and RankedPolicy (the heap) pick what
+the candidate-list rule picks."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 import pytest
 
 from moeexp.cache import CACHES
-from moeexp.cache.base import CachePolicy
+from moeexp.cache.base import CachePolicy, RankedPolicy
 from moeexp.errors import ConfigError
 
 
@@ -46,3 +47,42 @@ def test_matrix_victim_equals_the_candidate_list_rule(name: str, kw: dict) -> No
     for k in c.resident:
         mask[k] = True
     assert np.array_equal(c.resident_mask, mask)
+
+
+class _ByExpert(RankedPolicy):
+    """A toy RankedPolicy: rank = the expert's index, fixed (ties across layers by key)."""
+
+    name = "by_expert"
+
+    def rank(self, key: tuple[int, int]) -> int:
+        return key[1]
+
+
+def test_ranked_victim_is_lowest_rank_then_lowest_key() -> None:
+    """Residents (1,0), (0,2), (0,0): ranks 0, 2, 0 -> the tie on 0 goes to the lower key
+    (0,0); with (0,0) protected, (1,0); with both protected, (0,2); with all protected, a
+    ConfigError naming the capacity; protected keys met on the heap's top are kept."""
+    c = _ByExpert(capacity_slots=3, num_layers=2, num_experts=3)
+    for t, k in enumerate([(1, 0), (0, 2), (0, 0)]):
+        c.on_insert(k, t, prefetched=False)
+    assert c.victim((1, 1), set(), 3) == (0, 0)
+    assert c.victim((1, 1), {(0, 0)}, 3) == (1, 0)
+    assert c.victim((1, 1), {(0, 0), (1, 0)}, 3) == (0, 2)
+    with pytest.raises(ConfigError, match="no evictable expert.*3 slots"):
+        c.victim((1, 1), set(c.resident), 3)
+    assert c.victim((1, 1), set(), 3) == (0, 0)  # the held entries went back
+    c.on_evict((0, 0))
+    assert c.victim((1, 1), set(), 4) is None  # room again
+
+
+def test_ranked_heap_drops_stale_entries() -> None:
+    """10,000 accesses of 3 resident keys, each followed by a victim query, leave the heap
+    bounded (stale entries are dropped), and the victim still follows the rank."""
+    c = _ByExpert(capacity_slots=3, num_layers=1, num_experts=4)
+    for k in [(0, 3), (0, 1), (0, 2)]:
+        c.on_insert(k, 0, prefetched=True)
+    for t in range(10_000):
+        c.on_access((0, 1 + t % 3), t, hit=True)
+        assert c.victim((0, 0), {(0, 1)}, t) == (0, 2)
+    assert len(c._heap) <= 2 * 3 + 64 + 1
+    assert c.victim((0, 0), set(), 10_000) == (0, 1)
