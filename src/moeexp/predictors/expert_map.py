@@ -24,6 +24,16 @@ than K (``use_delta=False``: exactly K), and never one of probability 0: stored 
 rounded (float16 offline, float32 online), so a row may sum to 0.99991 and, with δ = 1, the
 running sum would otherwise never reach δ and take every zero-probability expert too.
 
+``selection`` (default ``paper``, the above) runs one of the authors' artifact rules
+instead (:mod:`moeexp.predictors.expert_map_select` documents each with its source file and
+commit of ``IntelliSys-Lab/FineMoE-EuroSys26``; algorithms.md §10): ``v0_tail`` (V0 at
+``6d063946``, ``moe_infinity/runtime/model_offload.py`` ``_select_by_cumsum``: keeps the
+experts from where the running sum reaches δ on, the tail, plus the K most probable) or
+``v1_window`` (V1 at ``5c584686``, ``finemoe/runtime/model_offload.py``
+``process_expert_map``: ``+= 1e-6`` on the window's whole priority map, so every expert of
+the predicted layer is prefetched). Each is one integer per (row, score), so the memos, the
+store-wide tables and the batch path serve every rule alike.
+
 Choices where the paper is silent (config keys where useful):
 
 - Batches: each request of the batch is one query (its key pooled over its token rows, its
@@ -58,7 +68,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from bisect import bisect_left
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Literal, NamedTuple
@@ -74,6 +83,17 @@ from moeexp.predictors.base import (
     Predictor,
     Prefetch,
 )
+from moeexp.predictors.expert_map_select import (
+    DELTA_TOL,
+    SELECTIONS,
+    V1_EPSILON,
+    RowSelection,
+    Selection,
+    artifact_counts,
+    positions,
+    select_experts,
+    taken_mask,
+)
 from moeexp.predictors.expert_map_store import ExpertMapStore, unit_rows
 from moeexp.traces.schema import Trace, TraceDims
 
@@ -87,72 +107,9 @@ PREFILL_RULES = ("paper", "token_union", "none")
 
 #: Semantic-search results remembered per store version (distinct query keys).
 MEMO_ENTRIES = 1 << 16
-#: Cumulative-probability tolerance of δ selection (float rounding of the running sum).
-DELTA_TOL = 1e-9
 
-
-def select_experts(probs: np.ndarray, score: float, k: int, use_delta: bool = True) -> np.ndarray:
-    """FineMoE's δ selection on one probability vector.
-
-    Args:
-        probs: float[J] probabilities of one layer (sum 1).
-        score: the similarity of the match that produced ``probs`` (cosine, may be < 0).
-        k: the minimum number of experts (K).
-        use_delta: False: exactly ``k`` experts.
-
-    Returns:
-        int64[n] experts in descending probability, ``k <= n <= J``: the shortest prefix whose
-        cumulative probability reaches δ = clip(1 − score, 0, 1), cut at the last expert of
-        non-zero probability (a rounded row can sum to less than δ = 1), extended to ``k``.
-    """
-    order = np.argsort(-probs, kind="stable")
-    if not use_delta:
-        return order[:k]
-    delta = min(max(1.0 - float(score), 0.0), 1.0)
-    csum = np.cumsum(probs[order], dtype=np.float64)
-    n = int(np.count_nonzero(csum < delta - DELTA_TOL)) + 1
-    # Zero-probability experts sort last and can never be needed to reach δ; without this
-    # a float16-stored row summing to 0.99991 takes them all when δ = 1.
-    n = min(n, int(np.count_nonzero(probs > 0)))
-    return order[: min(max(n, k), len(probs))]
-
-
-class RowSelection(NamedTuple):
-    """What δ selection needs of one stored map row at one layer, computed once.
-
-    Attributes:
-        p: read-only float64[J] the row's probabilities (the ``scores`` hint).
-        order: experts in descending probability (stable), as :func:`select_experts`.
-        csum: cumulative probabilities along ``order`` (float64, as there).
-        nonzero: experts of non-zero probability.
-    """
-
-    p: np.ndarray
-    order: np.ndarray
-    csum: list[float]
-    nonzero: int
-
-    @classmethod
-    def of(cls, probs: np.ndarray) -> RowSelection:
-        """The selection data of ``probs`` (float64[J], copied)."""
-        p = np.array(probs, dtype=np.float64)
-        p.setflags(write=False)
-        order = np.argsort(-p, kind="stable")
-        order.setflags(write=False)
-        return cls(p, order, np.cumsum(p[order], dtype=np.float64).tolist(),
-                   int(np.count_nonzero(p > 0)))
-
-    def num_selected(self, score: float, k: int, use_delta: bool) -> int:
-        """How many experts :func:`select_experts` takes for match ``score`` (same rule:
-        the running sums are non-decreasing, so counting those below δ is a bisection)."""
-        J = len(self.csum)
-        if not use_delta:
-            return min(k, J)
-        delta = min(max(1.0 - float(score), 0.0), 1.0)
-        n = min(bisect_left(self.csum, delta - DELTA_TOL) + 1, self.nonzero)
-        return min(max(n, k), J)
-
-
+__all__ = ["DELTA_TOL", "SELECTIONS", "ExpertMapPredictor", "RowSelection", "pool_keys",
+           "select_experts"]
 class _Preview(NamedTuple):
     """One pass's trajectory searches (:meth:`ExpertMapPredictor.preview_pass`).
 
@@ -198,6 +155,8 @@ class ExpertMapPredictor(Predictor):
             expert_map.yaml`` runs ``token_union``, chosen on TTFT (issue 11).
         predict_decode_layer0: false: no prediction for layer 0 of a decode iteration
             (the authors' V2).
+        selection: ``paper`` (δ selection, algorithms.md §5) | ``v0_tail`` | ``v1_window``
+            (the authors' artifact selections, algorithms.md §10; module docstring).
 
     On a routing-only trace (imported, top-k weights only: :attr:`Trace.capabilities`) the
     maps are the scattered top-k weights (zero outside the K selected experts), and the
@@ -223,6 +182,7 @@ class ExpertMapPredictor(Predictor):
         min_experts: int | None = None,
         prefill: PrefillRule = "paper",
         predict_decode_layer0: bool = True,
+        selection: Selection = "paper",
     ) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
@@ -237,6 +197,11 @@ class ExpertMapPredictor(Predictor):
             (use_semantic or use_trajectory, "use_semantic and use_trajectory are both false"),
             (prefill in PREFILL_RULES,
              f"prefill={prefill!r}; valid: {', '.join(PREFILL_RULES)}"),
+            (selection in SELECTIONS,
+             f"selection={selection!r}; valid: {', '.join(SELECTIONS)}"),
+            (use_delta or selection == "paper",
+             f"selection={selection} is a δ rule of the authors' artifact: it needs "
+             "use_delta=true (use_delta=false takes exactly K, the paper's ablation)"),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:
@@ -252,6 +217,10 @@ class ExpertMapPredictor(Predictor):
             bool(use_semantic), bool(use_trajectory), bool(use_delta))
         self.prefill: PrefillRule = prefill
         self.predict_decode_layer0 = bool(predict_decode_layer0)
+        self.selection: Selection = selection
+        if selection != "paper":
+            log.info("predictor=expert_map: selection=%s (the authors' artifact, "
+                     "algorithms.md §10), not the paper's δ selection", selection)
         self._silent = False  # this pass predicts nothing (prefill: none)
         self._queries: list[np.ndarray] = []  # token rows of each search query
         if not self.use_semantic:  # no semantic key: no embeddings needed
@@ -378,7 +347,8 @@ class ExpertMapPredictor(Predictor):
         row, sc = int(rows[0]), float(score[0])
         self._fresh_memos()
         sels = [self._selection(layer, row) for layer in layers]
-        counts = tuple(sel.num_selected(sc, self.k, self.use_delta) for sel in sels)
+        counts = tuple(sel.num_selected(sc, self.k, self.use_delta, self.selection)
+                       for sel in sels)
         got = self._start_preds.get((row, first, counts))
         if got is not None:
             return got
@@ -557,12 +527,15 @@ class ExpertMapPredictor(Predictor):
         holds +inf from index nonzero - 1 on, so 1 + #(capped < δ - tol) is min(that count
         + 1, max(nonzero, 1)): the same n, or 1 where n is 0, which max(·, k ≥ 1) makes the
         same; and n ≤ J already. δ's clip in float64, as there."""
-        capped = self._tables()[3]
+        _, csum, nz, capped = self._tables()
         n_rows, J, k = capped.shape[1], capped.shape[2], self.k
         if not self.use_delta:
             return np.full(len(rows), min(k, J), dtype=np.int64)
         flat = layers * n_rows + rows  # (layer, row) as one index: one gather, not two
         delta = np.clip(1.0 - np.asarray(score, dtype=np.float64), 0.0, 1.0)
+        if self.selection != "paper":  # an artifact rule's count (expert_map_select)
+            return artifact_counts(csum.reshape(-1, J).take(flat, axis=0),
+                                   nz.reshape(-1).take(flat), delta, k, self.selection)
         below = capped.reshape(-1, J).take(flat, axis=0) < (delta - DELTA_TOL)[:, None]
         return np.maximum(below.sum(axis=1) + 1, k)  # int64[N]
 
@@ -614,20 +587,34 @@ class ExpertMapPredictor(Predictor):
             self._emit_one(pred, layer, int(rows[0]), float(score[0]), distance)
             return
         if self.mode == "offline":  # every query's δ selection at once, on the tables
-            taken = self._tables()[0][layer, rows]  # [B, J] each row's experts, best first
+            order_t, _, nz_t, _ = self._tables()
+            taken = order_t[layer, rows]  # [B, J] each row's experts, best first
             counts = self._counts(np.full(len(rows), layer), rows, score)
-            experts = np.unique(taken[np.arange(taken.shape[1]) < counts[:, None]])
+            mask = taken_mask(counts, nz_t[layer, rows], self.k, taken.shape[1], self.selection)
+            experts = np.unique(taken[mask])
+            head = (set(np.unique(taken[taken_mask(counts, nz_t[layer, rows], self.k,
+                                                   taken.shape[1], "paper")]).tolist())
+                    if self.selection == "v1_window" else None)
         else:
             chosen: set[int] = set()
+            head = set() if self.selection == "v1_window" else None
             for r, sc in zip(rows.tolist(), score, strict=True):  # select_experts per query
                 sel = self._selection(layer, r)
-                chosen.update(sel.order[: sel.num_selected(float(sc), self.k,
-                                                           self.use_delta)].tolist())
+                c = sel.num_selected(float(sc), self.k, self.use_delta, self.selection)
+                chosen.update(sel.taken(c, self.k, self.selection).tolist())
+                if head is not None:
+                    head.update(sel.order[:c].tolist())
             experts = np.array(sorted(chosen), dtype=np.int64)
         p = self.store.maps[layer, rows].max(axis=0)  # [B, J] -> [J]
         pred.scores[layer] = p
         pred.predicted[layer] = np.sort(experts)
-        pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e)) for e in experts)
+        if head is None:
+            pred.prefetch.extend(Prefetch(float(p[e]) / distance, layer, int(e))
+                                 for e in experts)
+        else:  # v1_window: the heads at p / distance + ε, every other expert at ε
+            pred.prefetch.extend(Prefetch(
+                (float(p[e]) / distance if e in head else 0.0) + V1_EPSILON, layer, e)
+                for e in experts.tolist())
 
     def _fresh_memos(self) -> None:
         """Drop the selection memos and tables if the store changed since they were made."""
@@ -711,7 +698,8 @@ class ExpertMapPredictor(Predictor):
         """One query's emit for ``layer`` from stored ``row`` matched with ``score``
         (:meth:`_emit_of` with the number of experts δ selection takes)."""
         sel = self._selection(layer, row)
-        return self._emit_of(layer, row, sel.num_selected(score, self.k, self.use_delta),
+        return self._emit_of(layer, row, sel.num_selected(score, self.k, self.use_delta,
+                                                          self.selection),
                              distance, sel.p, sel.order)
 
     def _emit_of(self, layer: int, row: int, n: int, distance: int, p: np.ndarray,
@@ -725,13 +713,21 @@ class ExpertMapPredictor(Predictor):
         key = (layer, row, n, distance)
         out = self._out.get(key)
         if out is None:
-            experts = order[:n]  # descending probability: the prefetch order
+            if self.selection == "paper":
+                experts = order[:n]  # descending probability: the prefetch order
+            else:  # an artifact rule: n is its count (expert_map_select.positions)
+                experts = order[positions(n, int(np.count_nonzero(p > 0)), self.k, len(p),
+                                          self.selection)]
             chosen = experts.copy()
             chosen.sort()  # in place: a third of np.sort's time on a few experts
             chosen.setflags(write=False)
             pl = p.tolist()
-            out = self._out[key] = (p, chosen, [Prefetch(pl[e] / distance, layer, e)
-                                                for e in experts.tolist()])
+            if self.selection == "v1_window":  # head at p / distance + ε, the rest at ε
+                prefetch = [Prefetch((pl[e] / distance if i < n else 0.0) + V1_EPSILON,
+                                     layer, e) for i, e in enumerate(experts.tolist())]
+            else:
+                prefetch = [Prefetch(pl[e] / distance, layer, e) for e in experts.tolist()]
+            out = self._out[key] = (p, chosen, prefetch)
         return out
 
     def end_iteration(self) -> None:

@@ -387,7 +387,8 @@ def test_row_selection_takes_what_select_experts_takes() -> None:
                     assert sel.order[: sel.num_selected(score, k, use_delta)].tolist() == want
 
 
-def test_batch_emit_is_the_union_of_each_querys_select_experts() -> None:
+@pytest.mark.parametrize("selection", ["paper", "v0_tail"])
+def test_batch_emit_is_the_union_of_each_querys_select_experts(selection: str) -> None:
     """Several queries (a batch, a token_union prefill): the experts predicted are the
     union of select_experts on each matched row, the hint is the per-expert max of the
     rows, the priorities p / distance best first by expert; the offline path (every
@@ -409,18 +410,24 @@ def test_batch_emit_is_the_union_of_each_querys_select_experts() -> None:
         score[t % len(rows)] = (-1.0, 0.0, 1.0)[t % 3]
         queries.append((t % L, rows, score))
     for k, use_delta in ((1, True), (2, True), (3, False)):
+        if selection != "paper" and not use_delta:
+            continue  # an artifact rule needs δ
         got = []
         for mode in ("offline", "online"):
+            if selection != "paper" and not use_delta:
+                continue  # an artifact rule needs δ
             pred = ExpertMapPredictor(dims=dims(L, J, k, 2), prefetch_distance=1, mode=mode,
-                                      store_capacity=C, use_delta=use_delta)
+                                      store_capacity=C, use_delta=use_delta,
+                                      selection=selection)  # type: ignore[arg-type]
             pred.store.add(keys, maps, np.arange(C))
             out = []
             for layer, rows, score in queries:
                 pred_t = Prediction()
                 pred._emit(pred_t, layer, rows, score, distance=2)
                 stored = pred.store.maps[layer, rows]
-                want = sorted(set().union(*(select_experts(stored[i], score[i], k, use_delta)
-                                            .tolist() for i in range(len(rows)))))
+                want = sorted(set().union(*(select_experts(
+                    stored[i], score[i], k, use_delta, selection).tolist()  # type: ignore
+                    for i in range(len(rows)))))
                 assert pred_t.predicted[layer].tolist() == want
                 assert np.array_equal(pred_t.scores[layer], stored.max(axis=0))
                 assert pairs(pred_t) == [(layer, e, round(float(stored.max(axis=0)[e]) / 2, 6))
@@ -463,7 +470,8 @@ def _hook_keys(pred: ExpertMapPredictor, trace: Trace, fresh: bool) -> list[tupl
 
 
 @pytest.mark.parametrize("cfg", [{}, {"use_delta": False}, {"predict_decode_layer0": False},
-                                 {"prefill": "token_union"}])
+                                 {"prefill": "token_union"}, {"selection": "v0_tail"},
+                                 {"selection": "v1_window", "prefill": "token_union"}])
 def test_memoised_predictions_equal_freshly_made_ones(cfg: dict) -> None:
     """The per-store-version memos (whole Predictions of one query's trajectory step and
     iteration start, emits, row selections, tables) return what a miss makes: a replay
@@ -482,4 +490,7 @@ def test_memoised_predictions_equal_freshly_made_ones(cfg: dict) -> None:
     assert _hook_keys(cold, test, fresh=True) == first
     assert warm._start_preds and warm._preds  # the memos were used
     sizes = {len(v) for _, _, predicted in first for v in predicted.values()}
-    assert len(sizes) > (1 if cfg.get("use_delta", True) else 0)  # rows take 2, 3, ... experts
+    if cfg.get("selection") == "v1_window":  # every expert of every predicted layer
+        assert sizes == {6}
+    else:
+        assert len(sizes) > (1 if cfg.get("use_delta", True) else 0)  # rows take 2, 3, ...
