@@ -17,6 +17,10 @@ experiment defines by renaming ``system.name``, e.g. the predictor ablation's ``
 is its own label. A run's choice of a group is its ``<group>.name`` (the registry key, the
 option file's name), so ``cache=lfu`` and ``cache.name=lfu`` label alike.
 
+A run with ``dataset.store_leak`` set (the authors' demo leak, test prompts in the store)
+has ``+store_leak=<name>`` appended, whatever else it ran: such a row never passes for a
+clean one (its baseline is named alike, e.g. ``deepspeed+store_leak=artifact_demo``).
+
 The label names the job folder of a sweep (``hydra.sweep.subdir:
 ${hydra.job.num}_${moeexp.label:}``, the resolver :func:`register_resolver` installs),
 the run's log lines, ``metrics.json`` (``label``), the W&B run name and tag, the rows of
@@ -59,7 +63,10 @@ def config_label(cfg: Mapping[str, Any], conf_dir: str | Path | None = None) -> 
     if system is None:
         raise KeyError("the config has no system.name to label the run with")
     groups = bundle_choices(system, conf_dir) or {}
-    return run_label(system, {g: _name(cfg, g) for g in groups}, conf_dir)
+    label = run_label(system, {g: _name(cfg, g) for g in groups}, conf_dir)
+    dataset = cfg.get("dataset") if isinstance(cfg, Mapping) else None
+    leak = dataset.get("store_leak") if isinstance(dataset, Mapping) else None
+    return label if leak is None else f"{label}{SEP}store_leak={leak}"
 
 
 def _name(cfg: Mapping[str, Any], group: str) -> str | None:

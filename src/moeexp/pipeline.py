@@ -35,10 +35,17 @@ e.g. the simulator's ``ttft_norm_mean``/``tpot_norm_mean``: latency over the sam
 request's latency with every expert resident, on the same hardware profile), timings of
 the pipeline's stages (``*_time_s``), and the run's identity as strings (``label``,
 ``system``, ``predictor``, ``cache``, ``model``, ``dataset``, ``hardware``, ``backend``,
-``experiment``, ``cache_capacity``, ``trace_hash``). ``label`` names the configuration
+``experiment``, ``cache_capacity``, ``trace_hash``, ``store_leak``). ``label`` names the configuration
 that ran (``deepspeed+cache=lfu``: the system and each group whose option differs from the
 system bundle's, :func:`moeexp.labels.config_label`); the log lines and the W&B run's name
 use it too.
+
+The store and test splits are disjoint. ``dataset.store_leak=artifact_demo`` (refused under
+any other name, :class:`moeexp.data.prompts.DatasetConfig`) fits every policy on all the
+trace's requests, the test ones relabelled ``store``, as the authors' demo evaluated a
+prompt of FineMoE's store (algorithms.md §10): the run logs a warning, its ``store_leak``
+identity is ``artifact_demo`` (empty otherwise) and its label ends in
+``+store_leak=artifact_demo``, so no row it writes can pass for a clean one.
 """
 
 from __future__ import annotations
@@ -223,7 +230,7 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     predictor = build_predictor(spec.predictor, trace.dims)
     if "prompt_embed" in predictor.needs:
         _embed_prompts(spec, trace)
-    store, test = trace.split("store"), trace.split("test")
+    store, test = store_split(trace, spec.dataset.store_leak, label), trace.split("test")
     if test.num_iterations == 0:
         raise ConfigError(f"the test split is empty ({len(trace.requests)} requests, "
                           f"store_fraction {spec.dataset.store_fraction}): raise "
@@ -268,6 +275,21 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
             backend=spec.backend.kwargs, dataset=spec.dataset.to_mapping(),
             predictor=unused[0], cache=unused[1])))
     return metrics, dict(result.series)
+
+
+def store_split(trace: Trace, store_leak: str | None, label: str = "") -> Trace:
+    """The requests the policies are fitted on: the store split, or with ``store_leak``
+    (``dataset.store_leak``, validated: the authors' demo leak) every request, the test
+    ones relabelled ``store`` (the predictors' own guards drop requests of any other
+    split), with a warning naming the run's ``label``."""
+    if store_leak is None:
+        return trace.split("store")
+    leaked = sum(r.split == "test" for r in trace.requests)
+    log.warning("%s: dataset.store_leak=%s: the %d test requests are in the store too (the "
+                "authors' demo leak, algorithms.md §10); every row is marked store_leak",
+                label, store_leak, leaked)
+    return dataclasses.replace(trace, requests=[dataclasses.replace(r, split="store")
+                                                for r in trace.requests])
 
 
 def _routing_trace(spec: RunSpec, loaded: Any, prompts: list[Any]) -> Trace:
@@ -402,6 +424,8 @@ def _identity(spec: RunSpec, trace: Trace, label: str) -> dict[str, Any]:
         "task_classifier": spec.dataset.task_classifier if recorded else "trace",
         "prompt_order": spec.dataset.prompt_order if recorded else "trace",
         "tasks_test": len({r.task for r in trace.requests if r.split == "test"}),
+        # the authors' demo leak (dataset.store_leak): the test prompts also in the store
+        "store_leak": spec.dataset.store_leak or "",
     }
 
 

@@ -53,6 +53,18 @@ def test_config_label_and_the_resolver() -> None:
         config_label({"cache": {"name": "lru"}})
 
 
+def test_a_store_leak_run_is_labelled_leaky_whatever_else_it_ran() -> None:
+    """dataset.store_leak set (the authors' demo leak): the label ends in
+    +store_leak=<name>, for a system alone and after a changed group; null: no mark."""
+    cfg = {"system": {"name": "finemoe"}, "predictor": {"name": "expert_map"},
+           "cache": {"name": "finemoe"}, "dataset": {"store_leak": "artifact_demo"}}
+    assert config_label(cfg) == "finemoe+store_leak=artifact_demo"
+    cfg["cache"] = {"name": "lru"}
+    assert config_label(OmegaConf.create(cfg)) == "finemoe+cache=lru+store_leak=artifact_demo"
+    cfg["dataset"] = {"store_leak": None}
+    assert config_label(cfg) == "finemoe+cache=lru"
+
+
 def test_labelled_columns_and_table_labels() -> None:
     assert labelled_columns(["deepspeed", "map_t"]) == {
         "label", "system", "system.name", "predictor", "predictor.name", "cache", "cache.name"}

@@ -39,6 +39,10 @@
 5. Split: a second seeded shuffle; the first ``round(store_fraction * n)`` prompts are
    ``store`` and the rest ``test`` (disjoint by construction). ``request_id`` is the position
    in that order: store prompts get ids ``0..n_store-1``.
+   ``store_leak`` (default null) keeps it that way; only ``store_leak: artifact_demo``
+   (:data:`STORE_LEAKS`) makes the pipeline fit on every prompt, test ones included, as
+   the authors' demo did (algorithms.md §10), and every row it writes is marked leaky
+   (``moeexp.pipeline``). Any other value is refused.
 
 6. Task types (eMoE needs them): ``task_classifier`` labels every prompt's ``text``
    (:mod:`moeexp.data.tasks`): ``logreg`` (default: MiniLM embeddings + a softmax
@@ -129,6 +133,7 @@ class DatasetConfig:
     task_classifier: str = "logreg"  # logreg | centroid | keyword (moeexp.data.tasks)
     task_threshold: float | None = None  # null: the classifier's default; below it: other
     prompt_order: str = "shuffled"  # shuffled | task_clustered (the test split's order)
+    store_leak: str | None = None  # null (disjoint) | artifact_demo (STORE_LEAKS): refused else
 
     @property
     def template_parts(self) -> tuple[str, str] | None:
@@ -139,9 +144,12 @@ class DatasetConfig:
         return before, after
 
     def to_mapping(self) -> dict[str, Any]:
-        """The group as a mapping of its own keys (what :meth:`from_mapping` accepts back)."""
+        """The group as a mapping of its own keys (what :meth:`from_mapping` accepts back);
+        ``store_leak`` only when set, so a clean config's mapping (and every hash of it,
+        e.g. the eval stage's task folders) is what it was before the option existed."""
         return {f.name: getattr(self, f.name) for f in fields(self)
-                if f.name not in _ONLY_FOR_OTHER[self.name]}
+                if f.name not in _ONLY_FOR_OTHER[self.name]
+                and not (f.name == "store_leak" and self.store_leak is None)}
 
     @classmethod
     def from_mapping(cls, cfg: Mapping[str, Any]) -> DatasetConfig:
@@ -166,6 +174,12 @@ class DatasetConfig:
             (c.input_len >= 1 and c.output_len >= 1, "input_len and output_len must be >= 1"),
             (c.max_input_len >= 1 and c.max_output_len >= 1, "max_input/output_len must be >= 1"),
             (0.0 <= c.store_fraction <= 1.0, f"store_fraction={c.store_fraction} not in [0, 1]"),
+            (c.store_leak is None or (isinstance(c.store_leak, str)
+                                      and c.store_leak in STORE_LEAKS),
+             f"store_leak={c.store_leak!r} refused: the store and test prompts stay disjoint "
+             "unless the leak is asked for by its exact name; valid: null (the default) or "
+             f"{' | '.join(STORE_LEAKS)} (the authors' demo: every test prompt also in the "
+             "store, algorithms.md §10; rows marked store_leak)"),
             (c.template is None or c.template in TEMPLATES
              or str(c.template).count("{prompt}") == 1,
              f"template={c.template!r} must be null, one of {', '.join(TEMPLATES)}, or a "
@@ -185,8 +199,14 @@ class DatasetConfig:
 
 #: Every task label a :class:`Prompt` can carry (any ``dataset.task_classifier``).
 TASKS: tuple[str, ...] = LABELS
-__all__ = ["TASKS", "DatasetConfig", "Prompt", "classify_task", "encode_prompt",
+__all__ = ["STORE_LEAKS", "TASKS", "DatasetConfig", "Prompt", "classify_task", "encode_prompt",
            "sample_prompts", "serving_order"]
+
+#: ``dataset.store_leak`` values other than null (module docstring, step 5): the authors'
+#: demo (``IntelliSys-Lab/FineMoE-EuroSys26`` at ``5c584686``: ``demo/prepare_data.py``
+#: builds the store from ``rd.sample(prompts, 64)`` after ``rd.seed(42)``, ``demo/eval.py``
+#: evaluates ``rd.sample(prompts, 1)`` after the same seed: the store's first prompt).
+STORE_LEAKS: tuple[str, ...] = ("artifact_demo",)
 
 #: ``dataset.prompt_order`` values (module docstring, step 7).
 PROMPT_ORDERS: tuple[str, ...] = ("shuffled", "task_clustered")

@@ -46,6 +46,21 @@ def test_split_disjoint_sizes_and_no_duplicate_texts(tokenizer):
     assert len({p.text for p in ps}) == 20 and len({p.input_ids for p in ps}) == 20
 
 
+@pytest.mark.parametrize("value", ["artifact-demo", "Artifact_Demo", "yes", "leak", True, 1, ""])
+def test_store_leak_is_refused_unless_asked_for_by_its_exact_name(value):
+    """dataset.store_leak: null (the default, disjoint) and artifact_demo are the only
+    values; a misspelling, another case, a boolean or an empty string is refused with a
+    message naming both valid values, before any prompt is sampled."""
+    assert DatasetConfig.from_mapping(sharegpt_cfg()).store_leak is None
+    leaky = DatasetConfig.from_mapping(sharegpt_cfg(store_leak="artifact_demo"))
+    assert leaky.store_leak == "artifact_demo"
+    assert DatasetConfig.from_mapping(leaky.to_mapping()) == leaky  # kept when set
+    assert "store_leak" not in DatasetConfig.from_mapping(sharegpt_cfg()).to_mapping()
+    with pytest.raises(ConfigError, match=r"store_leak=.* refused.*null \(the default\) or "
+                                          r"artifact_demo"):
+        DatasetConfig.from_mapping(sharegpt_cfg(store_leak=value))
+
+
 def test_fixed_lengths_exact_and_bos_counted(tokenizer):
     """Fixed 43/122: every prompt has exactly 43 ids, the first being <bos> (id 1)."""
     ps = sample_prompts(sharegpt_cfg(), tokenizer)
