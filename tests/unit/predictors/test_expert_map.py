@@ -11,6 +11,7 @@ from moeexp.errors import ConfigError
 from moeexp.predictors import PREDICTORS
 from moeexp.predictors.base import IterationStart, LayerObservation, Prediction
 from moeexp.predictors.expert_map import ExpertMapPredictor, select_experts
+from moeexp.predictors.expert_map_select import V1_EPSILON
 from moeexp.predictors.expert_map_store import ExpertMapStore
 from moeexp.traces.schema import Trace, TraceDims
 from moeexp.traces.synthetic import random_trace
@@ -387,7 +388,16 @@ def test_row_selection_takes_what_select_experts_takes() -> None:
                     assert sel.order[: sel.num_selected(score, k, use_delta)].tolist() == want
 
 
-@pytest.mark.parametrize("selection", ["paper", "v0_tail"])
+def _v1_head(p: np.ndarray, score: float, k: int) -> set[int]:
+    """V1's selected head, directly: the experts whose running sum (descending, stable) is
+    <= δ, clamped to [k, J]; none for a row with no positive probability."""
+    order = np.argsort(-p, kind="stable")
+    delta = min(max(1.0 - float(score), 0.0), 1.0)
+    n = min(max(int(np.sum(np.cumsum(p[order]) <= delta + 1e-9)), k), len(p))
+    return set(order[:n].tolist()) if (p > 0).any() else set()
+
+
+@pytest.mark.parametrize("selection", ["paper", "v0_tail", "v1_window"])
 def test_batch_emit_is_the_union_of_each_querys_select_experts(selection: str) -> None:
     """Several queries (a batch, a token_union prefill): the experts predicted are the
     union of select_experts on each matched row, the hint is the per-expert max of the
@@ -414,8 +424,6 @@ def test_batch_emit_is_the_union_of_each_querys_select_experts(selection: str) -
             continue  # an artifact rule needs δ
         got = []
         for mode in ("offline", "online"):
-            if selection != "paper" and not use_delta:
-                continue  # an artifact rule needs δ
             pred = ExpertMapPredictor(dims=dims(L, J, k, 2), prefetch_distance=1, mode=mode,
                                       store_capacity=C, use_delta=use_delta,
                                       selection=selection)  # type: ignore[arg-type]
@@ -430,8 +438,14 @@ def test_batch_emit_is_the_union_of_each_querys_select_experts(selection: str) -
                     for i in range(len(rows)))))
                 assert pred_t.predicted[layer].tolist() == want
                 assert np.array_equal(pred_t.scores[layer], stored.max(axis=0))
-                assert pairs(pred_t) == [(layer, e, round(float(stored.max(axis=0)[e]) / 2, 6))
-                                         for e in want]
+                # v1_window: every expert, the heads' union at p / 2 + 1e-6, the rest at 1e-6
+                head = set().union(*(_v1_head(stored[i], score[i], k)
+                                     for i in range(len(rows)))) if selection == "v1_window" \
+                    else set(want)
+                assert pairs(pred_t) == [
+                    (layer, e, round((float(stored.max(axis=0)[e]) / 2 if e in head else 0.0)
+                                     + (V1_EPSILON if selection == "v1_window" else 0.0), 6))
+                    for e in want]
                 out.append(pairs(pred_t))
             got.append(out)
         assert got[0] == got[1]
