@@ -95,6 +95,12 @@ class Device:
         self.stall_link_s = 0.0
 
     @property
+    def members(self) -> list[Device]:
+        """The devices of this replay (one: this; a :class:`~moeexp.simulator.device_group.
+        DeviceGroup` has several)."""
+        return [self]
+
+    @property
     def h2d_bytes(self) -> int:
         """Bytes copied to this device (its link's: every copy is a demand load or a
         started prefetch of this device)."""

@@ -26,7 +26,7 @@ follow ``algorithms.md`` §8 (see :mod:`moeexp.simulator.report`).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -47,8 +47,10 @@ from moeexp.predictors.base import (
 )
 from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
+from moeexp.simulator.device_group import DeviceGroup
 from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
+from moeexp.simulator.topology import Topology
 from moeexp.traces.schema import Trace, missing_for
 
 
@@ -99,16 +101,19 @@ def check_inputs(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: C
         )
 
 
-def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel, *,
-             batch_size: int = 1, arrival_rate: float | None = None,
+def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Sequence[CachePolicy],
+             cost: CostModel, *, batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, seed: int = 0, progress: bool = True,
-             num_requests: int | None = None, predictor_feed_s: float = 0.0) -> SimResult:
+             num_requests: int | None = None, predictor_feed_s: float = 0.0,
+             topology: Topology | None = None) -> SimResult:
     """Replay ``trace_test``; the caller fitted ``predictor`` and ``cache`` on the store split.
 
     Args:
         trace_test: the requests to serve (test split).
         predictor: decides prefetches (hooks timed for ``predictor_query_us_mean``).
         cache: decides evictions; ``capacity_slots`` already converted from the config.
+            With ``topology.devices > 1``: one policy per device, each holding that
+            device's slots (:func:`moeexp.simulator.topology.build_device_caches`).
         cost: times of compute and copies (also gives the no-offload reference).
         batch_size: consecutive requests decoding together (union of experts per layer).
         arrival_rate: Poisson arrivals in requests/s (online, FCFS, seeded by ``seed``);
@@ -125,19 +130,28 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
             gates, hand-off to its worker). 0 (default) is algorithms.md's idealisation:
             prediction costs nothing on the critical path. ``backend=sim_vs_engine``
             measures it per system on the engine (store prompts) and passes it here.
+        topology: devices, expert placement, demand concurrency
+            (:mod:`moeexp.simulator.topology`); None = one device.
     """
     wall0 = perf_counter()
-    check_inputs(trace_test, predictor, cache, cost, batch_size, arrival_rate, num_requests)
+    caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
+    topology = topology or Topology()
+    for c in caches:
+        check_inputs(trace_test, predictor, c, cost, batch_size, arrival_rate, num_requests)
+    if restricted_routing and topology.devices > 1:
+        raise ConfigError("restricted routing (eMoE) is modelled on one device only; "
+                          f"got hardware.devices={topology.devices}")
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
-        run = Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
-                     feed_s=predictor_feed_s)
+        run = Replay(trace_test, predictor, caches, cost, plan, restricted=restricted_routing,
+                     feed_s=predictor_feed_s, topology=topology)
         run.serve_all(progress)
         metrics, series = build_metrics(
-            plan=plan, dev=run.dev, cache=cache, cost=cost, tally=run.tally,
+            plan=plan, dev=run.dev, cache=caches, cost=cost, tally=run.tally,
+            topology=topology,
             restricted=restricted_routing, query_s=run.timed.seconds,
             query_calls=run.timed.calls, wall_s=perf_counter() - wall0,
             predictor_stats=predictor.stats())
@@ -190,17 +204,31 @@ class HookTimer:
 
 
 class Replay:
-    """One replay's state: the device, the tallies, the prediction sets, the access clock."""
+    """One replay's state: the device(s), the tallies, the prediction sets, the access clock.
 
-    def __init__(self, trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel,
-                 plan: Plan, *, restricted: bool, feed_s: float) -> None:
-        self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, cache, cost, plan
+    ``cache``: the policy of the one device, or one policy per device of ``topology``
+    (one device: a plain :class:`Device`, bit-identical to the replay before topologies;
+    more: a :class:`DeviceGroup`). Predictor scores go to every policy."""
+
+    def __init__(self, trace: Trace, predictor: Predictor,
+                 cache: CachePolicy | Sequence[CachePolicy], cost: CostModel, plan: Plan, *,
+                 restricted: bool, feed_s: float, topology: Topology | None = None) -> None:
+        caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
+        self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, caches[0], cost, plan
+        self.caches = caches
         self.restricted, self.feed_s = restricted, feed_s
         self.L = trace.dims.num_layers
-        self.dev = Device(cache, cost, self.L, trace.dims.num_experts)
-        self.dev.preload(cache.initial_residents())
-        if cache.needs_future:
-            cache.prepare_future(plan.access_stream())
+        J = trace.dims.num_experts
+        if topology is None or topology.devices == 1:
+            if len(caches) != 1:
+                raise ConfigError(f"one device needs one cache policy, got {len(caches)}")
+            self.dev: Device | DeviceGroup = Device(caches[0], cost, self.L, J)
+        else:
+            self.dev = DeviceGroup(caches, cost, self.L, J, topology)
+        self.dev.preload([k for c in caches for k in c.initial_residents()])
+        for c in caches:
+            if c.needs_future:  # every device's policy sees the whole stream: its
+                c.prepare_future(plan.access_stream())  # candidates are its own keys only
         self.tally = Tally(self.L)
         self.psets = PredictionSets()
         self.timed = HookTimer()
@@ -327,7 +355,8 @@ class Replay:
         if pred.prefetch:
             self.dev.enqueue(pred.prefetch, t)
         if pred.scores:
-            self.cache.observe_scores(pred.scores)
+            for c in self.caches:
+                c.observe_scores(pred.scores)
         if pred.prefetch or pred.predicted:  # else it says nothing for P (most calls)
             self.psets.take(pred, hook_layer)
 
