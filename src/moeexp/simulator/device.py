@@ -219,6 +219,12 @@ class Device:
         """Every prefetch still queued targets a layer that already ran: drop them."""
         self.queue.clear()
 
+    def flush(self) -> None:
+        """Every resident expert leaves the device (``Mechanics.flush_per_token``), in
+        residency order; unused prefetched ones count as wasted."""
+        for key in list(self.ready):
+            self._evict(key)
+
     # ------------------------------------------------------------------ layer service
     def serve_layer(self, layer: int, keys: list[Key], key_set: set[Key], ce: list[float],
                     pos0: int, t: float) -> tuple[float, int, int, float]:

@@ -116,6 +116,10 @@ class DeviceGroup:
         for d in self.members:
             d.end_iteration()
 
+    def flush(self) -> None:
+        for d in self.members:
+            d.flush()
+
     def serve_restricted(self, *args: object, **kwargs: object) -> tuple[float, int, int, int, int]:
         raise ConfigError("restricted routing (eMoE) is modelled on one device only; "
                           "set hardware.devices=1")

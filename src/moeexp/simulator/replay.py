@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from moeexp.cache.base import CachePolicy
+from moeexp.cache.base import CachePolicy, Key
 from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
 from moeexp.predictors.base import (
@@ -48,6 +48,7 @@ from moeexp.predictors.base import (
 from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
 from moeexp.simulator.device_group import DeviceGroup
+from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
 from moeexp.simulator.topology import Topology
@@ -105,7 +106,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
              cost: CostModel, *, batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, seed: int = 0, progress: bool = True,
              num_requests: int | None = None, predictor_feed_s: float = 0.0,
-             topology: Topology | None = None) -> SimResult:
+             topology: Topology | None = None, mechanics: Mechanics | None = None) -> SimResult:
     """Replay ``trace_test``; the caller fitted ``predictor`` and ``cache`` on the store split.
 
     Args:
@@ -132,26 +133,34 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
             measures it per system on the engine (store prompts) and passes it here.
         topology: devices, expert placement, demand concurrency
             (:mod:`moeexp.simulator.topology`); None = one device.
+        mechanics: the FineMoE artifact's behaviours (:mod:`moeexp.simulator.mechanics`);
+            None = none (the paper semantics).
     """
     wall0 = perf_counter()
     caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
     topology = topology or Topology()
     for c in caches:
         check_inputs(trace_test, predictor, c, cost, batch_size, arrival_rate, num_requests)
-    if restricted_routing and topology.devices > 1:
-        raise ConfigError("restricted routing (eMoE) is modelled on one device only; "
-                          f"got hardware.devices={topology.devices}")
+    mechanics = mechanics or Mechanics()
+    if restricted_routing and (topology.devices > 1 or not mechanics.default):
+        raise ConfigError("restricted routing (eMoE) is modelled on one device with the "
+                          f"default mechanics only; got hardware.devices={topology.devices}, "
+                          f"{mechanics}")
+    if mechanics.demand_load == "all_experts" and any(c.needs_future for c in caches):
+        raise ConfigError("demand_load=all_experts cannot drive a policy that reads the "
+                          "future access stream (belady): its stream holds the router's "
+                          "experts only")
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
         run = Replay(trace_test, predictor, caches, cost, plan, restricted=restricted_routing,
-                     feed_s=predictor_feed_s, topology=topology)
+                     feed_s=predictor_feed_s, topology=topology, mechanics=mechanics)
         run.serve_all(progress)
         metrics, series = build_metrics(
             plan=plan, dev=run.dev, cache=caches, cost=cost, tally=run.tally,
-            topology=topology,
+            topology=topology, mechanics=mechanics,
             restricted=restricted_routing, query_s=run.timed.seconds,
             query_calls=run.timed.calls, wall_s=perf_counter() - wall0,
             predictor_stats=predictor.stats())
@@ -212,13 +221,20 @@ class Replay:
 
     def __init__(self, trace: Trace, predictor: Predictor,
                  cache: CachePolicy | Sequence[CachePolicy], cost: CostModel, plan: Plan, *,
-                 restricted: bool, feed_s: float, topology: Topology | None = None) -> None:
+                 restricted: bool, feed_s: float, topology: Topology | None = None,
+                 mechanics: Mechanics | None = None) -> None:
         caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
         self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, caches[0], cost, plan
         self.caches = caches
         self.restricted, self.feed_s = restricted, feed_s
         self.L = trace.dims.num_layers
         J = trace.dims.num_experts
+        mech = mechanics or Mechanics()
+        self.flush = mech.flush_per_token
+        # all_experts: every pass touches each layer's J experts, in index order
+        self.every: list[list[Key]] | None = (
+            [[(layer, e) for e in range(J)] for layer in range(self.L)]
+            if mech.demand_load == "all_experts" else None)
         if topology is None or topology.devices == 1:
             if len(caches) != 1:
                 raise ConfigError(f"one device needs one cache policy, got {len(caches)}")
@@ -293,6 +309,8 @@ class Replay:
         self.take(self.timed(self.predictor.start_iteration, ctx), t, -1)
         end, hits, misses, stall = self.layers(gd, t)
         self.dev.end_iteration()
+        if self.flush:
+            self.dev.flush()
         self.predictor.end_iteration()
         self.tally.iteration(hits, misses, stall, end - t)
         return end
@@ -306,6 +324,8 @@ class Replay:
         for_layer, account = self.psets.for_layer, self.tally.pred.add
         experts, ce, counts, rows = gd.experts, gd.ce, gd.counts, gd.rows
         keys, key_sets = gd.layer_keys()
+        if self.every is not None:
+            keys, key_sets, ce = self._every_expert(experts, ce)
         arrays = gd.expert_arrays()
         probs, spec, hidden = self._pass_arrays(rows)
         restricted, serve, pos = self.restricted, dev.serve_layer, self.pos
@@ -327,7 +347,7 @@ class Replay:
                 t, h, m, s = self.serve_restricted(gd, layer, pos, t)
             else:
                 t, h, m, s = serve(layer, keys[layer], key_sets[layer], ce[layer], pos, t)
-            pos += len(needed)
+            pos += len(keys[layer])
             hits += h
             misses += m
             stall += s
@@ -335,6 +355,21 @@ class Replay:
         if restricted:  # every token's K router choices, substituted, kept or dropped
             self.tally.assignments += int(counts.sum())
         return t, hits, misses, stall
+
+    def _every_expert(self, experts: list[list[int]], ce: list[list[float]]
+                      ) -> tuple[list[list[Key]], list[set[Key]], list[list[float]]]:
+        """``demand_load=all_experts``: every layer's J keys in index order, their set, and
+        their FFN seconds (an expert without tokens computes nothing)."""
+        every = self.every
+        assert every is not None
+        J = len(every[0])
+        ce_all: list[list[float]] = []
+        for es, cs in zip(experts, ce, strict=True):
+            row = [0.0] * J
+            for e, c in zip(es, cs, strict=True):
+                row[e] = c
+            ce_all.append(row)
+        return every, [set(k) for k in every], ce_all
 
     def _pass_arrays(self, rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray | None,
                                                               np.ndarray | None]:

@@ -25,13 +25,15 @@ Definitions (the simulator's choices where §8 leaves room):
 * ``makespan_ms``: when the last forward pass ended (from time 0, the first batch's start
   or the first arrival's clock origin); ``bound_*``: the latency floor of
   :mod:`moeexp.simulator.bound` for this budget and one link (no exact system goes below
-  it); NaN with several devices, whose parallel links the floor does not model.
+  it); NaN with several devices, whose parallel links the floor does not model, and with
+  any :mod:`moeexp.simulator.mechanics` option on.
 * Topology (:func:`topology_metrics`): ``devices``, ``demand_concurrency`` and
   ``cache_budget_scope`` (how the capacity was split: ``total`` or ``per_device``;
   ``expert_cache_bytes`` is always the sum over devices), ``link_busy_ms_total`` (every
   link's copying time, summed), and per device ``d``: ``dev{d}_h2d_bytes_total``,
   ``dev{d}_link_busy_ms_total`` and ``dev{d}_link_utilization`` (busy time / makespan),
-  ``dev{d}_expert_cache_bytes``.
+  ``dev{d}_expert_cache_bytes``; and the :mod:`moeexp.simulator.mechanics` options
+  (``demand_load``, ``flush_per_token`` 0/1), so every row says how it was served.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from moeexp.simulator.bound import bound_metrics
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
     from moeexp.simulator.device_group import DeviceGroup
+    from moeexp.simulator.mechanics import Mechanics
     from moeexp.simulator.plan import Plan
     from moeexp.simulator.topology import Topology
 
@@ -95,10 +98,13 @@ def _ratio_mean(a: list[float], b: list[float]) -> float:
 
 
 def topology_metrics(dev: Device | DeviceGroup, cost: CostModel, makespan_s: float,
-                     topology: Topology | None) -> dict[str, Any]:
-    """Devices, links and budgets of one replay (module docstring); times in ms."""
+                     topology: Topology | None,
+                     mechanics: Mechanics | None = None) -> dict[str, Any]:
+    """Devices, links, budgets and mechanics of one replay (module docstring); times in ms."""
     members = dev.members
     m: dict[str, Any] = {
+        "demand_load": mechanics.demand_load if mechanics else "activated",
+        "flush_per_token": float(mechanics.flush_per_token) if mechanics else 0.0,
         "devices": float(len(members)),
         "demand_concurrency": topology.demand_concurrency if topology else "single",
         "cache_budget_scope": topology.budget if topology else "total",
@@ -117,7 +123,8 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
                   cache: CachePolicy | Sequence[CachePolicy], cost: CostModel, tally: Tally,
                   restricted: bool, query_s: float, query_calls: int, wall_s: float,
                   predictor_stats: dict[str, float],
-                  topology: Topology | None = None) -> tuple[dict[str, float], dict[str, list[Any]]]:
+                  topology: Topology | None = None,
+                  mechanics: Mechanics | None = None) -> tuple[dict[str, float], dict[str, list[Any]]]:
     """The flat metrics (CORE_KEYS + extras) and the series of one replay (``cache``: the
     one device's policy, or one per device)."""
     caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
@@ -169,11 +176,12 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
         "ttft_norm_mean": _ratio_mean(ttft, ttft0),
         "tpot_norm_mean": _ratio_mean(tpot, tpot0),
         "makespan_ms": max(tally.finish.values(), default=NAN) * 1e3,
-        **_bounds(plan, cost, slots, initial, len(caches)),
+        **_bounds(plan, cost, slots, initial,
+                  len(caches) == 1 and (mechanics is None or mechanics.default)),
         "sim_wall_s": wall_s,
         "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
     }
-    m.update(topology_metrics(dev, cost, m["makespan_ms"] * 1e-3, topology))
+    m.update(topology_metrics(dev, cost, m["makespan_ms"] * 1e-3, topology, mechanics))
     if restricted:
         n = tally.assignments
         m["substitution_rate"] = tally.substitutions / n if n else NAN
@@ -186,10 +194,11 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
 
 
 def _bounds(plan: Plan, cost: CostModel, slots: int, initial: list[Any],
-            devices: int) -> dict[str, float]:
-    """``bound_metrics`` on one device; NaN on several (the floor assumes one link)."""
+            modelled: bool) -> dict[str, float]:
+    """``bound_metrics``, or NaN where the floor's model does not hold (several links, or
+    an artifact mechanic it does not model)."""
     b = bound_metrics(plan, cost, slots, initial)
-    return b if devices == 1 else dict.fromkeys(b, NAN)
+    return b if modelled else dict.fromkeys(b, NAN)
 
 
 def _series(plan: Plan, tally: Tally, units: list[int], arrival: dict[int, float],

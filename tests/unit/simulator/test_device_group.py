@@ -127,7 +127,7 @@ def test_a_topology_of_one_device_changes_nothing() -> None:
 
 def test_restricted_routing_on_several_devices_is_refused() -> None:
     tr = hand_trace(PAIR, 2)
-    with pytest.raises(ConfigError, match="one device only"):
+    with pytest.raises(ConfigError, match="modelled on one device"):
         _run(tr, Predictor(dims=tr.dims), _lrus(2, 1, 1, 2), Topology(devices=2),
              restricted_routing=True)
 
