@@ -235,6 +235,7 @@ class Replay:
         self.every: list[list[Key]] | None = (
             [[(layer, e) for e in range(J)] for layer in range(self.L)]
             if mech.demand_load == "all_experts" else None)
+        self.every_sets = [set(k) for k in self.every] if self.every is not None else []
         if topology is None or topology.devices == 1:
             if len(caches) != 1:
                 raise ConfigError(f"one device needs one cache policy, got {len(caches)}")
@@ -358,8 +359,9 @@ class Replay:
 
     def _every_expert(self, experts: list[list[int]], ce: list[list[float]]
                       ) -> tuple[list[list[Key]], list[set[Key]], list[list[float]]]:
-        """``demand_load=all_experts``: every layer's J keys in index order, their set, and
-        their FFN seconds (an expert without tokens computes nothing)."""
+        """``demand_load=all_experts``: every layer's J keys in index order, their sets
+        (made once, never modified), and their FFN seconds (an expert without tokens
+        computes nothing)."""
         every = self.every
         assert every is not None
         J = len(every[0])
@@ -369,7 +371,7 @@ class Replay:
             for e, c in zip(es, cs, strict=True):
                 row[e] = c
             ce_all.append(row)
-        return every, [set(k) for k in every], ce_all
+        return every, self.every_sets, ce_all
 
     def _pass_arrays(self, rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray | None,
                                                               np.ndarray | None]:
