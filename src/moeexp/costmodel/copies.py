@@ -14,7 +14,7 @@ it. Charged honestly: every chunk pays the fixed per-copy latency of the cost mo
 and small chunks cost more link time per expert (with ``copy_latency_us = 0`` they are
 free). An expert no larger than one chunk is one copy, exactly as with whole-expert copies
 (the same float expression), so ``copy_chunk_mb >= expert MB`` changes nothing. The
-simulator (:class:`moeexp.simulator.device.Device`) and the engine
+simulator (:class:`moeexp.simulator.link.Link`) and the engine
 (:class:`moeexp.engine.transfer.CopyEngine`) both follow this plan.
 """
 

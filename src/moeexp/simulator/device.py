@@ -1,8 +1,10 @@
-"""The simulated device: expert slots, one copy engine, the prefetch queue, layer service.
+"""The simulated device: expert slots, the prefetch queue, layer service, over one link.
 
-Time is in seconds on one compute stream; the copy engine moves one expert at a time
-(``cost.copy_s`` each, ``cost.copy_plan`` says how it is cut) and overlaps compute. The cache policy decides every eviction; this
-class only keeps the mechanism honest:
+Time is in seconds on one compute stream; the device's :class:`~moeexp.simulator.link.Link`
+(its copy engine) moves one expert at a time (``cost.copy_s`` each, ``cost.copy_plan`` says
+how it is cut) and overlaps compute. The cache policy decides every eviction; this class
+only keeps the mechanism honest (the link keeps its own clock, pause, chunking state and
+counters):
 
 * ``ready[key]`` is the time ``key``'s copy finishes; a key is *resident* from the moment
   its copy starts (its slot is taken) and *ready* once the copy finished.
@@ -45,37 +47,37 @@ from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
 from moeexp.predictors.base import Prefetch
 from moeexp.prefetching import PrefetchQueue
+from moeexp.simulator.link import Link
 
 _NEG_INF = float("-inf")
 
 
 class Device:
-    """Residency, copy engine and counters of one replay."""
+    """Residency, the prefetch queue, layer service and counters of one device in a replay.
 
-    def __init__(self, cache: CachePolicy, cost: CostModel, num_layers: int, num_experts: int) -> None:
+    Args:
+        cache: the policy that decides this device's evictions (its ``capacity_slots`` is
+            the device's slot budget).
+        cost: compute and copy times.
+        num_layers, num_experts: L and J of the model.
+        link: the device's copy engine (default: a fresh :class:`Link` of ``cost``).
+    """
+
+    def __init__(self, cache: CachePolicy, cost: CostModel, num_layers: int, num_experts: int,
+                 link: Link | None = None) -> None:
         self.cache = cache
         self.L, self.J = num_layers, num_experts
-        plan = cost.copy_plan
-        # chunked copies (hardware.copy_chunk_mb > 0): a demand load may overtake the
-        # prefetch on the link at its next chunk boundary; 0.0 = whole-expert copies
-        self.chunk_s = plan.chunk_s if plan.chunked else 0.0
-        self.copy_s = plan.copy_s if plan.chunked else cost.copy_s
-        # chunked copies only: the last started prefetch (key, when its current run of
-        # chunks began, when it ends); a demand load may overtake it (:meth:`_overtake`)
-        self._onlink: tuple[Key, float, float] | None = None
-        self.preemptions = 0  # prefetches a demand load overtook (chunked copies only)
+        self.link = Link(cost) if link is None else link
         self.expert_bytes = cost.expert_bytes
         self.capacity = cache.capacity_slots
         self.ready: dict[Key, float] = {}
         self.unused_prefetched: set[Key] = set()
-        self.copy_free = 0.0
-        self.pause_until = _NEG_INF
         self.queue = PrefetchQueue(num_layers, num_experts)
         self.cur_layer = -1
         self.protected: set[Key] = set()
         self.next_access = 0
-        # counters (moeexp.simulator.report turns them into the metrics)
-        self.h2d_bytes = 0
+        # counters (moeexp.simulator.report turns them into the metrics); the bytes moved
+        # are the link's (:attr:`h2d_bytes`)
         self.demand_loads = 0
         self.prefetches_issued = 0
         self.prefetches_used = 0  # prefetched copies a layer used before their eviction
@@ -91,6 +93,18 @@ class Device:
         self.stall_demand_s = 0.0
         self.stall_inflight_s = 0.0
         self.stall_link_s = 0.0
+
+    @property
+    def members(self) -> list[Device]:
+        """The devices of this replay (one: this; a :class:`~moeexp.simulator.device_group.
+        DeviceGroup` has several)."""
+        return [self]
+
+    @property
+    def h2d_bytes(self) -> int:
+        """Bytes copied to this device (its link's: every copy is a demand load or a
+        started prefetch of this device)."""
+        return self.link.bytes
 
     # ------------------------------------------------------------------ residency
     def preload(self, keys: Iterable[Key]) -> None:
@@ -117,7 +131,7 @@ class Device:
 
     def _insert(self, key: Key, ready_at: float, now: int, prefetched: bool) -> None:
         self.ready[key] = ready_at
-        self.h2d_bytes += self.expert_bytes
+        self.link.copies += 1
         self.cache.on_insert(key, now, prefetched)
         if prefetched:
             self.unused_prefetched.add(key)
@@ -151,14 +165,15 @@ class Device:
         queue = self.queue
         if not queue.pending:
             return
-        free, paused, cur = self.copy_free, self.pause_until, self.cur_layer
+        link = self.link
+        free, paused, cur = link.free, link.pause_until, self.cur_layer
         got = queue.pop(cur, free if free >= paused else paused, t)
         if got is None:
             return
         ready, cache, pop = self.ready, self.cache, queue.pop
         victim_of, on_insert, on_evict = cache.victim, cache.on_insert, cache.on_evict
-        protected, now, copy_s = self.protected, self.next_access, self.copy_s
-        unused, capacity, chunked = self.unused_prefetched, self.capacity, bool(self.chunk_s)
+        protected, now, copy_s = self.protected, self.next_access, link.copy_s
+        unused, capacity, chunked = self.unused_prefetched, self.capacity, bool(link.chunk_s)
         while True:
             if got is None:
                 got = pop(cur, free if free >= paused else paused, t)
@@ -182,7 +197,7 @@ class Device:
                     on_evict(victim)
             free = start + copy_s
             ready[key] = free
-            self.h2d_bytes += self.expert_bytes
+            link.copies += 1
             on_insert(key, now, True)
             unused.add(key)
             n = len(ready)
@@ -190,10 +205,10 @@ class Device:
                 raise RuntimeError(f"{cache.name}: {n} experts resident, capacity {capacity} (policy bug)")
             if n > self.peak_resident:
                 self.peak_resident = n
-            self.copy_free = free
+            link.free = free
             self.prefetches_issued += 1
             if chunked:
-                self._onlink = (key, start, free)
+                link.onlink = (key, start, free)
 
     def begin_iteration(self) -> None:
         """A new forward pass: no layer has run, nothing is computing."""
@@ -203,6 +218,12 @@ class Device:
     def end_iteration(self) -> None:
         """Every prefetch still queued targets a layer that already ran: drop them."""
         self.queue.clear()
+
+    def flush(self) -> None:
+        """Every resident expert leaves the device (``Mechanics.flush_per_token``), in
+        residency order; unused prefetched ones count as wasted."""
+        for key in list(self.ready):
+            self._evict(key)
 
     # ------------------------------------------------------------------ layer service
     def serve_layer(self, layer: int, keys: list[Key], key_set: set[Key], ce: list[float],
@@ -264,18 +285,18 @@ class Device:
         if absent:
             comp, stall = self._demand(keys, absent, ce, pos0, t, comp, stall, finished)
         if (absent or waits) and self.cache.pause_prefetch_on_miss:
-            self.pause_until = comp
+            self.link.pause_until = comp
         return comp, n_hits, len(waits) + len(absent), stall
 
     def _demand(self, keys: list[Key], absent: list[int], ce: list[float], pos0: int, t: float,
                 comp: float, stall: float, finished: list[tuple[float, Key]]) -> tuple[float, float]:
         """Load ``absent`` experts on demand, ahead of queued prefetches; stream if needed."""
-        cache, ready, copy_s, capacity = self.cache, self.ready, self.copy_s, self.capacity
-        on_insert, on_access = cache.on_insert, cache.on_access
-        copy_t = max(self.copy_free, t)
+        cache, ready, link, capacity = self.cache, self.ready, self.link, self.capacity
+        on_insert, on_access, copy_s = cache.on_insert, cache.on_access, link.copy_s
+        copy_t = max(link.free, t)
         rest = 0.0  # chunked copies: link seconds left of the prefetch this load overtakes
-        if self.chunk_s and copy_t > t:
-            copy_t, rest = self._overtake(t)
+        if link.chunk_s and copy_t > t:
+            copy_t, rest = link.overtake(t, self.cur_layer)
         unreleased = set(self.protected)
         released = 0
         for i in absent:
@@ -298,7 +319,7 @@ class Device:
                 self._evict(victim)
             done = copy_t + copy_s
             ready[k] = done  # _insert inlined
-            self.h2d_bytes += self.expert_bytes
+            link.copies += 1
             on_insert(k, pos0 + i, False)
             self.demand_loads += 1
             n = len(ready)
@@ -318,46 +339,12 @@ class Device:
             comp += ce[i]
             on_access(k, pos0 + i, False)
             finished.append((comp, k))
-        self.copy_free = copy_t
+        link.free = copy_t
         if rest:
-            self._resume(copy_t, rest)
+            key, was, end = link.resume(copy_t, rest)
+            if ready.get(key) == was:  # still resident with that copy (not evicted)
+                ready[key] = end
         return comp, stall
-
-    def _overtake(self, t: float) -> tuple[float, float]:
-        """Chunked copies: when a demand load issued at ``t`` gets the link, and the link
-        seconds left of the prefetch it overtakes (0.0: none).
-
-        The prefetch on the link (the last one started, still copying at ``t``) stops at
-        its first chunk boundary at or after ``t`` and resumes after the layer's demand
-        loads (:meth:`_resume`). Not overtaken: a prefetch for the running layer (it is
-        one of the layer's own experts: the layer waits for it anyway), or one in its
-        last chunk. Its chunks are full ones first (``chunk_s`` each), so a run of chunks
-        that began at ``began`` has its boundaries at ``began + j * chunk_s``.
-        """
-        onlink, free = self._onlink, self.copy_free
-        if onlink is None:
-            return free, 0.0
-        key, began, done = onlink
-        if done != free or key[0] == self.cur_layer:
-            return free, 0.0
-        cs = self.chunk_s
-        j = -(-(t - began) // cs)  # ceil: chunks begun by t (the one in flight included)
-        boundary = began + j * cs
-        if boundary >= done or done - boundary <= 1e-12 * cs:
-            return free, 0.0
-        self.preemptions += 1
-        return boundary, done - boundary
-
-    def _resume(self, at: float, rest: float) -> None:
-        """The overtaken prefetch's remaining ``rest`` link seconds run from ``at``: its
-        copy (and the link) finish that much later."""
-        assert self._onlink is not None
-        key, _, done = self._onlink
-        end = at + rest
-        if self.ready.get(key) == done:  # still resident with that copy (not evicted)
-            self.ready[key] = end
-        self._onlink = (key, at, end)
-        self.copy_free = end
 
     def serve_restricted(self, layer: int, needed: list[int], topk: np.ndarray, probs: np.ndarray,
                          pos0: int, t: float, expert_s: Callable[[int], float]) -> tuple[float, int, int, int, int]:

@@ -26,7 +26,7 @@ follow ``algorithms.md`` §8 (see :mod:`moeexp.simulator.report`).
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 from tqdm.auto import tqdm
 
-from moeexp.cache.base import CachePolicy
+from moeexp.cache.base import CachePolicy, Key
 from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
 from moeexp.predictors.base import (
@@ -47,8 +47,11 @@ from moeexp.predictors.base import (
 )
 from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
+from moeexp.simulator.device_group import DeviceGroup
+from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
+from moeexp.simulator.topology import Topology
 from moeexp.traces.schema import Trace, missing_for
 
 
@@ -99,16 +102,19 @@ def check_inputs(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: C
         )
 
 
-def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel, *,
-             batch_size: int = 1, arrival_rate: float | None = None,
+def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Sequence[CachePolicy],
+             cost: CostModel, *, batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, seed: int = 0, progress: bool = True,
-             num_requests: int | None = None, predictor_feed_s: float = 0.0) -> SimResult:
+             num_requests: int | None = None, predictor_feed_s: float = 0.0,
+             topology: Topology | None = None, mechanics: Mechanics | None = None) -> SimResult:
     """Replay ``trace_test``; the caller fitted ``predictor`` and ``cache`` on the store split.
 
     Args:
         trace_test: the requests to serve (test split).
         predictor: decides prefetches (hooks timed for ``predictor_query_us_mean``).
         cache: decides evictions; ``capacity_slots`` already converted from the config.
+            With ``topology.devices > 1``: one policy per device, each holding that
+            device's slots (:func:`moeexp.simulator.topology.build_device_caches`).
         cost: times of compute and copies (also gives the no-offload reference).
         batch_size: consecutive requests decoding together (union of experts per layer).
         arrival_rate: Poisson arrivals in requests/s (online, FCFS, seeded by ``seed``);
@@ -125,19 +131,36 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: 
             gates, hand-off to its worker). 0 (default) is algorithms.md's idealisation:
             prediction costs nothing on the critical path. ``backend=sim_vs_engine``
             measures it per system on the engine (store prompts) and passes it here.
+        topology: devices, expert placement, demand concurrency
+            (:mod:`moeexp.simulator.topology`); None = one device.
+        mechanics: the FineMoE artifact's behaviours (:mod:`moeexp.simulator.mechanics`);
+            None = none (the paper semantics).
     """
     wall0 = perf_counter()
-    check_inputs(trace_test, predictor, cache, cost, batch_size, arrival_rate, num_requests)
+    caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
+    topology = topology or Topology()
+    for c in caches:
+        check_inputs(trace_test, predictor, c, cost, batch_size, arrival_rate, num_requests)
+    mechanics = mechanics or Mechanics()
+    if restricted_routing and (topology.devices > 1 or not mechanics.default):
+        raise ConfigError("restricted routing (eMoE) is modelled on one device with the "
+                          f"default mechanics only; got hardware.devices={topology.devices}, "
+                          f"{mechanics}")
+    if mechanics.demand_load == "all_experts" and any(c.needs_future for c in caches):
+        raise ConfigError("demand_load=all_experts cannot drive a policy that reads the "
+                          "future access stream (belady): its stream holds the router's "
+                          "experts only")
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
-        run = Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
-                     feed_s=predictor_feed_s)
+        run = Replay(trace_test, predictor, caches, cost, plan, restricted=restricted_routing,
+                     feed_s=predictor_feed_s, topology=topology, mechanics=mechanics)
         run.serve_all(progress)
         metrics, series = build_metrics(
-            plan=plan, dev=run.dev, cache=cache, cost=cost, tally=run.tally,
+            plan=plan, dev=run.dev, cache=caches, cost=cost, tally=run.tally,
+            topology=topology, mechanics=mechanics,
             restricted=restricted_routing, query_s=run.timed.seconds,
             query_calls=run.timed.calls, wall_s=perf_counter() - wall0,
             predictor_stats=predictor.stats())
@@ -190,17 +213,39 @@ class HookTimer:
 
 
 class Replay:
-    """One replay's state: the device, the tallies, the prediction sets, the access clock."""
+    """One replay's state: the device(s), the tallies, the prediction sets, the access clock.
 
-    def __init__(self, trace: Trace, predictor: Predictor, cache: CachePolicy, cost: CostModel,
-                 plan: Plan, *, restricted: bool, feed_s: float) -> None:
-        self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, cache, cost, plan
+    ``cache``: the policy of the one device, or one policy per device of ``topology``
+    (one device: a plain :class:`Device`, bit-identical to the replay before topologies;
+    more: a :class:`DeviceGroup`). Predictor scores go to every policy."""
+
+    def __init__(self, trace: Trace, predictor: Predictor,
+                 cache: CachePolicy | Sequence[CachePolicy], cost: CostModel, plan: Plan, *,
+                 restricted: bool, feed_s: float, topology: Topology | None = None,
+                 mechanics: Mechanics | None = None) -> None:
+        caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
+        self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, caches[0], cost, plan
+        self.caches = caches
         self.restricted, self.feed_s = restricted, feed_s
         self.L = trace.dims.num_layers
-        self.dev = Device(cache, cost, self.L, trace.dims.num_experts)
-        self.dev.preload(cache.initial_residents())
-        if cache.needs_future:
-            cache.prepare_future(plan.access_stream())
+        J = trace.dims.num_experts
+        mech = mechanics or Mechanics()
+        self.flush = mech.flush_per_token
+        # all_experts: every pass touches each layer's J experts, in index order
+        self.every: list[list[Key]] | None = (
+            [[(layer, e) for e in range(J)] for layer in range(self.L)]
+            if mech.demand_load == "all_experts" else None)
+        self.every_sets = [set(k) for k in self.every] if self.every is not None else []
+        if topology is None or topology.devices == 1:
+            if len(caches) != 1:
+                raise ConfigError(f"one device needs one cache policy, got {len(caches)}")
+            self.dev: Device | DeviceGroup = Device(caches[0], cost, self.L, J)
+        else:
+            self.dev = DeviceGroup(caches, cost, self.L, J, topology)
+        self.dev.preload([k for c in caches for k in c.initial_residents()])
+        for c in caches:
+            if c.needs_future:  # every device's policy sees the whole stream: its
+                c.prepare_future(plan.access_stream())  # candidates are its own keys only
         self.tally = Tally(self.L)
         self.psets = PredictionSets()
         self.timed = HookTimer()
@@ -265,6 +310,8 @@ class Replay:
         self.take(self.timed(self.predictor.start_iteration, ctx), t, -1)
         end, hits, misses, stall = self.layers(gd, t)
         self.dev.end_iteration()
+        if self.flush:
+            self.dev.flush()
         self.predictor.end_iteration()
         self.tally.iteration(hits, misses, stall, end - t)
         return end
@@ -278,6 +325,8 @@ class Replay:
         for_layer, account = self.psets.for_layer, self.tally.pred.add
         experts, ce, counts, rows = gd.experts, gd.ce, gd.counts, gd.rows
         keys, key_sets = gd.layer_keys()
+        if self.every is not None:
+            keys, key_sets, ce = self._every_expert(experts, ce)
         arrays = gd.expert_arrays()
         probs, spec, hidden = self._pass_arrays(rows)
         restricted, serve, pos = self.restricted, dev.serve_layer, self.pos
@@ -299,7 +348,7 @@ class Replay:
                 t, h, m, s = self.serve_restricted(gd, layer, pos, t)
             else:
                 t, h, m, s = serve(layer, keys[layer], key_sets[layer], ce[layer], pos, t)
-            pos += len(needed)
+            pos += len(keys[layer])
             hits += h
             misses += m
             stall += s
@@ -307,6 +356,22 @@ class Replay:
         if restricted:  # every token's K router choices, substituted, kept or dropped
             self.tally.assignments += int(counts.sum())
         return t, hits, misses, stall
+
+    def _every_expert(self, experts: list[list[int]], ce: list[list[float]]
+                      ) -> tuple[list[list[Key]], list[set[Key]], list[list[float]]]:
+        """``demand_load=all_experts``: every layer's J keys in index order, their sets
+        (made once, never modified), and their FFN seconds (an expert without tokens
+        computes nothing)."""
+        every = self.every
+        assert every is not None
+        J = len(every[0])
+        ce_all: list[list[float]] = []
+        for es, cs in zip(experts, ce, strict=True):
+            row = [0.0] * J
+            for e, c in zip(es, cs, strict=True):
+                row[e] = c
+            ce_all.append(row)
+        return every, self.every_sets, ce_all
 
     def _pass_arrays(self, rows: slice | np.ndarray) -> tuple[np.ndarray, np.ndarray | None,
                                                               np.ndarray | None]:
@@ -327,7 +392,8 @@ class Replay:
         if pred.prefetch:
             self.dev.enqueue(pred.prefetch, t)
         if pred.scores:
-            self.cache.observe_scores(pred.scores)
+            for c in self.caches:
+                c.observe_scores(pred.scores)
         if pred.prefetch or pred.predicted:  # else it says nothing for P (most calls)
             self.psets.take(pred, hook_layer)
 

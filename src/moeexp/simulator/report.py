@@ -24,11 +24,21 @@ Definitions (the simulator's choices where §8 leaves room):
 * ``gpu_mem_peak_bytes``: expert cache bytes + always-resident weights (no KV cache).
 * ``makespan_ms``: when the last forward pass ended (from time 0, the first batch's start
   or the first arrival's clock origin); ``bound_*``: the latency floor of
-  :mod:`moeexp.simulator.bound` for this budget and link (no exact system goes below it).
+  :mod:`moeexp.simulator.bound` for this budget and one link (no exact system goes below
+  it); NaN with several devices, whose parallel links the floor does not model, and with
+  any :mod:`moeexp.simulator.mechanics` option on.
+* Topology (:func:`topology_metrics`): ``devices``, ``demand_concurrency`` and
+  ``cache_budget_scope`` (how the capacity was split: ``total`` or ``per_device``;
+  ``expert_cache_bytes`` is always the sum over devices), ``link_busy_ms_total`` (every
+  link's copying time, summed), and per device ``d``: ``dev{d}_h2d_bytes_total``,
+  ``dev{d}_link_busy_ms_total`` and ``dev{d}_link_utilization`` (busy time / makespan),
+  ``dev{d}_expert_cache_bytes``; and the :mod:`moeexp.simulator.mechanics` options
+  (``demand_load``, ``flush_per_token`` 0/1), so every row says how it was served.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,7 +51,10 @@ from moeexp.simulator.bound import bound_metrics
 
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
+    from moeexp.simulator.device_group import DeviceGroup
+    from moeexp.simulator.mechanics import Mechanics
     from moeexp.simulator.plan import Plan
+    from moeexp.simulator.topology import Topology
 
 NAN = float("nan")
 
@@ -84,10 +97,39 @@ def _ratio_mean(a: list[float], b: list[float]) -> float:
     return float(np.mean(r)) if r else NAN
 
 
-def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostModel, tally: Tally,
+def topology_metrics(dev: Device | DeviceGroup, cost: CostModel, makespan_s: float,
+                     topology: Topology | None,
+                     mechanics: Mechanics | None = None) -> dict[str, Any]:
+    """Devices, links, budgets and mechanics of one replay (module docstring); times in ms."""
+    members = dev.members
+    m: dict[str, Any] = {
+        "demand_load": mechanics.demand_load if mechanics else "activated",
+        "flush_per_token": float(mechanics.flush_per_token) if mechanics else 0.0,
+        "devices": float(len(members)),
+        "demand_concurrency": topology.demand_concurrency if topology else "single",
+        "cache_budget_scope": topology.budget if topology else "total",
+        "link_busy_ms_total": float(sum(d.link.busy_s for d in members) * 1e3),
+    }
+    for i, d in enumerate(members):
+        busy = d.link.busy_s
+        m[f"dev{i}_h2d_bytes_total"] = float(d.h2d_bytes)
+        m[f"dev{i}_link_busy_ms_total"] = float(busy * 1e3)
+        m[f"dev{i}_link_utilization"] = busy / makespan_s if makespan_s > 0 else NAN
+        m[f"dev{i}_expert_cache_bytes"] = float(d.capacity * cost.expert_bytes)
+    return m
+
+
+def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
+                  cache: CachePolicy | Sequence[CachePolicy], cost: CostModel, tally: Tally,
                   restricted: bool, query_s: float, query_calls: int, wall_s: float,
-                  predictor_stats: dict[str, float]) -> tuple[dict[str, float], dict[str, list[Any]]]:
-    """The flat metrics (CORE_KEYS + extras) and the series of one replay."""
+                  predictor_stats: dict[str, float],
+                  topology: Topology | None = None,
+                  mechanics: Mechanics | None = None) -> tuple[dict[str, float], dict[str, list[Any]]]:
+    """The flat metrics (CORE_KEYS + extras) and the series of one replay (``cache``: the
+    one device's policy, or one per device)."""
+    caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
+    slots = sum(c.capacity_slots for c in caches)
+    initial = [k for c in caches for k in c.initial_residents()]
     units = list(range(len(plan.unit_request)))
     if plan.arrivals is not None:
         arrival = {u: float(plan.arrivals[u]) for u in units}
@@ -114,8 +156,8 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
         "stall_ms_total": float(sum(tally.it_stall) * 1e3),
         "h2d_bytes_total": float(dev.h2d_bytes),
         "prefetch_waste_bytes": float(waste),
-        "expert_cache_bytes": float(cache.capacity_slots * cost.expert_bytes),
-        "gpu_mem_peak_bytes": float(cost.gpu_mem_bytes(cache.capacity_slots)),
+        "expert_cache_bytes": float(slots * cost.expert_bytes),
+        "gpu_mem_peak_bytes": float(cost.gpu_mem_bytes(slots)),
         "predictor_query_us_mean": query_s / query_calls * 1e6 if query_calls else NAN,
         "accesses_total": float(accesses),
         "requests_total": float(len(units)),
@@ -134,10 +176,12 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
         "ttft_norm_mean": _ratio_mean(ttft, ttft0),
         "tpot_norm_mean": _ratio_mean(tpot, tpot0),
         "makespan_ms": max(tally.finish.values(), default=NAN) * 1e3,
-        **bound_metrics(plan, cost, cache.capacity_slots, cache.initial_residents()),
+        **_bounds(plan, cost, slots, initial,
+                  len(caches) == 1 and (mechanics is None or mechanics.default)),
         "sim_wall_s": wall_s,
         "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
     }
+    m.update(topology_metrics(dev, cost, m["makespan_ms"] * 1e-3, topology, mechanics))
     if restricted:
         n = tally.assignments
         m["substitution_rate"] = tally.substitutions / n if n else NAN
@@ -147,6 +191,14 @@ def build_metrics(*, plan: Plan, dev: Device, cache: CachePolicy, cost: CostMode
     missing = [k for k in CORE_KEYS if k not in m]
     assert not missing, missing
     return m, _series(plan, tally, units, arrival, ttft, tpot, e2e)
+
+
+def _bounds(plan: Plan, cost: CostModel, slots: int, initial: list[Any],
+            modelled: bool) -> dict[str, float]:
+    """``bound_metrics``, or NaN where the floor's model does not hold (several links, or
+    an artifact mechanic it does not model)."""
+    b = bound_metrics(plan, cost, slots, initial)
+    return b if modelled else dict.fromkeys(b, NAN)
 
 
 def _series(plan: Plan, tally: Tally, units: list[int], arrival: dict[int, float],

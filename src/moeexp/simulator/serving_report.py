@@ -25,6 +25,7 @@ from moeexp.serving.report import (
     serving_quantities,
     slo_quantities,
 )
+from moeexp.simulator.report import topology_metrics
 
 if TYPE_CHECKING:
     from moeexp.simulator.plan import Plan
@@ -76,6 +77,7 @@ def _core(served: ServedRun, reference: ServedRun, plan: Plan, replay: Replay,
         "makespan_ms": max(served.finish.values(), default=NAN) * 1e3,
         "sim_wall_s": wall_s, "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
     }
+    m.update(topology_metrics(replay.dev, cost, m["makespan_ms"] * 1e-3, None))
     if restricted:
         n = tally.assignments
         m["substitution_rate"] = tally.substitutions / n if n else NAN
