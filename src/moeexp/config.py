@@ -44,6 +44,8 @@ from moeexp.paths import load_group_yaml
 from moeexp.predictors import PREDICTORS, check_predictor
 from moeexp.registry import GroupChoice, group_choice, to_dict, typed
 from moeexp.schedulers import check_scheduler
+from moeexp.simulator.mechanics import Mechanics
+from moeexp.simulator.topology import Topology
 from moeexp.traces.importers import resolve_source
 from moeexp.tracking.loggers import LOGGERS
 
@@ -52,12 +54,13 @@ from moeexp.tracking.loggers import LOGGERS
 #: A new config group must be added here, or a run with it fails validation.
 TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger",
-    "trace", "experiment_name", "eval", "resume", "cost", "scheduler",
+    "trace", "experiment_name", "eval", "resume", "cost", "scheduler", "placement",
+    "topology", "mechanics",
 })
 #: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true,
 #: ``cost`` absent = no projection, ``scheduler`` absent = ``static``).
 OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume", "cost",
-                                           "scheduler"})
+                                           "scheduler", "placement", "topology", "mechanics"})
 
 
 # ----------------------------------------------------------------------------- typed groups
@@ -154,6 +157,31 @@ class TraceSpec:
 
 
 @dataclass(frozen=True)
+class TopologySpec:
+    """The ``topology`` block: how several devices (``hardware.devices``) share the work
+    (:mod:`moeexp.simulator.topology`). Only matters with ``hardware.devices > 1``.
+
+    Attributes:
+        demand_concurrency: ``single`` (one blocking demand thread over all links, as the
+            FineMoE artifact) or ``per_device`` (each device's demand copies on its link).
+        cache_budget: ``total`` (``cache.capacity`` is the sum over devices) or
+            ``per_device`` (every device gets it: the artifact's per-GPU ``cache_limit``).
+    """
+
+    demand_concurrency: str = "single"
+    cache_budget: str = "total"
+
+
+@dataclass(frozen=True)
+class MechanicsSpec:
+    """The ``mechanics`` block: the FineMoE artifact's serving behaviours, off by default
+    (:mod:`moeexp.simulator.mechanics`, algorithms.md §10)."""
+
+    demand_load: str = "activated"
+    flush_per_token: bool = False
+
+
+@dataclass(frozen=True)
 class CostSpec:
     """The ``cost`` block: a projection of the trace onto another cost regime
     (:mod:`moeexp.costmodel.projection`; the routing stays the trace's).
@@ -203,6 +231,26 @@ class RunSpec:
     cost: CostSpec = CostSpec()
     #: the ``scheduler`` group: ``static`` (today's batches) or a continuous one (sim, engine)
     scheduler: GroupChoice = GroupChoice("static", {})
+    #: the ``placement`` group: which device holds each expert (``hardware.devices > 1``)
+    placement: GroupChoice = GroupChoice("round_robin", {})
+    topology: TopologySpec = TopologySpec()
+    mechanics: MechanicsSpec = MechanicsSpec()
+
+    def build_topology(self) -> Topology:
+        """The simulator's :class:`~moeexp.simulator.topology.Topology` (checked)."""
+        return Topology.build(devices=self.hardware.devices, placement=self.placement,
+                              demand_concurrency=self.topology.demand_concurrency,
+                              budget=self.topology.cache_budget)
+
+    def build_mechanics(self) -> Mechanics:
+        """The simulator's :class:`~moeexp.simulator.mechanics.Mechanics` (checked)."""
+        return Mechanics(demand_load=self.mechanics.demand_load,  # type: ignore[arg-type]
+                         flush_per_token=self.mechanics.flush_per_token)
+
+    @property
+    def testbed_default(self) -> bool:
+        """One device and none of the artifact's mechanics: the plain replay."""
+        return self.hardware.devices == 1 and self.mechanics == MechanicsSpec()
 
 
 # ----------------------------------------------------------------------------- checks
@@ -299,6 +347,27 @@ def _check_sensitivity_labels(spec: RunSpec) -> None:
                           "default")
 
 
+def _check_testbed(spec: RunSpec) -> None:
+    """Topology and mechanics are valid, and only the simulator's static replay runs them
+    (the engine emulates neither yet; continuous batching and restricted routing are
+    single-device)."""
+    spec.build_topology()
+    spec.build_mechanics()
+    if spec.testbed_default:
+        return
+    what = (f"hardware.devices={spec.hardware.devices}" if spec.hardware.devices > 1
+            else f"mechanics {spec.mechanics}")
+    if spec.backend.name != "sim":
+        raise ConfigError(f"{what}: only backend=sim models several devices and the artifact's "
+                          f"mechanics (backend={spec.backend.name} runs one device as it is)")
+    if spec.scheduler.name != "static" or spec.backend.kwargs.get("restricted_routing"):
+        raise ConfigError(f"{what}: continuous batching (scheduler={spec.scheduler.name}) and "
+                          "restricted routing run on one device with the paper's mechanics only")
+    if spec.eval.enabled:
+        raise ConfigError(f"{what}: eval={spec.eval.name} scores routing changes on one device; "
+                          "use eval=none")
+
+
 def _check_dataset(cfg: Any) -> DatasetConfig:
     ds = DatasetConfig.from_mapping(to_dict(cfg))
     if ds.path is not None and not Path(ds.path).expanduser().exists():
@@ -338,7 +407,11 @@ def validate(cfg: DictConfig) -> RunSpec:
         resume=bool(cfg.get("resume", True)),
         cost=typed(CostSpec, to_dict(cfg.get("cost") or {}), "cost"),
         scheduler=group_choice(cfg.get("scheduler") or {"name": "static"}, "scheduler"),
+        placement=group_choice(cfg.get("placement") or {"name": "round_robin"}, "placement"),
+        topology=typed(TopologySpec, to_dict(cfg.get("topology") or {}), "topology"),
+        mechanics=typed(MechanicsSpec, to_dict(cfg.get("mechanics") or {}), "mechanics"),
     )
+    _check_testbed(spec)
     if spec.cost.as_model is not None and not load_group_yaml("model", spec.cost.as_model).get("arch"):
         raise ConfigError(f"cost.as_model={spec.cost.as_model}: that preset has no arch: block "
                           "(presets with one: gpt_oss_20b, mixtral_8x7b, phi3_5_moe, "

@@ -71,6 +71,7 @@ from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalInputs, run_eval
 from moeexp.labels import config_label
 from moeexp.predictors import build_predictor
+from moeexp.simulator.topology import build_device_caches
 from moeexp.traces.schema import Trace, TraceDims, missing_for
 from moeexp.tracking.env import collect_env
 from moeexp.tracking.loggers import LOGGERS, Logger
@@ -199,7 +200,7 @@ def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:
     """Build predictor and cache once with ``dims``: a capacity below K experts, or a
     setting the model's shape refuses, fails here, before any long work."""
     build_predictor(spec.predictor, dims)
-    build_cache(spec.cache, dims)
+    _build_caches(spec, dims)
 
 
 def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
@@ -235,7 +236,7 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
         raise ConfigError(f"the test split is empty ({len(trace.requests)} requests, "
                           f"store_fraction {spec.dataset.store_fraction}): raise "
                           "dataset.num_prompts or lower dataset.store_fraction")
-    cache = build_cache(spec.cache, trace.dims)
+    cache = _build_caches(spec, trace.dims)
     lacks = missing_for(predictor.needs, trace.capabilities)
     if lacks:
         reason = f"not applicable: the trace lacks {', and '.join(lacks)}"
@@ -244,7 +245,8 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
                 **_identity(spec, trace, label)}, {}
     t = time.perf_counter()
     predictor.fit(store)
-    cache.fit(store)
+    for policy in cache if isinstance(cache, list) else [cache]:
+        policy.fit(store)
     times["fit_time_s"] = time.perf_counter() - t
     # the eval stage gets the fitted policies as they are before the backend uses them
     unused = (copy.deepcopy(predictor), copy.deepcopy(cache)) if spec.eval.enabled else None
@@ -255,7 +257,9 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
                          trace=test, predictor=predictor, cache=cache,
                          cost=_cost_model(spec, trace, loaded), seed=spec.trace.seed,
                          store=store, run_dir=run_dir, scheduler=spec.scheduler,
-                         kv_bytes_per_token=_kv_bytes_per_token(spec, loaded))
+                         kv_bytes_per_token=_kv_bytes_per_token(spec, loaded),
+                         topology=None if spec.testbed_default else spec.build_topology(),
+                         mechanics=None if spec.testbed_default else spec.build_mechanics())
     regime = {"cost_as_model": spec.cost.as_model or "", "cost_expert_bytes_scale":
               float(spec.cost.expert_bytes_scale), "cost_expert_bytes": ctx.cost.expert_bytes,
               "copy_to_compute": copy_to_compute(ctx.cost, trace.dims.top_k),
@@ -275,6 +279,15 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
             backend=spec.backend.kwargs, dataset=spec.dataset.to_mapping(),
             predictor=unused[0], cache=unused[1])))
     return metrics, dict(result.series)
+
+
+def _build_caches(spec: RunSpec, dims: TraceDims) -> Any:
+    """The run's cache policy; with ``hardware.devices > 1`` one per device, each holding
+    that device's share of ``cache.capacity`` (``topology.cache_budget``;
+    :func:`moeexp.simulator.topology.build_device_caches`)."""
+    if spec.hardware.devices == 1:
+        return build_cache(spec.cache, dims)
+    return build_device_caches(spec.cache, dims, spec.build_topology())
 
 
 def store_split(trace: Trace, store_leak: str | None, label: str = "") -> Trace:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
-from hydra.errors import MissingConfigException
+from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from moeexp.cache import build_cache
 from moeexp.config import TraceSpec, validate
@@ -217,3 +217,36 @@ def test_expert_format_on_a_recorded_trace_needs_a_projection():
         validate(_compose(["+model.expert_format=int3", "cost.as_model=mixtral_8x7b"]))
     spec = validate(_compose(["+model.expert_format=hqq2", "cost.as_model=mixtral_8x7b"]))
     assert spec.model.expert_format == "hqq2"
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), [
+    (["hardware.devices=0"], "devices must be an integer >= 1"),
+    (["hardware.devices=6", "topology.demand_concurrency=parallel"],
+     "demand_concurrency 'parallel' is not valid; valid: single, per_device"),
+    (["hardware.devices=6", "topology.cache_budget=each"],
+     "cache budget scope 'each' is not valid; valid: total, per_device"),
+    (["mechanics.demand_load=all"], "demand_load 'all' is not valid; valid: activated, all_experts"),
+    (["mechanics.flush_per_tokn=true"], "flush_per_tokn"),
+    (["placement=diagonal"], "Could not find .placement/diagonal"),
+    (["hardware.devices=6", "backend=engine"], "only backend=sim models several devices"),
+    (["mechanics.flush_per_token=true", "backend=engine"], "only backend=sim"),
+    (["hardware.devices=2", "scheduler=fcfs"], "continuous batching"),
+])
+def test_testbed_settings_are_checked(overrides, pattern):
+    """Topology and the artifact's mechanics: a bad value or an unsupported backend fails
+    before any work, naming what is valid."""
+    with pytest.raises((ConfigError, ConfigCompositionException, MissingConfigException),
+                       match=pattern):
+        validate(_compose(overrides))
+
+
+def test_testbed_defaults_are_the_plain_replay():
+    """The defaults are one device, the paper's mechanics: the backend gets no topology."""
+    spec = validate(_compose([]))
+    assert spec.testbed_default and spec.hardware.devices == 1
+    six = validate(_compose(["hardware.devices=6", "topology.cache_budget=per_device",
+                             "mechanics.demand_load=all_experts", "mechanics.flush_per_token=true"]))
+    assert not six.testbed_default
+    topo, mech = six.build_topology(), six.build_mechanics()
+    assert (topo.devices, topo.budget, topo.placement.name) == (6, "per_device", "round_robin")
+    assert (mech.demand_load, mech.flush_per_token) == ("all_experts", True)

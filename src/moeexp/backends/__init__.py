@@ -94,7 +94,8 @@ class SimBackend:
                        batch_size=self.batch_size, arrival_rate=self.arrival_rate,
                        restricted_routing=self.restricted_routing,
                        seed=ctx.seed, progress=self.progress,
-                       num_requests=self.num_online_requests if online else None)
+                       num_requests=self.num_online_requests if online else None,
+                       topology=ctx.topology, mechanics=ctx.mechanics)
         metrics: dict[str, Any] = dict(res.metrics)
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)

@@ -32,6 +32,11 @@ class BackendContext:
         scheduler: the ``scheduler`` group (None = ``static``, today's batches).
         kv_bytes_per_token: KV-cache bytes per token from the model's config
             (:func:`moeexp.costmodel.roofline.kv_bytes_per_token`); None = unknown.
+        topology / mechanics: the simulated machine's devices and the FineMoE artifact's
+            serving behaviours (:mod:`moeexp.simulator.topology`, ``.mechanics``); None =
+            one device, the paper semantics. With several devices ``cache`` is a list, one
+            policy per device. Only ``backend=sim``'s static replay takes them (checked by
+            :func:`moeexp.config.validate`).
     """
 
     loaded: Any
@@ -45,6 +50,8 @@ class BackendContext:
     run_dir: Path | None = None
     scheduler: GroupChoice | None = None
     kv_bytes_per_token: int | None = None
+    topology: Any = None
+    mechanics: Any = None
 
 
 @dataclass

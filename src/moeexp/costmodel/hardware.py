@@ -47,6 +47,9 @@ class HardwareProfile:
             may go first (:mod:`moeexp.costmodel.copies`). Optional in a profile file.
         cpu: the host CPU (:mod:`moeexp.costmodel.cpu`), or None: a copy-only profile.
             Optional in a profile file.
+        devices: GPUs of this machine, each with its own host link (at ``h2d_gbps``), copy
+            worker and expert slots (:mod:`moeexp.simulator.topology`); 1 (default) = one
+            GPU, every result as without it. Optional in a profile file.
     """
 
     name: str
@@ -62,8 +65,12 @@ class HardwareProfile:
     expert_overhead_us: float
     copy_chunk_mb: float = 0.0
     cpu: CpuProfile | None = None
+    devices: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.devices, bool) or not isinstance(self.devices, int) or self.devices < 1:
+            raise ConfigError(f"hardware profile {self.name!r}: devices must be an integer >= 1, "
+                              f"got {self.devices!r}")
         bad = [f.name for f in fields(self)
                if f.name not in _NON_NUMERIC and not _finite_nonneg(getattr(self, f.name))]
         for eff in ("h2d_efficiency", "compute_efficiency", "memory_efficiency"):
@@ -122,6 +129,9 @@ class HardwareProfile:
                 f"hardware profile {name!r}: {'; '.join(parts)}. Keys: {', '.join(sorted(want))}"
             )
         kwargs: dict[str, Any] = {"name": str(cfg["name"])}
+        if "devices" in cfg:  # an integral float (a profile written from asdict) counts
+            d = cfg["devices"]
+            kwargs["devices"] = int(d) if isinstance(d, float) and d.is_integer() else d
         if cfg.get("cpu") is not None:
             kwargs["cpu"] = CpuProfile.from_mapping(cfg["cpu"], f"hardware {cfg['name']!r} cpu")
         for f in fields(cls):
@@ -137,9 +147,9 @@ class HardwareProfile:
 
 
 #: Profile keys a file may omit (their field default applies): added after the first profiles.
-_OPTIONAL_KEYS: frozenset[str] = frozenset({"copy_chunk_mb", "cpu"})
+_OPTIONAL_KEYS: frozenset[str] = frozenset({"copy_chunk_mb", "cpu", "devices"})
 #: Fields that are not plain numbers.
-_NON_NUMERIC: frozenset[str] = frozenset({"name", "cpu"})
+_NON_NUMERIC: frozenset[str] = frozenset({"name", "cpu", "devices"})
 
 
 def _has_cpu(name: str) -> bool:
