@@ -1,0 +1,87 @@
+"""The paper-testbed ladder (``+experiment=paper_testbed``, issue 25): FineMoE against its four
+baselines at each rung, paired over the prompt samples, with the bytes / stall decomposition.
+
+A rung is one bundle of ``conf/experiment/paper_testbed/`` (the ``experiment/paper_testbed``
+column of ``summary_runs.csv``). FineMoE is ``finemoe_artifact`` (the V1 artifact's
+selection) on the rungs the artifact ran and ``finemoe`` (the paper's selection) below; both
+are shown on every rung, so rung (c), the paper's selection, is the step between the two rows
+of rung (b). Every number is a cost projection of the embedded model's routing
+(``cost.as_model``), never a measurement of Mixtral or Qwen.
+
+``python -m moeexp.analysis.ladder SWEEP_DIR`` prints the markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+from moeexp.tracking.repro_data import Stat, paired
+from moeexp.tracking.intervals import SEED_KEY
+
+RUNG_KEY = "experiment/paper_testbed"
+BASELINES = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity")
+FINEMOES = ("finemoe_artifact", "finemoe")
+#: FineMoE's Fig. 10 TPOT changes against each baseline (algorithms.md §9), percent
+PAPER_TPOT = {"deepspeed": -46, "mixtral_offloading": -39, "promoe": -31, "moe_infinity": -22}
+
+
+def _cell(st: Stat) -> str:
+    if not st.ok():
+        return "–"
+    half = f" ±{st.half:.1f}" if math.isfinite(st.half) else ""
+    return f"{st.mean:+.1f}%{half}"
+
+
+def _mean(part: pd.DataFrame, system: str, metric: str) -> float:
+    rows = part[part["system"] == system]
+    return float(pd.to_numeric(rows[metric], errors="coerce").mean()) if len(rows) else math.nan
+
+
+def ladder_rows(runs: pd.DataFrame, metric: str = "tpot_ms_mean") -> pd.DataFrame:
+    """One row per (projection, rung, FineMoE variant): its paired change in ``metric``
+    against each baseline (mean ± 95 % half-width over the seeds), and its bytes copied and
+    stall over deepspeed's."""
+    out = []
+    runs = runs[runs.get("status", "ok") == "ok"] if "status" in runs else runs
+    for (proj, rung), part in runs.groupby(["cost_as_model", RUNG_KEY], sort=True):
+        for fm in FINEMOES:
+            if fm not in set(part["system"]):
+                continue
+            row: dict[str, object] = {"projection": proj, "rung": rung, "finemoe": fm}
+            for b in BASELINES:
+                row[f"vs {b}"] = _cell(paired(part, "system", fm, b, metric))
+            for q, name in (("h2d_bytes_total", "bytes / DS"), ("stall_ms_total", "stall / DS")):
+                x, y = _mean(part, fm, q), _mean(part, "deepspeed", q)
+                row[name] = f"×{x / y:.2f}" if y and math.isfinite(x / y) else "–"
+            row["n"] = int(part.loc[part["system"] == fm, SEED_KEY].nunique())
+            out.append(row)
+    return pd.DataFrame(out)
+
+
+def ladder_markdown(sweep: Path) -> str:
+    """The TPOT and TTFT ladders of the sweep at ``sweep`` as markdown."""
+    runs = pd.read_csv(sweep / "summary_runs.csv")
+    parts = []
+    for metric, title in (("tpot_ms_mean", "TPOT"), ("ttft_ms_mean", "TTFT")):
+        df = ladder_rows(runs, metric)
+        parts.append(f"### FineMoE's {title} change against each baseline, per rung\n\n"
+                     + df.to_markdown(index=False) + "\n")
+    paper = ", ".join(f"{b} {v:+d}%" for b, v in PAPER_TPOT.items())
+    parts.append(f"\nThe paper's TPOT changes (Fig. 10): {paper}.\n")
+    return "\n".join(parts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("sweep", type=Path, help="a +experiment=paper_testbed sweep directory")
+    args = ap.parse_args(argv)
+    sys.stdout.write(ladder_markdown(args.sweep) + "\n")
+
+
+if __name__ == "__main__":
+    main()
