@@ -157,8 +157,7 @@ class RecencyPolicy(CachePolicy):
     """A policy that ranks by recency, alone or to break ties (``lfu``, ``lru_per_layer``,
     ``static``, ``emoe``): it keeps each resident key's last use, the logical clock ``now``
     of its last insert or access. (``lru`` keeps an ordered list instead: O(1) victims.)
-    Its hooks call ``super()``, so a subclass that also derives from :class:`RankedPolicy`
-    (``lfu``, ``static``: ``class LFU(RecencyPolicy, RankedPolicy)``) gets the heap."""
+    :class:`RankedRecencyPolicy` puts one on :class:`RankedPolicy`'s heap."""
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
@@ -175,7 +174,6 @@ class RecencyPolicy(CachePolicy):
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         self._last[key] = now
-        super().on_access(key, now, hit)  # RankedPolicy's mark in lfu and static
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
@@ -273,6 +271,20 @@ class RankedPolicy(CachePolicy):
         super().on_evict(key)
         self._stamp.pop(key, None)
         self._touched.discard(key)
+
+
+class RankedRecencyPolicy(RecencyPolicy, RankedPolicy):
+    """:class:`RecencyPolicy`'s last use on :class:`RankedPolicy`'s heap, for a rank that
+    reads the last use and the key's own counts (``lfu``, ``static``); a subclass defines
+    ``rank``. ``on_access`` records the last use and marks the key in one call (plain
+    :class:`RecencyPolicy` ends its ``on_access`` there, so ``lru_per_layer`` and ``emoe``
+    pay nothing for the heap); ``on_insert`` / ``on_evict`` run both bases' through
+    ``super()``."""
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        self._last[key] = now
+        if key in self.resident:
+            self._touched.add(key)
 
 
 CACHES: Registry[CachePolicy] = Registry("cache")

@@ -6,17 +6,17 @@ iteration); it is forgotten when the expert is evicted, so an expert that return
 from 0 again. Ties are broken by recency (least recently inserted-or-used first), then by
 key. This is the eviction FineMoE's cache ablation calls "LFU" and MoE-Infinity's released
 code uses (algorithms.md §4 ``variant: oss``, §9). The victim comes from
-:class:`RankedPolicy`'s heap: a key's rank (count, last use) changes only at its own insert
+:class:`~moeexp.cache.base.RankedPolicy`'s heap: a key's rank (count, last use) changes only at its own insert
 and accesses.
 """
 
 from __future__ import annotations
 
-from moeexp.cache.base import CACHES, Key, RankedPolicy, RecencyPolicy
+from moeexp.cache.base import CACHES, Key, RankedRecencyPolicy
 
 
 @CACHES.register("lfu")
-class LFU(RecencyPolicy, RankedPolicy):
+class LFU(RankedRecencyPolicy):
     """Least in-cache frequency first; ties -> least recently used.
 
     Args:

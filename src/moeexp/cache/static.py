@@ -11,7 +11,7 @@ cache, at least 1 and at most one layer's worth (J): one slot is enough for one-
 decode with K=1, but a layer touching several non-pinned experts at once needs as many
 scratch slots as it holds protected at a time; raise ``scratch_slots`` if the mechanism
 reports that every evictable expert is protected. The victim comes from
-:class:`RankedPolicy`'s heap: a scratch key's rank (its last use) changes only at its own
+:class:`~moeexp.cache.base.RankedPolicy`'s heap: a scratch key's rank (its last use) changes only at its own
 insert and accesses, and a pinned key has none (it is never a victim).
 """
 
@@ -22,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from moeexp.cache.base import CACHES, Key, RankedPolicy, RecencyPolicy
+from moeexp.cache.base import CACHES, Key, RankedRecencyPolicy
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
@@ -46,7 +46,7 @@ def usage_counts(store: Trace, rank_by: RankBy = "accesses") -> np.ndarray:
 
 
 @CACHES.register("static")
-class Static(RecencyPolicy, RankedPolicy):
+class Static(RankedRecencyPolicy):
     """Pins the store split's most used experts; LRU scratch slots serve the rest.
 
     Args:
