@@ -22,7 +22,8 @@ Victim choice, from the slowest to the fastest way to write a policy:
   accesses ran 5.5x slower than ``lru`` this way);
 - subclass :class:`RankedPolicy` and define :meth:`RankedPolicy.rank`: when a key's rank
   changes only at that key's own events (its insert and its accesses), the victim comes from
-  a lazy heap, O(log n) per key touched between two evictions (``lru2``);
+  a lazy heap, O(log n) per key touched between two evictions (``lru2``, ``lfu``,
+  ``static``);
 - rank by a matrix that changes for many keys at once (predictor scores): keep a float[L, J]
   priority and call :meth:`CachePolicy.lowest_priority` (``finemoe``, ``moe_infinity``);
 - keep an ordered structure yourself and override ``victim`` (``lru``: O(1)).
@@ -30,6 +31,7 @@ Victim choice, from the slowest to the fastest way to write a policy:
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from heapq import heapify, heappop, heappush
 from typing import Any, ClassVar
 
@@ -154,7 +156,8 @@ class CachePolicy:
 class RecencyPolicy(CachePolicy):
     """A policy that ranks by recency, alone or to break ties (``lfu``, ``lru_per_layer``,
     ``static``, ``emoe``): it keeps each resident key's last use, the logical clock ``now``
-    of its last insert or access. (``lru`` keeps an ordered list instead: O(1) victims.)"""
+    of its last insert or access. (``lru`` keeps an ordered list instead: O(1) victims.)
+    :class:`RankedRecencyPolicy` puts one on :class:`RankedPolicy`'s heap."""
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
@@ -204,15 +207,26 @@ class RankedPolicy(CachePolicy):
 
     def rank(self, key: Key) -> Any:
         """The eviction order of resident ``key``: lowest first (any value comparable with
-        every other key's rank, e.g. a tuple of ints). Subclasses define it."""
+        every other key's rank, e.g. a tuple of ints), or None for a key that is never a
+        victim (``static``'s pinned experts; :meth:`CachePolicy.candidates` must then leave
+        it out too). Subclasses define it."""
         raise NotImplementedError
+
+    def rerank(self, keys: Iterable[Key]) -> None:
+        """Re-rank the resident ``keys`` at the next :meth:`victim`: for a rank changed
+        outside the keys' own events (``static``'s pinned set, fitted anew)."""
+        self._touched.update(k for k in keys if k in self.resident)
 
     def _rerank_touched(self) -> None:
         heap, stamp, rank, n = self._heap, self._stamp, self.rank, self._pushes
         for key in self._touched:
+            r = rank(key)
+            if r is None:  # never a victim: no entry (an older one becomes stale)
+                stamp.pop(key, None)
+                continue
             n += 1
             stamp[key] = n
-            heappush(heap, (rank(key), key, n))
+            heappush(heap, (r, key, n))
         self._pushes = n
         self._touched.clear()
         if len(heap) > 2 * len(stamp) + 64:  # drop stale entries: O(n), rarely
@@ -257,6 +271,20 @@ class RankedPolicy(CachePolicy):
         super().on_evict(key)
         self._stamp.pop(key, None)
         self._touched.discard(key)
+
+
+class RankedRecencyPolicy(RecencyPolicy, RankedPolicy):
+    """:class:`RecencyPolicy`'s last use on :class:`RankedPolicy`'s heap, for a rank that
+    reads the last use and the key's own counts (``lfu``, ``static``); a subclass defines
+    ``rank``. ``on_access`` records the last use and marks the key in one call (plain
+    :class:`RecencyPolicy` ends its ``on_access`` there, so ``lru_per_layer`` and ``emoe``
+    pay nothing for the heap); ``on_insert`` / ``on_evict`` run both bases' through
+    ``super()``."""
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        self._last[key] = now
+        if key in self.resident:
+            self._touched.add(key)
 
 
 CACHES: Registry[CachePolicy] = Registry("cache")

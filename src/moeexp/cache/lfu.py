@@ -5,16 +5,18 @@ on-demand load does not count as a use) and grows by one per access (a layer usi
 iteration); it is forgotten when the expert is evicted, so an expert that returns starts
 from 0 again. Ties are broken by recency (least recently inserted-or-used first), then by
 key. This is the eviction FineMoE's cache ablation calls "LFU" and MoE-Infinity's released
-code uses (algorithms.md §4 ``variant: oss``, §9).
+code uses (algorithms.md §4 ``variant: oss``, §9). The victim comes from
+:class:`~moeexp.cache.base.RankedPolicy`'s heap: a key's rank (count, last use) changes only at its own insert
+and accesses.
 """
 
 from __future__ import annotations
 
-from moeexp.cache.base import CACHES, Key, RecencyPolicy
+from moeexp.cache.base import CACHES, Key, RankedRecencyPolicy
 
 
 @CACHES.register("lfu")
-class LFU(RecencyPolicy):
+class LFU(RankedRecencyPolicy):
     """Least in-cache frequency first; ties -> least recently used.
 
     Args:
@@ -28,17 +30,18 @@ class LFU(RecencyPolicy):
                          num_experts=num_experts)
         self._freq: dict[Key, int] = {}
 
-    def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        return min(candidates, key=lambda k: (self._freq.get(k, 0), self.last_use(k), k))
+    def rank(self, key: Key) -> tuple[int, int]:
+        """(in-cache use count, last insert or access) of resident ``key``: lowest is evicted."""
+        return (self._freq[key], self._last[key])
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         if key not in self.resident:
             self._freq[key] = 0
-        super().on_insert(key, now, prefetched)
+        super().on_insert(key, now, prefetched)  # last use; marks key to be re-ranked
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         self._freq[key] = self._freq.get(key, 0) + 1
-        super().on_access(key, now, hit)
+        super().on_access(key, now, hit)  # last use; marks key (if resident) to be re-ranked
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)

@@ -10,7 +10,9 @@ A miss on a non-pinned expert must still be served (the mechanism loads it on de
 cache, at least 1 and at most one layer's worth (J): one slot is enough for one-token
 decode with K=1, but a layer touching several non-pinned experts at once needs as many
 scratch slots as it holds protected at a time; raise ``scratch_slots`` if the mechanism
-reports that every evictable expert is protected.
+reports that every evictable expert is protected. The victim comes from
+:class:`~moeexp.cache.base.RankedPolicy`'s heap: a scratch key's rank (its last use) changes only at its own
+insert and accesses, and a pinned key has none (it is never a victim).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Literal
 
 import numpy as np
 
-from moeexp.cache.base import CACHES, Key, RecencyPolicy
+from moeexp.cache.base import CACHES, Key, RankedRecencyPolicy
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
@@ -44,7 +46,7 @@ def usage_counts(store: Trace, rank_by: RankBy = "accesses") -> np.ndarray:
 
 
 @CACHES.register("static")
-class Static(RecencyPolicy):
+class Static(RankedRecencyPolicy):
     """Pins the store split's most used experts; LRU scratch slots serve the rest.
 
     Args:
@@ -95,6 +97,7 @@ class Static(RecencyPolicy):
         J = self.num_experts
         self._pinned_order = [(int(i) // J, int(i) % J) for i in order]
         self.pinned = frozenset(self._pinned_order)
+        self.rerank(self.resident)  # residents before a (re)fit may have changed sides
         log.info("static: pinned %d experts, %d scratch slots", len(self.pinned),
                  self.scratch_slots)
 
@@ -113,8 +116,9 @@ class Static(RecencyPolicy):
     def candidates(self, incoming: Key) -> list[Key]:
         return sorted(k for k in self.resident if k not in self.pinned)
 
-    def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
-        return min(candidates, key=lambda k: (self.last_use(k), k))
+    def rank(self, key: Key) -> int | None:
+        """Last insert or access of a scratch key (least recent is evicted); None if pinned."""
+        return None if key in self.pinned else self._last[key]
 
     def on_evict(self, key: Key) -> None:
         if key in self.pinned:

@@ -1,7 +1,10 @@
-"""CachePolicy.lowest_priority (the matrix victim rule) and RankedPolicy (the heap) pick what
-the candidate-list rule picks."""
+"""CachePolicy.lowest_priority (the matrix victim rule) and RankedPolicy (the heap: a toy
+policy, lfu, static) pick what the candidate-list rule picks."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -9,6 +12,7 @@ import pytest
 from moeexp.cache import CACHES
 from moeexp.cache.base import CachePolicy, RankedPolicy
 from moeexp.errors import ConfigError
+from moeexp.traces.synthetic import random_trace
 
 
 @pytest.mark.parametrize("name, kw", [("finemoe", {}), ("moe_infinity", {"variant": "paper"}),
@@ -86,3 +90,80 @@ def test_ranked_heap_drops_stale_entries() -> None:
         assert c.victim((0, 0), {(0, 1)}, t) == (0, 2)
     assert len(c._heap) <= 2 * 3 + 64 + 1
     assert c.victim((0, 0), set(), 10_000) == (0, 1)
+
+
+def heap_follows_rule(c: RankedPolicy, rule: Callable[[list[tuple[int, int]]], Any],
+                      steps: int, seed: int) -> int:
+    """Drive ``c`` with ``steps`` random events (misses with random protected sets, every
+    resident protected now and then; hits; a resident re-inserted; a use of a key not
+    resident) and assert at each miss that ``c.victim`` (the heap) and the base class's
+    sorted candidates + ``choose`` both pick ``rule(unprotected residents in key order)``
+    (None from the rule: a ConfigError from both). Returns the evictions checked."""
+    rng = np.random.default_rng(seed)
+    L, J = c.num_layers, c.num_experts
+    checked = 0
+    for step in range(steps):
+        key = (int(rng.integers(L)), int(rng.integers(J)))
+        if key in c.resident:
+            if rng.random() < 0.1:
+                c.on_insert(key, step, prefetched=True)
+            else:
+                c.on_access(key, step, True)
+            continue
+        if rng.random() < 0.05:
+            c.on_access(key, step, False)
+        protected = {(int(rng.integers(L)), int(rng.integers(J))) for _ in range(rng.integers(0, 4))}
+        if rng.random() < 0.02:
+            protected = set(c.resident)
+        want = None
+        if len(c.resident) >= c.capacity_slots:
+            want = rule(sorted(k for k in c.resident if k not in protected))
+            if want is None:
+                for victim in (c.victim, lambda *a: CachePolicy.victim(c, *a)):
+                    with pytest.raises(ConfigError, match="no evictable expert"):
+                        victim(key, protected, step)
+                continue
+        assert c.victim(key, protected, step) == want
+        assert CachePolicy.victim(c, key, protected, step) == want
+        checked += want is not None
+        if want is not None:
+            c.on_evict(want)
+        c.on_insert(key, step, prefetched=bool(rng.random() < 0.5))
+        if rng.random() < 0.7:
+            c.on_access(key, step, False)
+    return checked
+
+
+def test_lfu_heap_victim_equals_the_candidate_list_rule() -> None:
+    """lfu on the heap evicts what its rule over the candidate list evicts: lowest in-cache
+    count, then least recent insert or access, then lowest key; 3000 random events."""
+    c = CACHES.build("lfu", capacity_slots=7, num_layers=3, num_experts=6)
+
+    def rule(cands: list[tuple[int, int]]) -> tuple[int, int] | None:
+        return min(cands, key=lambda k: (c.frequency(k), c.last_use(k), k), default=None)
+
+    assert heap_follows_rule(c, rule, 3000, seed=2) > 1000
+
+
+def test_static_heap_victim_equals_the_candidate_list_rule() -> None:
+    """static on the heap evicts what its rule evicts: the least recent unpinned resident,
+    then the lowest key, never a pinned one; 2000 random events, a refit on another store
+    (other pinned keys, some resident already), 2000 more."""
+    c = CACHES.build("static", capacity_slots=9, num_layers=3, num_experts=6, scratch_slots=4)
+
+    def rule(cands: list[tuple[int, int]]) -> tuple[int, int] | None:
+        free = [k for k in cands if k not in c.pinned]
+        return min(free, key=lambda k: (c.last_use(k), k), default=None)
+
+    def store(seed: int) -> Any:
+        return random_trace(num_layers=3, num_experts=6, top_k=2, num_requests=4,
+                            prompt_len=3, output_len=5, store_fraction=1.0, seed=seed)
+
+    c.fit(store(0))
+    for k in c.initial_residents():
+        c.on_insert(k, 0, prefetched=True)
+    checked = heap_follows_rule(c, rule, 2000, seed=3)
+    before = c.pinned
+    c.fit(store(1))
+    assert c.pinned != before and c.pinned & c.resident
+    assert checked + heap_follows_rule(c, rule, 2000, seed=4) > 1000
