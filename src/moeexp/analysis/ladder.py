@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from moeexp.tracking.repro_data import Stat, paired
 from moeexp.tracking.intervals import SEED_KEY
+from moeexp.tracking.repro_data import Stat, paired
 
 RUNG_KEY = "experiment/paper_testbed"
 BASELINES = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity")
