@@ -8,7 +8,7 @@ are shown on every rung, so rung (c), the paper's selection, is the step between
 of rung (b). Every number is a cost projection of the embedded model's routing
 (``cost.as_model``), never a measurement of Mixtral or Qwen.
 
-``python -m moeexp.analysis.ladder SWEEP_DIR`` prints the markdown tables.
+``python -m moeexp.analysis.ladder SWEEP_DIR [SWEEP_DIR ...]`` prints the markdown tables.
 """
 
 from __future__ import annotations
@@ -20,14 +20,13 @@ from pathlib import Path
 
 import pandas as pd
 
+from moeexp.tracking.compare import PAPER_CHANGES
 from moeexp.tracking.intervals import SEED_KEY
 from moeexp.tracking.repro_data import Stat, paired
 
 RUNG_KEY = "experiment/paper_testbed"
 BASELINES = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity")
 FINEMOES = ("finemoe_artifact", "finemoe")
-#: FineMoE's Fig. 10 TPOT changes against each baseline (algorithms.md §9), percent
-PAPER_TPOT = {"deepspeed": -46, "mixtral_offloading": -39, "promoe": -31, "moe_infinity": -22}
 
 
 def _cell(st: Stat) -> str:
@@ -63,24 +62,27 @@ def ladder_rows(runs: pd.DataFrame, metric: str = "tpot_ms_mean") -> pd.DataFram
     return pd.DataFrame(out)
 
 
-def ladder_markdown(sweep: Path) -> str:
-    """The TPOT and TTFT ladders of the sweep at ``sweep`` as markdown."""
-    runs = pd.read_csv(sweep / "summary_runs.csv")
+def ladder_markdown(*sweeps: Path) -> str:
+    """The TPOT and TTFT ladders of the sweeps at ``sweeps`` (pooled: e.g. the ladder and an
+    attribution rung run beside it) as markdown."""
+    runs = pd.concat([pd.read_csv(s / "summary_runs.csv") for s in sweeps], ignore_index=True)
     parts = []
     for metric, title in (("tpot_ms_mean", "TPOT"), ("ttft_ms_mean", "TTFT")):
         df = ladder_rows(runs, metric)
+        paper = ", ".join(f"{b} {v:+.0f}%" for b, v in PAPER_CHANGES[title.lower()].items()
+                          if v is not None)
         parts.append(f"### FineMoE's {title} change against each baseline, per rung\n\n"
-                     + df.to_markdown(index=False) + "\n")
-    paper = ", ".join(f"{b} {v:+d}%" for b, v in PAPER_TPOT.items())
-    parts.append(f"\nThe paper's TPOT changes (Fig. 10): {paper}.\n")
+                     + df.to_markdown(index=False)
+                     + f"\n\nThe paper's {title} changes (Fig. 10): {paper}.\n")
     return "\n".join(parts)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("sweep", type=Path, help="a +experiment=paper_testbed sweep directory")
+    ap.add_argument("sweeps", type=Path, nargs="+",
+                    help="+experiment=paper_testbed sweep directories (pooled)")
     args = ap.parse_args(argv)
-    sys.stdout.write(ladder_markdown(args.sweep) + "\n")
+    sys.stdout.write(ladder_markdown(*args.sweeps) + "\n")
 
 
 if __name__ == "__main__":
