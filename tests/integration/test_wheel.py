@@ -79,5 +79,9 @@ def test_wheel_carries_conf_and_its_app_runs_the_default_experiment(tmp_path, mo
     exp = OmegaConf.load(CONF_DIR / "experiment" / "finemoe_vs_moeinfinity.yaml")
     systems = str(exp.hydra.sweeper.params.system).split(",")
     df = pd.read_csv(sweep / "summary.csv")
-    assert list(df["system"]) == systems
+    # one row per system in each of the two cost regimes (the embedded costs, the Mixtral
+    # projection)
+    regimes = df["cost.as_model"].fillna("null").astype(str)
+    assert list(df.loc[regimes == "null", "system"]) == systems
+    assert list(df.loc[regimes == "mixtral_8x7b", "system"]) == systems
     assert (df["cache_capacity"].astype(str) == "0.25").all()

@@ -273,7 +273,7 @@ class OffloadedModel:
             raise
         self._end_requests(None)
 
-    def metrics(self) -> dict[str, float]:
+    def metrics(self) -> dict[str, Any]:
         """The metric dict (moeexp.metrics.CORE_KEYS plus engine extras; with routing
         replay also ``routing_replay: 1.0``: not exact, the routing was forced)."""
         self.engine.runner.flush()

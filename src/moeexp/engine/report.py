@@ -34,7 +34,7 @@ class RequestTiming:
     e2e: list[float] = field(default_factory=list)
 
 
-def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[str, float]:
+def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[str, Any]:
     """Flat metric dict: every CORE_KEY plus engine-only extras."""
     c = engine.counters
     stall_ms = c.stall_s * 1e3
@@ -45,7 +45,7 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         _add_cuda_parts(c.cuda_stall_parts, parts_ms)
     recall, precision = c.pred.recall, c.pred.precision
     runner = engine.runner
-    out: dict[str, float] = {
+    out: dict[str, Any] = {
         "hit_rate": c.hits / c.accesses if c.accesses else NAN,
         "prediction_recall": recall,
         "prediction_precision": precision,
@@ -86,7 +86,21 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         "routing_dropped_rate": (c.dropped / c.routed_choices if c.routed_choices else NAN),
         "copy_seconds_total": float(engine.copier.copy_seconds),
     })
+    out.update(one_device_metrics(out["h2d_bytes_total"], engine.copier.copy_seconds,
+                                  out["expert_cache_bytes"]))
     return out
+
+
+def one_device_metrics(h2d_bytes: float, copy_s: float, cache_bytes: float) -> dict[str, Any]:
+    """The simulator's topology keys (:func:`moeexp.simulator.report.topology_metrics`) for
+    the engine, which runs one device, one copy thread and the paper's mechanics: its link
+    busy time is the copier's measured copy seconds; ``dev0_link_utilization`` is NaN (the
+    engine has no makespan of its own to divide by)."""
+    return {"demand_load": "activated", "flush_per_token": 0.0, "devices": 1.0,
+            "demand_concurrency": "single", "cache_budget_scope": "total",
+            "link_busy_ms_total": copy_s * 1e3, "dev0_h2d_bytes_total": h2d_bytes,
+            "dev0_link_busy_ms_total": copy_s * 1e3, "dev0_link_utilization": NAN,
+            "dev0_expert_cache_bytes": cache_bytes}
 
 
 def _add_cuda_parts(parts: list[tuple[Any, Any, bool, Any]], out_ms: list[float]) -> None:
