@@ -22,7 +22,7 @@ import pandas as pd
 
 from moeexp.tracking.compare import PAPER_CHANGES
 from moeexp.tracking.intervals import SEED_KEY
-from moeexp.tracking.repro_data import Stat, paired
+from moeexp.tracking.repro_data import Stat, ok_rows, paired
 
 RUNG_KEY = "experiment/paper_testbed"
 BASELINES = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity")
@@ -37,7 +37,7 @@ def _cell(st: Stat) -> str:
 
 
 def _mean(part: pd.DataFrame, system: str, metric: str) -> float:
-    rows = part[part["system"] == system]
+    rows = ok_rows(part, "system", system)
     return float(pd.to_numeric(rows[metric], errors="coerce").mean()) if len(rows) else math.nan
 
 
@@ -46,7 +46,6 @@ def ladder_rows(runs: pd.DataFrame, metric: str = "tpot_ms_mean") -> pd.DataFram
     against each baseline (mean ± 95 % half-width over the seeds), and its bytes copied and
     stall over deepspeed's."""
     out = []
-    runs = runs[runs.get("status", "ok") == "ok"] if "status" in runs else runs
     for (proj, rung), part in runs.groupby(["cost_as_model", RUNG_KEY], sort=True):
         for fm in FINEMOES:
             if fm not in set(part["system"]):
@@ -57,7 +56,7 @@ def ladder_rows(runs: pd.DataFrame, metric: str = "tpot_ms_mean") -> pd.DataFram
             for q, name in (("h2d_bytes_total", "bytes / DS"), ("stall_ms_total", "stall / DS")):
                 x, y = _mean(part, fm, q), _mean(part, "deepspeed", q)
                 row[name] = f"×{x / y:.2f}" if y and math.isfinite(x / y) else "–"
-            row["n"] = int(part.loc[part["system"] == fm, SEED_KEY].nunique())
+            row["n"] = int(ok_rows(part, "system", fm)[SEED_KEY].nunique())
             out.append(row)
     return pd.DataFrame(out)
 

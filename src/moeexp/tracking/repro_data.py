@@ -105,14 +105,6 @@ def row_regime(r: pd.Series) -> Regime:
     return "real" if str(r.get("model")) == "gpt_oss_20b" else "projected" if proj else "embedded"
 
 
-def regime_of(runs: pd.DataFrame) -> Regime:
-    """The one setting (:func:`row_regime`) of every run; ValueError when they differ."""
-    found = {row_regime(r) for _, r in runs.iterrows()}
-    if len(found) != 1:
-        raise ValueError(f"a sweep must hold one setting, found {sorted(found)}")
-    return found.pop()
-
-
 def by_regime(runs: pd.DataFrame) -> list[tuple[Regime, pd.DataFrame]]:
     """``runs`` split by setting (:func:`row_regime`): the default experiment sweeps the
     embedded costs and the Mixtral projection over the same traces."""

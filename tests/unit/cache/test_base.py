@@ -134,6 +134,18 @@ def heap_follows_rule(c: RankedPolicy, rule: Callable[[list[tuple[int, int]]], A
     return checked
 
 
+def test_lru2_heap_victim_equals_the_candidate_list_rule() -> None:
+    """lru2 on the heap evicts what its rule over the candidate list evicts: oldest
+    second-to-last use (none first), then oldest last use or insert, then lowest key; 3000
+    random events."""
+    c = CACHES.build("lru2", capacity_slots=7, num_layers=3, num_experts=6)
+
+    def rule(cands: list[tuple[int, int]]) -> tuple[int, int] | None:
+        return min(cands, key=lambda k: (c.rank(k), k), default=None)
+
+    assert heap_follows_rule(c, rule, 3000, seed=1) > 1000
+
+
 def test_lfu_heap_victim_equals_the_candidate_list_rule() -> None:
     """lfu on the heap evicts what its rule over the candidate list evicts: lowest in-cache
     count, then least recent insert or access, then lowest key; 3000 random events."""

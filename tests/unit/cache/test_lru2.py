@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from moeexp.cache import CACHES
-from moeexp.cache.base import CachePolicy
 from moeexp.errors import ConfigError
 
 A, B, C, D = (0, 0), (0, 1), (1, 0), (1, 1)
@@ -87,35 +85,3 @@ def test_room_means_no_victim() -> None:
     c = build(cap=3)
     c.on_insert(A, 0, prefetched=False)
     assert c.victim(B, set(), 1) is None
-
-
-def test_heap_victim_equals_the_candidate_list_rule() -> None:
-    """victim() (RankedPolicy's heap) picks what the base class's sorted candidates +
-    choose() pick, over 3000 random events: inserts, prefetches, accesses, evictions,
-    protected sets (including every resident protected)."""
-    rng = np.random.default_rng(1)
-    L, J = 3, 6
-    c = CACHES.build("lru2", capacity_slots=7, num_layers=L, num_experts=J)
-    checked = 0
-    for step in range(3000):
-        key = (int(rng.integers(L)), int(rng.integers(J)))
-        if key in c.resident:
-            c.on_access(key, step, True)
-            continue
-        protected = {(int(rng.integers(L)), int(rng.integers(J))) for _ in range(rng.integers(0, 4))}
-        if rng.random() < 0.02:
-            protected = set(c.resident)
-        try:
-            want = CachePolicy.victim(c, key, protected, step)
-        except ConfigError:
-            with pytest.raises(ConfigError, match="no evictable expert"):
-                c.victim(key, protected, step)
-            continue
-        assert c.victim(key, protected, step) == want
-        checked += want is not None
-        if want is not None:
-            c.on_evict(want)
-        c.on_insert(key, step, prefetched=bool(rng.random() < 0.5))
-        if rng.random() < 0.7:
-            c.on_access(key, step, False)
-    assert checked > 1000

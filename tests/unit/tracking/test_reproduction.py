@@ -8,7 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from moeexp.tracking.repro_data import load, paired, regime_of
+from moeexp.tracking.repro_data import by_regime, load, paired
 from moeexp.tracking.reproduction import BEGIN, END, NO_WHY, chain_cell, write_table
 
 
@@ -42,12 +42,14 @@ def _fig10(model: str = "tiny", proj: str = "") -> list[dict[str, object]]:
 
 def test_regime_from_model_and_projection() -> None:
     """gpt-oss-20b routing is the real trace; a cost projection is the projected setting;
-    one sweep never mixes them."""
-    assert regime_of(pd.DataFrame(_fig10())) == "embedded"
-    assert regime_of(pd.DataFrame(_fig10(proj="mixtral_8x7b"))) == "projected"
-    assert regime_of(pd.DataFrame(_fig10(model="gpt_oss_20b"))) == "real"
-    with pytest.raises(ValueError, match="one setting"):
-        regime_of(pd.DataFrame(_fig10() + _fig10(proj="mixtral_8x7b")))
+    a sweep holding two settings splits into both, in order."""
+    def regimes(rows: list[dict[str, object]]) -> list[str]:
+        return [g for g, _ in by_regime(pd.DataFrame(rows))]
+
+    assert regimes(_fig10()) == ["embedded"]
+    assert regimes(_fig10(proj="mixtral_8x7b")) == ["projected"]
+    assert regimes(_fig10(model="gpt_oss_20b")) == ["real"]
+    assert regimes(_fig10() + _fig10(proj="mixtral_8x7b")) == ["embedded", "projected"]
 
 
 def test_a_sweep_over_two_settings_splits(tmp_path: Path) -> None:
