@@ -15,6 +15,10 @@ load, no trace recording) and returns a :class:`RunSpec`; anything misspelled ra
 - ``hardware``: :meth:`moeexp.costmodel.hardware.HardwareProfile.from_mapping` of the
   composed group (command-line changes to its numbers count);
 - ``eval``: :class:`moeexp.eval.stage.EvalSpec` (absent = ``none``);
+- ``execution`` (absent = ``copy``): a registered name with valid keys; one that computes
+  experts on the CPU needs a ``hardware`` profile with a ``cpu:`` block that prices
+  ``model.expert_format``, and runs only in the simulator's static replay on one device
+  (:func:`_check_execution`);
 - a predictor's recorded extras (``needs``) must be enabled in ``trace``.
 
 Only the typed :class:`RunSpec` flows down from here: the pipeline builds the decision
@@ -36,10 +40,12 @@ from moeexp.backends import BACKENDS
 from moeexp.cache import check_cache
 from moeexp.costmodel.formats import format_spec
 from moeexp.costmodel.hardware import HardwareProfile
+from moeexp.costmodel.roofline import CostModel
 from moeexp.data.prompts import DatasetConfig
 from moeexp.data.tasks import KEYWORD_TASKS, LABELS
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalSpec, eval_spec
+from moeexp.execution import EXECUTIONS, ExecutionPolicy, build_execution, check_execution
 from moeexp.paths import load_group_yaml
 from moeexp.predictors import PREDICTORS, check_predictor
 from moeexp.registry import GroupChoice, group_choice, to_dict, typed
@@ -55,12 +61,13 @@ from moeexp.tracking.loggers import LOGGERS
 TOP_LEVEL_KEYS: frozenset[str] = frozenset({
     "model", "dataset", "predictor", "cache", "system", "hardware", "backend", "logger",
     "trace", "experiment_name", "eval", "resume", "cost", "scheduler", "placement",
-    "topology", "mechanics",
+    "topology", "mechanics", "execution",
 })
 #: Top-level keys a config may omit (``eval`` absent = no evaluation, ``resume`` = true,
 #: ``cost`` absent = no projection, ``scheduler`` absent = ``static``).
 OPTIONAL_KEYS: frozenset[str] = frozenset({"experiment_name", "eval", "resume", "cost",
-                                           "scheduler", "placement", "topology", "mechanics"})
+                                           "scheduler", "placement", "topology", "mechanics",
+                                           "execution"})
 
 
 # ----------------------------------------------------------------------------- typed groups
@@ -235,6 +242,13 @@ class RunSpec:
     placement: GroupChoice = GroupChoice("round_robin", {})
     topology: TopologySpec = TopologySpec()
     mechanics: MechanicsSpec = MechanicsSpec()
+    #: the ``execution`` group: where a missed expert runs (``copy``: copy then GPU)
+    execution: GroupChoice = GroupChoice("copy", {})
+
+    def build_execution(self, cost: CostModel) -> ExecutionPolicy:
+        """The ``execution`` policy for ``cost``'s dims and profile (checked against it:
+        a CPU block that prices the format, a layer split within the layers), not fitted."""
+        return build_execution(self.execution, cost)
 
     def build_topology(self) -> Topology:
         """The simulator's :class:`~moeexp.simulator.topology.Topology` (checked)."""
@@ -368,6 +382,31 @@ def _check_testbed(spec: RunSpec) -> None:
                           "use eval=none")
 
 
+def _check_execution(spec: RunSpec) -> None:
+    """A known execution policy with valid keys. One other than ``copy`` runs in the
+    simulator's static replay on one device with the paper's mechanics only (the engine's
+    CPU path is not wired yet); one that computes experts on the CPU needs a ``cpu:``
+    block with a kernel efficiency for ``model.expert_format``."""
+    choice = spec.execution
+    check_execution(choice)
+    if choice.name == "copy":
+        return
+    what = f"execution={choice.name}"
+    if spec.backend.name != "sim":
+        raise ConfigError(f"{what}: only backend=sim runs experts on the CPU so far "
+                          f"(backend={spec.backend.name} copies every miss; use "
+                          "execution=copy there)")
+    if (spec.scheduler.name != "static" or spec.backend.kwargs.get("restricted_routing")
+            or not spec.testbed_default):
+        raise ConfigError(f"{what}: the CPU runs in the static replay on one device with the "
+                          "paper's mechanics (scheduler=static, no restricted routing, "
+                          "hardware.devices=1, default mechanics); got "
+                          f"scheduler={spec.scheduler.name}, devices={spec.hardware.devices}, "
+                          f"{spec.mechanics}")
+    if EXECUTIONS.get(choice.name).config_needs_cpu(choice.kwargs):
+        spec.hardware.require_cpu(what).efficiency_of(spec.model.expert_format)
+
+
 def _check_dataset(cfg: Any) -> DatasetConfig:
     ds = DatasetConfig.from_mapping(to_dict(cfg))
     if ds.path is not None and not Path(ds.path).expanduser().exists():
@@ -410,6 +449,7 @@ def validate(cfg: DictConfig) -> RunSpec:
         placement=group_choice(cfg.get("placement") or {"name": "round_robin"}, "placement"),
         topology=typed(TopologySpec, to_dict(cfg.get("topology") or {}), "topology"),
         mechanics=typed(MechanicsSpec, to_dict(cfg.get("mechanics") or {}), "mechanics"),
+        execution=group_choice(cfg.get("execution") or {"name": "copy"}, "execution"),
     )
     _check_testbed(spec)
     if spec.cost.as_model is not None and not load_group_yaml("model", spec.cost.as_model).get("arch"):
@@ -424,6 +464,7 @@ def validate(cfg: DictConfig) -> RunSpec:
         _check_imported(spec)
     check_cache(spec.cache)
     _check_scheduler(spec)
+    _check_execution(spec)
     _check_sensitivity_labels(spec)
     BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
     LOGGERS.build(spec.logger.name, **spec.logger.kwargs)

@@ -14,7 +14,9 @@
                                         trace on the preset's arch dims, split by request
       build predictor + cache           once, with the trace's dims; a predictor needing
                                         what the trace lacks ends the job "not_applicable"
-      fit(store); cost model            the hardware profile, projected by ``cost``
+      cost model; execution policy      the hardware profile, projected by ``cost``; the
+                                        ``execution`` group checked on it, bound to the budget
+      fit(store)                        predictor, cache and execution policy: store split only
       backend.run(BackendContext)       sim: simulator + cost model; engine; sim_vs_engine
       run_eval(spec.eval, EvalInputs)   eval=lm_eval: quality + lm-eval on copies of the
                                         fitted policies (moeexp.eval.stage)
@@ -69,6 +71,7 @@ from moeexp.costmodel.roofline import CostModel, kv_bytes_per_token
 from moeexp.data.prompts import sample_prompts
 from moeexp.errors import ConfigError
 from moeexp.eval.stage import EvalInputs, run_eval
+from moeexp.execution import ExecutionPolicy
 from moeexp.labels import config_label
 from moeexp.predictors import build_predictor
 from moeexp.simulator.topology import build_device_caches
@@ -197,10 +200,22 @@ def _model_and_prompts(spec: RunSpec, times: dict[str, float]) -> tuple[Any, lis
 
 
 def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:
-    """Build predictor and cache once with ``dims``: a capacity below K experts, or a
+    """Build predictor, cache and execution policy once with ``dims``: a capacity below K
+    experts, a layer split beyond the layers, pinned experts beyond the budget, or a
     setting the model's shape refuses, fails here, before any long work."""
     build_predictor(spec.predictor, dims)
-    _build_caches(spec, dims)
+    cache = _build_caches(spec, dims)
+    cost = CostModel.from_profile(spec.hardware, dims, expert_format=spec.model.expert_format)
+    _build_execution(spec, cost, cache)
+
+
+def _build_execution(spec: RunSpec, cost: CostModel, cache: Any) -> ExecutionPolicy:
+    """The ``execution`` policy checked against ``cost`` (:meth:`ExecutionPolicy.check`) and
+    bound to the cache budget (:meth:`ExecutionPolicy.bind_budget`), not fitted."""
+    policy = spec.build_execution(cost)
+    if not policy.plain:  # the CPU path runs on one device: ``cache`` is one policy
+        policy.bind_budget(cache.capacity_slots)
+    return policy
 
 
 def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
@@ -243,10 +258,13 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
         log.warning("%s (predictor=%s): %s", label, spec.predictor.name, reason)
         return {"status": "not_applicable", "not_applicable_reason": reason, **times,
                 **_identity(spec, trace, label)}, {}
+    cost = _cost_model(spec, trace, loaded)
+    execution = _build_execution(spec, cost, cache)
     t = time.perf_counter()
     predictor.fit(store)
     for policy in cache if isinstance(cache, list) else [cache]:
         policy.fit(store)
+    execution.fit(store)  # the store split only, as predictor and cache
     times["fit_time_s"] = time.perf_counter() - t
     # the eval stage gets the fitted policies as they are before the backend uses them
     unused = (copy.deepcopy(predictor), copy.deepcopy(cache)) if spec.eval.enabled else None
@@ -255,7 +273,7 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     test_ids = {r.request_id for r in test.requests}
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
                          trace=test, predictor=predictor, cache=cache,
-                         cost=_cost_model(spec, trace, loaded), seed=spec.trace.seed,
+                         cost=cost, seed=spec.trace.seed, execution=execution,
                          store=store, run_dir=run_dir, scheduler=spec.scheduler,
                          kv_bytes_per_token=_kv_bytes_per_token(spec, loaded),
                          topology=None if spec.testbed_default else spec.build_topology(),
@@ -423,6 +441,7 @@ def _identity(spec: RunSpec, trace: Trace, label: str) -> dict[str, Any]:
         "system": spec.system.name,
         "predictor": spec.predictor.name,
         "cache": spec.cache.name,
+        "execution": spec.execution.name,
         "model": spec.model.name,
         "dataset": spec.dataset.name,
         "hardware": spec.hardware.name,

@@ -250,3 +250,60 @@ def test_testbed_defaults_are_the_plain_replay():
     topo, mech = six.build_topology(), six.build_mechanics()
     assert (topo.devices, topo.budget, topo.placement.name) == (6, "per_device", "round_robin")
     assert (mech.demand_load, mech.flush_per_token) == ("all_experts", True)
+
+
+CPU_HW = "hardware=rtx3090_pcie4_epyc7532"
+
+
+@pytest.mark.parametrize("option", group_options("execution"))
+def test_every_execution_option_validates_on_a_cpu_profile(option):
+    """``execution=<option>`` on a profile with a cpu: block validates and builds on
+    synthetic dims (bound to their 8-slot budget); the default is ``copy``."""
+    from moeexp.pipeline import _check_with_dims
+
+    assert validate(_compose([])).execution.name == "copy"
+    spec = validate(_compose([f"execution={option}", CPU_HW]))
+    assert spec.execution.name == option
+    _check_with_dims(spec, DIMS)
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), [
+    (["execution=cpu_on_miss"], "no cpu: block; profiles with one: .*rtx3090_pcie4_epyc7532"),
+    (["execution=cpu_on_mis", CPU_HW], "Could not find .execution/cpu_on_mis"),
+    (["execution=balanced", CPU_HW, "+execution.contendd=true"], "contendd"),
+    (["execution=balanced", CPU_HW, "execution.share_host_memory=yes"],
+     "share_host_memory='yes' must be true or false"),
+    (["execution=cpu_on_miss", CPU_HW, "backend=engine"], "only backend=sim runs experts on the CPU"),
+    (["execution=hot_pinned", CPU_HW, "hardware.devices=2"], "one device"),
+    (["execution=layer_split", CPU_HW, "scheduler=fcfs"], "scheduler=static"),
+    (["execution=cpu_on_miss", CPU_HW, "hardware.cpu.dram_gbps=-20"],
+     r"invalid value\(s\) for dram_gbps.*must be > 0"),
+    (["execution=cpu_on_miss", CPU_HW, "~hardware.cpu.efficiency.int4",
+      "+model.expert_format=int4", "cost.as_model=mixtral_8x7b"],
+     "no kernel efficiency for expert_format=int4; it has: dense, hqq2, hqq3, int8, mxfp4"),
+    (["execution=cpu_on_miss", CPU_HW, "+model.expert_format=int4"],
+     "expert_format=int4 with a recorded trace"),
+])
+def test_bad_execution_settings_fail_in_validate(overrides, pattern):
+    """A CPU policy on a profile with no cpu: block, a misspelled option or key, a backend
+    or a testbed the CPU does not run on, a negative bandwidth, a format the CPU (or the
+    model) cannot take: refused before any work, naming what is valid."""
+    with pytest.raises((ConfigError, ConfigCompositionException, MissingConfigException),
+                       match=pattern):
+        validate(_compose(overrides))
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), [
+    (["execution=layer_split", "execution.n_cpu_layers=5"], "must be an integer in 0..4"),
+    (["execution=layer_split", "execution.n_cpu_layers=2"],
+     "keeps 16 experts on the GPU, the cache budget holds 8 slots: use n_cpu_layers >= 3"),
+    (["execution=hot_pinned", "execution.gpu_experts=9"], "pins 9 experts, the cache budget holds 8"),
+])
+def test_splits_beyond_the_model_or_the_budget_fail_with_the_dims(overrides, pattern):
+    """A layer split larger than the layers, or pinned experts beyond the cache budget:
+    refused when the dims are known, before the model's weights are read."""
+    from moeexp.pipeline import _check_with_dims
+
+    spec = validate(_compose([*overrides, CPU_HW]))
+    with pytest.raises(ConfigError, match=pattern):
+        _check_with_dims(spec, DIMS)

@@ -95,7 +95,8 @@ class SimBackend:
                        restricted_routing=self.restricted_routing,
                        seed=ctx.seed, progress=self.progress,
                        num_requests=self.num_online_requests if online else None,
-                       topology=ctx.topology, mechanics=ctx.mechanics)
+                       topology=ctx.topology, mechanics=ctx.mechanics,
+                       execution=ctx.execution)
         metrics: dict[str, Any] = dict(res.metrics)
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)

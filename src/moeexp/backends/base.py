@@ -37,6 +37,10 @@ class BackendContext:
             one device, the paper semantics. With several devices ``cache`` is a list, one
             policy per device. Only ``backend=sim``'s static replay takes them (checked by
             :func:`moeexp.config.validate`).
+        execution: where a missed expert runs (:class:`moeexp.execution.ExecutionPolicy`,
+            fitted on the store split and bound to the cache budget); None or a ``plain``
+            one (``copy``) = copy then compute on the GPU, today's replay. Only
+            ``backend=sim``'s static replay runs another (checked by ``validate``).
     """
 
     loaded: Any
@@ -52,6 +56,7 @@ class BackendContext:
     kv_bytes_per_token: int | None = None
     topology: Any = None
     mechanics: Any = None
+    execution: Any = None
 
 
 @dataclass

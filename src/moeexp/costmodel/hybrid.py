@@ -18,8 +18,10 @@ copy and every CPU expert of the layer at the shared rates whenever both sides h
 i.e. it assumes they overlap for the whole layer: an upper bound on the slowdown, exact
 when the two chains are about as long. Off by default.
 
-Pure functions of a :class:`~moeexp.costmodel.roofline.CostModel`: the replay will call
-them when it learns to run experts on the CPU (:mod:`moeexp.execution`); it does not yet.
+Pure functions of a :class:`~moeexp.costmodel.roofline.CostModel`: the ``balanced``
+execution policy prices its splits with :func:`split_layer_time`; the replay's mechanism
+(:mod:`moeexp.simulator.exec_device`) runs the same chains event by event, with
+:func:`merge_s` and :func:`copy_s_at`.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def split_layer_time(cost: CostModel, gpu_tokens: Sequence[int], copy_tokens: Se
     read_bps, link_bps = None, cost.profile.h2d_bytes_per_s
     if contended and cpu_work and copies:
         read_bps, link_bps = cost.contended_rates()
-    copy_s = cost.copy_s if link_bps == cost.profile.h2d_bytes_per_s else _copy_s_at(cost, link_bps)
+    copy_s = cost.copy_s if link_bps == cost.profile.h2d_bytes_per_s else copy_s_at(cost, link_bps)
     gpu = sum(cost.expert_s(int(n)) for n in gpu_tokens if n > 0)
     link = max(0.0, float(link_free_s))
     for n in copies:
@@ -102,7 +104,7 @@ def merge_s(cost: CostModel, tokens: int) -> float:
     return 3.0 * tokens * cost.hidden_size * cost.dtype_bytes / cost.profile.hbm_bytes_per_s
 
 
-def _copy_s_at(cost: CostModel, link_bytes_per_s: float) -> float:
+def copy_s_at(cost: CostModel, link_bytes_per_s: float) -> float:
     """One expert copy at ``link_bytes_per_s`` (the profile's chunking and latency)."""
     p = cost.profile
     return CopyPlan.build(cost.expert_bytes, p.copy_chunk_mb, p.copy_latency_us * 1e-6,

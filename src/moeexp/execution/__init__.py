@@ -7,10 +7,15 @@ registering itself in :data:`EXECUTIONS`.
 :class:`~moeexp.costmodel.roofline.CostModel` (algorithms.md §11): given a layer's missed
 experts and the pass's tokens they say which run on the host CPU and which are copied.
 
-**Not wired yet**: neither the simulator nor the engine calls these policies, and the root
-config does not list the group, so no run can select one yet; the replay will ask
-:meth:`ExecutionPolicy.place` at every layer with misses once the simulator's device model
-has a CPU. :func:`check_execution` validates a group before any work;
+The root config's ``execution`` group (default ``copy``) chooses one; the pipeline builds it
+on the run's cost model, binds it to the cache budget, fits it on the store split and
+hands it to the backend; the simulator's static replay asks :meth:`ExecutionPolicy.place`
+at every layer with misses (:mod:`moeexp.simulator.exec_device`). The engine does not run
+CPU experts yet (``validate`` refuses ``backend=engine`` with another policy than
+``copy``). Every option also takes ``share_host_memory`` (default false): the mechanism
+then charges the CPU's reads and the link's copies their shared host-memory bandwidth
+in layers where both work (``balanced``'s own ``contended`` prices its split so).
+:func:`check_execution` validates a group before any work;
 :func:`build_execution` builds it for a cost model and refuses settings it cannot price
 (a CPU policy on a profile without a ``cpu:`` block, a format the CPU has no kernel
 efficiency for, a layer split larger than the model).
@@ -24,6 +29,7 @@ from typing import Any
 
 from moeexp._autoload import import_submodules
 from moeexp.costmodel.roofline import CostModel
+from moeexp.errors import ConfigError
 from moeexp.execution.base import (
     EXECUTIONS,
     ExecutionPolicy,
@@ -37,12 +43,18 @@ import_submodules(sys.modules[__name__])
 
 #: Keywords the builder fills from the cost model, never from the config.
 _INJECTED = frozenset({"num_layers", "num_experts"})
+#: Keys of every option that the mechanism reads, not the policy's constructor.
+_MECHANISM_KEYS = frozenset({"share_host_memory"})
 
 
 def check_execution(choice: GroupChoice) -> None:
     """An unknown name or key raises ConfigError naming the valid ones."""
     check_kwargs(EXECUTIONS.get(choice.name), choice.kwargs, f"execution={choice.name}",
-                 injected=_INJECTED, config_only={"name"})
+                 injected=_INJECTED, config_only={"name", *_MECHANISM_KEYS})
+    share = choice.kwargs.get("share_host_memory", False)
+    if not isinstance(share, bool):
+        raise ConfigError(f"execution={choice.name}: share_host_memory={share!r} must be true "
+                          "or false")
 
 
 def build_execution(choice: GroupChoice | Mapping[str, Any], cost: CostModel) -> ExecutionPolicy:
@@ -51,8 +63,10 @@ def build_execution(choice: GroupChoice | Mapping[str, Any], cost: CostModel) ->
     if not isinstance(choice, GroupChoice):
         choice = group_choice(choice, "execution")
     check_execution(choice)
+    kwargs = {k: v for k, v in choice.kwargs.items() if k not in _MECHANISM_KEYS}
     policy = EXECUTIONS.build(choice.name, num_layers=cost.num_layers,
-                              num_experts=cost.num_experts, **choice.kwargs)
+                              num_experts=cost.num_experts, **kwargs)
+    policy.share_host_memory = bool(choice.kwargs.get("share_host_memory", False))
     policy.check(cost)
     return policy
 

@@ -23,9 +23,9 @@ are refused by :meth:`ExecutionPolicy.check`, before any work.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -111,6 +111,9 @@ class ExecutionPolicy:
     uses_cpu: ClassVar[bool] = True
     #: needs :meth:`fit` on the store split before :meth:`place`
     needs_store: ClassVar[bool] = False
+    #: places every miss as a cached copy, keeps nothing pinned: the mechanism may serve it
+    #: without asking (today's replay, bit for bit); only ``copy`` sets it
+    plain: ClassVar[bool] = False
 
     def __init__(self, *, num_layers: int, num_experts: int) -> None:
         if num_layers < 1 or num_experts < 1:
@@ -118,6 +121,9 @@ class ExecutionPolicy:
                               f"{num_layers}, {num_experts}")
         self.num_layers = num_layers
         self.num_experts = num_experts
+        #: the mechanism charges shared host-memory bandwidth (the group's
+        #: ``share_host_memory`` key, set by :func:`moeexp.execution.build_execution`)
+        self.share_host_memory = False
 
     def check(self, cost: CostModel) -> None:
         """ConfigError when ``cost`` cannot price this policy (CPU block, format, dims)."""
@@ -131,6 +137,18 @@ class ExecutionPolicy:
     def needs_cpu(self) -> bool:
         """Whether these settings compute experts on the CPU (default: :attr:`uses_cpu`)."""
         return self.uses_cpu
+
+    @classmethod
+    def config_needs_cpu(cls, kwargs: Mapping[str, Any]) -> bool:
+        """Whether the group's keys ``kwargs`` compute experts on the CPU, known before the
+        model's dims (:func:`moeexp.config.validate` checks the profile's ``cpu:`` block
+        then). Default: :attr:`uses_cpu`."""
+        return cls.uses_cpu
+
+    def bind_budget(self, capacity_slots: int) -> None:
+        """Settle settings given as ``budget`` from the GPU's expert slots (the cache
+        budget, which the pinned experts of :meth:`gpu_resident` count inside). Called
+        by the wiring before :meth:`fit`. Default: nothing to settle."""
 
     def fit(self, store: Trace) -> None:
         """Learn from the store split (``hot_pinned`` ranks experts). Default: nothing."""

@@ -15,6 +15,7 @@ class Copy(ExecutionPolicy):
     """Copy then compute on the GPU, for every miss."""
 
     uses_cpu = False
+    plain = True
 
     def place(self, misses: LayerMisses, cost: CostModel) -> Placement:
         self._check_layer(misses)

@@ -5,7 +5,9 @@ Placement: :meth:`HotPinned.fit` ranks every (layer, expert) by its use in the s
 (:func:`moeexp.cache.static.usage_counts`, kt-kernel's ``--kt-expert-placement-strategy
 frequency``) and pins the ``gpu_experts`` most used (``--kt-num-gpu-experts``; a total over
 all layers by default, or per layer with ``per_layer: true``); ties go to the lower
-(layer, expert). Execution: a missed expert runs on the CPU, except in a pass of more than
+(layer, expert); ``gpu_experts: budget`` pins as many as the cache budget holds (the
+pinned experts count inside it: :meth:`HotPinned.bind_budget`, which refuses a count that
+does not fit). Execution: a missed expert runs on the CPU, except in a pass of more than
 ``prefill_threshold`` tokens (``--kt-gpu-prefill-token-threshold``; "prefill above ~1-2k
 tokens copies the layer", algorithms.md §11), where its copy serves that pass only
 (kTransformers' layer-wise prefill: ``stream``). A pinned expert that is not yet
@@ -33,8 +35,9 @@ class HotPinned(ExecutionPolicy):
 
     Args:
         num_layers, num_experts: L, J (injected).
-        gpu_experts: experts pinned on the GPU: an int count, or a float in (0, 1] as a
-            fraction of all of them (of L*J, or of J with ``per_layer``).
+        gpu_experts: experts pinned on the GPU: an int count, a float in (0, 1] as a
+            fraction of all of them (of L*J, or of J with ``per_layer``), or ``"budget"``:
+            every slot of the cache budget (per layer: slots // L).
         per_layer: ``gpu_experts`` counts per layer (each layer pins its own hottest).
         prefill_threshold: a pass of more tokens copies its missed experts for that pass.
         rank_by: ``accesses`` or ``tokens`` (:func:`~moeexp.cache.static.usage_counts`).
@@ -42,12 +45,14 @@ class HotPinned(ExecutionPolicy):
 
     needs_store = True
 
-    def __init__(self, *, num_layers: int, num_experts: int, gpu_experts: int | float = 0.25,
+    def __init__(self, *, num_layers: int, num_experts: int,
+                 gpu_experts: int | float | str = 0.25,
                  per_layer: bool = False, prefill_threshold: int = 1024,
                  rank_by: RankBy = "accesses") -> None:
         super().__init__(num_layers=num_layers, num_experts=num_experts)
         pool = num_experts if per_layer else num_layers * num_experts
-        self.gpu_experts = _count(gpu_experts, pool, per_layer)
+        self.from_budget = gpu_experts == "budget"
+        self.gpu_experts = 0 if self.from_budget else _count(gpu_experts, pool, per_layer)
         if isinstance(prefill_threshold, bool) or not isinstance(prefill_threshold, int) \
                 or prefill_threshold < 0:
             raise ConfigError(f"execution=hot_pinned: prefill_threshold={prefill_threshold!r} "
@@ -58,6 +63,20 @@ class HotPinned(ExecutionPolicy):
         self.prefill_threshold = prefill_threshold
         self.rank_by: RankBy = rank_by
         self._pinned: list[Key] | None = None
+
+    def bind_budget(self, capacity_slots: int) -> None:
+        """``budget``: pin every slot (per layer: slots // L, at most J); a count of pinned
+        experts above ``capacity_slots`` raises ConfigError."""
+        if self.from_budget:
+            self.gpu_experts = (min(self.num_experts, capacity_slots // self.num_layers)
+                                if self.per_layer else capacity_slots)
+            return
+        total = self.gpu_experts * (self.num_layers if self.per_layer else 1)
+        if total > capacity_slots:
+            raise ConfigError(f"execution=hot_pinned: gpu_experts pins {total} experts, the "
+                              f"cache budget holds {capacity_slots} slots (the pinned experts "
+                              "count inside it): lower gpu_experts, use gpu_experts=budget, or "
+                              "raise cache.capacity")
 
     def fit(self, store: Trace) -> None:
         """Pin the hottest experts of ``store`` (see the module docstring)."""
@@ -107,8 +126,8 @@ def _count(value: int | float, pool: int, per_layer: bool) -> int:
     """``gpu_experts`` as a count of experts out of ``pool``."""
     what = "per layer (J)" if per_layer else "in all (L*J)"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"execution=hot_pinned: gpu_experts={value!r} must be a count or a "
-                          "fraction in (0, 1]")
+        raise ConfigError(f"execution=hot_pinned: gpu_experts={value!r} must be a count, a "
+                          "fraction in (0, 1] or budget")
     if isinstance(value, float):
         if not 0 < value <= 1:
             raise ConfigError(f"execution=hot_pinned: gpu_experts={value} as a fraction must be "

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from moeexp.cache.base import CachePolicy, Key
 from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
+from moeexp.execution.base import ExecutionPolicy
 from moeexp.predictors.base import (
     IterationStart,
     Prediction,
@@ -48,6 +49,7 @@ from moeexp.predictors.base import (
 from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
 from moeexp.simulator.device_group import DeviceGroup
+from moeexp.simulator.exec_device import ExecDevice
 from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
@@ -106,7 +108,8 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
              cost: CostModel, *, batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, seed: int = 0, progress: bool = True,
              num_requests: int | None = None, predictor_feed_s: float = 0.0,
-             topology: Topology | None = None, mechanics: Mechanics | None = None) -> SimResult:
+             topology: Topology | None = None, mechanics: Mechanics | None = None,
+             execution: ExecutionPolicy | None = None) -> SimResult:
     """Replay ``trace_test``; the caller fitted ``predictor`` and ``cache`` on the store split.
 
     Args:
@@ -135,6 +138,12 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
             (:mod:`moeexp.simulator.topology`); None = one device.
         mechanics: the FineMoE artifact's behaviours (:mod:`moeexp.simulator.mechanics`);
             None = none (the paper semantics).
+        execution: where missed experts run (:mod:`moeexp.execution`, fitted on the store
+            split, bound to the budget); None or a ``plain`` one (``copy``) = today's
+            replay; another runs on an :class:`~moeexp.simulator.exec_device.ExecDevice`
+            (one device, default mechanics, no restricted routing) and adds the CPU
+            metrics (:meth:`ExecDevice.metrics`); the latency floor ``bound_*`` is NaN
+            then (it models copies only).
     """
     wall0 = perf_counter()
     caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
@@ -150,20 +159,29 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
         raise ConfigError("demand_load=all_experts cannot drive a policy that reads the "
                           "future access stream (belady): its stream holds the router's "
                           "experts only")
+    cpu = execution is not None and not execution.plain
+    if cpu and (topology.devices > 1 or not mechanics.default or restricted_routing):
+        raise ConfigError(f"execution={execution.name}: the CPU is modelled on one device with "
+                          "the default mechanics and no restricted routing; got "
+                          f"hardware.devices={topology.devices}, {mechanics}, "
+                          f"restricted_routing={restricted_routing}")
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
         run = Replay(trace_test, predictor, caches, cost, plan, restricted=restricted_routing,
-                     feed_s=predictor_feed_s, topology=topology, mechanics=mechanics)
+                     feed_s=predictor_feed_s, topology=topology, mechanics=mechanics,
+                     execution=execution if cpu else None)
         run.serve_all(progress)
         metrics, series = build_metrics(
             plan=plan, dev=run.dev, cache=caches, cost=cost, tally=run.tally,
-            topology=topology, mechanics=mechanics,
+            topology=topology, mechanics=mechanics, floor_modelled=not cpu,
             restricted=restricted_routing, query_s=run.timed.seconds,
             query_calls=run.timed.calls, wall_s=perf_counter() - wall0,
             predictor_stats=predictor.stats())
+        if isinstance(run.dev, ExecDevice):
+            metrics.update(run.dev.metrics(metrics))
     return SimResult(metrics=metrics, series=series)
 
 
@@ -222,7 +240,8 @@ class Replay:
     def __init__(self, trace: Trace, predictor: Predictor,
                  cache: CachePolicy | Sequence[CachePolicy], cost: CostModel, plan: Plan, *,
                  restricted: bool, feed_s: float, topology: Topology | None = None,
-                 mechanics: Mechanics | None = None) -> None:
+                 mechanics: Mechanics | None = None,
+                 execution: ExecutionPolicy | None = None) -> None:
         caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
         self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, caches[0], cost, plan
         self.caches = caches
@@ -236,12 +255,19 @@ class Replay:
             [[(layer, e) for e in range(J)] for layer in range(self.L)]
             if mech.demand_load == "all_experts" else None)
         self.every_sets = [set(k) for k in self.every] if self.every is not None else []
-        if topology is None or topology.devices == 1:
+        self.exec_dev: ExecDevice | None = None
+        if execution is not None:  # missed experts placed by the policy (one device)
+            self.exec_dev = ExecDevice(caches[0], cost, self.L, J, execution,
+                                       share_host_memory=execution.share_host_memory)
+            self.dev: Device | DeviceGroup = self.exec_dev
+        elif topology is None or topology.devices == 1:
             if len(caches) != 1:
                 raise ConfigError(f"one device needs one cache policy, got {len(caches)}")
-            self.dev: Device | DeviceGroup = Device(caches[0], cost, self.L, J)
+            self.dev = Device(caches[0], cost, self.L, J)
         else:
             self.dev = DeviceGroup(caches, cost, self.L, J, topology)
+        if self.exec_dev is not None:
+            self.exec_dev.preload_pinned()
         self.dev.preload([k for c in caches for k in c.initial_residents()])
         for c in caches:
             if c.needs_future:  # every device's policy sees the whole stream: its
@@ -329,6 +355,8 @@ class Replay:
             keys, key_sets, ce = self._every_expert(experts, ce)
         arrays = gd.expert_arrays()
         probs, spec, hidden = self._pass_arrays(rows)
+        if self.exec_dev is not None:
+            self.exec_dev.begin_pass(counts, self.tr.topk_idx[rows])
         restricted, serve, pos = self.restricted, dev.serve_layer, self.pos
         dense = gd.dense_s + self.feed_s
         hits = misses = 0

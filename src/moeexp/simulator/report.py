@@ -124,9 +124,11 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
                   restricted: bool, query_s: float, query_calls: int, wall_s: float,
                   predictor_stats: dict[str, float],
                   topology: Topology | None = None,
-                  mechanics: Mechanics | None = None) -> tuple[dict[str, float], dict[str, list[Any]]]:
+                  mechanics: Mechanics | None = None,
+                  floor_modelled: bool = True) -> tuple[dict[str, float], dict[str, list[Any]]]:
     """The flat metrics (CORE_KEYS + extras) and the series of one replay (``cache``: the
-    one device's policy, or one per device)."""
+    one device's policy, or one per device; ``floor_modelled`` False: ``bound_*`` NaN,
+    e.g. experts computed on the CPU, which the floor does not model)."""
     caches = [cache] if isinstance(cache, CachePolicy) else list(cache)
     slots = sum(c.capacity_slots for c in caches)
     initial = [k for c in caches for k in c.initial_residents()]
@@ -176,8 +178,8 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
         "ttft_norm_mean": _ratio_mean(ttft, ttft0),
         "tpot_norm_mean": _ratio_mean(tpot, tpot0),
         "makespan_ms": max(tally.finish.values(), default=NAN) * 1e3,
-        **_bounds(plan, cost, slots, initial,
-                  len(caches) == 1 and (mechanics is None or mechanics.default)),
+        **_bounds(plan, cost, slots, initial, floor_modelled and len(caches) == 1
+                  and (mechanics is None or mechanics.default)),
         "sim_wall_s": wall_s,
         "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
     }

@@ -1,0 +1,158 @@
+"""The replay with an execution policy (ExecDevice): CPU misses, streamed copies, pinned
+experts, host-memory sharing, and ``copy`` bit-identical to the replay without one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from tests.unit.simulator.cpuhelpers import cpu_cost
+from tests.unit.simulator.simhelpers import EXPERT_BYTES, ScriptedPredictor, hand_trace, unit_cost
+
+from moeexp.cache.lru import LRUCache
+from moeexp.costmodel import CostModel, load_profile
+from moeexp.costmodel.hybrid import merge_s
+from moeexp.errors import ConfigError
+from moeexp.execution import ExecutionPolicy, LayerMisses, Placement, build_execution
+from moeexp.metrics import PARTS_OF
+from moeexp.predictors import PREDICTORS
+from moeexp.simulator import simulate
+from moeexp.traces.synthetic import random_trace
+
+WALL = {"sim_wall_s", "accesses_per_s", "predictor_query_us_mean"}
+
+
+def _lru(dims, slots: int) -> LRUCache:  # type: ignore[no-untyped-def]
+    return LRUCache(capacity_slots=slots, num_layers=dims.num_layers, num_experts=dims.num_experts)
+
+
+def _alternating():  # type: ignore[no-untyped-def]
+    """One request, L=1, J=2, K=1: a 1-token prefill on expert 0, decodes on 1, 0, 1."""
+    return hand_trace([[[[[0]]], [[[1]]], [[[0]]], [[[1]]]]], num_experts=2)
+
+
+def test_cpu_on_miss_computes_every_miss_on_the_cpu_when_it_beats_the_copy() -> None:
+    """CPU 0.5 s + hidden states < copy 1.0 s + FFN 0.1 s: every pass runs its expert on
+    the CPU, nothing is copied or cached; each pass is the copy run's minus (copy + FFN)
+    plus (hidden states both ways + CPU read + merge)."""
+    tr = _alternating()
+    cost = cpu_cost(tr.dims)
+    plain = simulate(tr, PREDICTORS.build("none", dims=tr.dims), _lru(tr.dims, 1), cost,
+                     progress=False)
+    pol = build_execution({"name": "cpu_on_miss"}, cost)
+    got = simulate(tr, PREDICTORS.build("none", dims=tr.dims), _lru(tr.dims, 1), cost,
+                   progress=False, execution=pol)
+    m = got.metrics
+    assert plain.metrics["misses_total"] == 4 and plain.metrics["h2d_bytes_total"] == 4 * EXPERT_BYTES
+    assert m["h2d_bytes_total"] == 0 and m["hit_rate"] == 0 and m["misses_total"] == 4
+    assert (m["cpu_expert_calls"], m["cpu_tokens_total"], m["cpu_hidden_tokens_total"]) == (4, 4, 4)
+    cpu_pass = cost.hidden_transfer_s(1) + cost.cpu_expert_s(1)
+    assert m["cpu_ms_total"] == pytest.approx(4 * cpu_pass * 1e3)
+    delta = cpu_pass + merge_s(cost, 1) - (cost.copy_s + cost.expert_s(1))
+    for a, b in zip(got.series["iter_ms"], plain.series["iter_ms"], strict=True):
+        assert a == pytest.approx(b + delta * 1e3)
+    assert m["cpu_wait_ms_total"] == pytest.approx(4 * (cpu_pass + merge_s(cost, 1)) * 1e3)
+    assert m["stall_ms_total"] == 0 and math.isnan(m["bound_tpot_ms_mean"])
+    assert m["gpu_pinned_experts"] == 0 and m["stream_h2d_bytes_total"] == 0
+
+
+def test_copy_is_bit_identical_to_the_replay_without_an_execution_policy() -> None:
+    """``copy`` is plain: the replay runs the plain Device, every metric and series equal."""
+    tr = random_trace(num_layers=4, num_experts=8, num_requests=8, prompt_len=5, output_len=6,
+                      seed=3).split("test")
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4_epyc7532"), tr.dims)
+
+    def run(execution):  # type: ignore[no-untyped-def]
+        return simulate(tr, PREDICTORS.build("oracle", dims=tr.dims), _lru(tr.dims, 9), cost,
+                        progress=False, execution=execution)
+
+    a, b = run(None), run(build_execution({"name": "copy"}, cost))
+    assert a.metrics.keys() == b.metrics.keys() and "cpu_expert_calls" not in a.metrics
+    assert {k: v for k, v in a.metrics.items() if k not in WALL} == \
+        {k: v for k, v in b.metrics.items() if k not in WALL}
+    assert a.series == b.series
+
+
+def test_layer_split_pins_the_gpu_layers_streams_a_large_pass_and_runs_decode_on_the_cpu() -> None:
+    """L=2, J=2, n_cpu_layers=1, min_batch=2, 2 slots: layer 1's experts pinned (the whole
+    budget). The 2-token prefill streams layer 0's two experts (bytes on the link, no
+    slot); the decode runs layer 0's expert on the CPU; layer 1 always hits."""
+    tr = hand_trace([[[[[0], [0]], [[1], [1]]], [[[0], [1]]]]], num_experts=2)
+    cost = cpu_cost(tr.dims)
+    pol = build_execution({"name": "layer_split", "n_cpu_layers": 1, "min_batch": 2}, cost)
+    pol.bind_budget(2)
+    cache = _lru(tr.dims, 2)
+    m = simulate(tr, PREDICTORS.build("none", dims=tr.dims), cache, cost, progress=False,
+                 execution=pol).metrics
+    assert m["gpu_pinned_experts"] == 2 and cache.resident == {(1, 0), (1, 1)}
+    assert m["stream_h2d_bytes_total"] == 2 * EXPERT_BYTES == m["h2d_bytes_total"] \
+        == m["h2d_demand_bytes_total"]
+    assert (m["hits_total"], m["misses_total"], m["cpu_expert_calls"]) == (3, 3, 1)
+    for total, parts in PARTS_OF.items():
+        assert m[total] == pytest.approx(sum(m[p] for p in parts))
+
+
+class _EvictLog(LRUCache):
+    evicted: list
+
+    def on_evict(self, key):  # type: ignore[no-untyped-def]
+        self.evicted.append(key)
+        super().on_evict(key)
+
+
+def test_pinned_experts_are_never_evicted_by_prefetches_or_demand_loads() -> None:
+    """hot_pinned with 3 of 5 slots pinned and a predictor prefetching every expert of the
+    next layer: the pinned experts stay resident all run long (none is ever a victim)."""
+    tr = random_trace(num_layers=3, num_experts=6, num_requests=8, prompt_len=4, output_len=5,
+                      seed=1)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4_epyc7532"), tr.dims)
+    pol = build_execution({"name": "hot_pinned", "gpu_experts": 3}, cost)
+    pol.bind_budget(5)
+    pol.fit(tr.split("store"))
+    cache = _EvictLog(capacity_slots=5, num_layers=3, num_experts=6)
+    cache.evicted = []
+    pred = ScriptedPredictor(dims=tr.dims, at_layer={n: [(1.0, n + 1, e) for e in range(6)]
+                                                     for n in range(2)})
+    m = simulate(tr.split("test"), pred, cache, cost, progress=False, execution=pol).metrics
+    pinned = set(pol.gpu_resident())
+    assert len(pinned) == 3 and pinned <= cache.resident
+    assert cache.evicted and not pinned & set(cache.evicted)
+    assert m["prefetches_issued"] > 0 and m["cpu_expert_calls"] > 0
+
+
+class _CopyFirst(ExecutionPolicy):
+    """Test policy: the first missed expert is copied, the others run on the CPU."""
+
+    def place(self, misses: LayerMisses, cost: CostModel) -> Placement:
+        return Placement(copy=misses.experts[:1], cpu=misses.experts[1:])
+
+
+def test_shared_host_memory_slows_both_sides_of_a_mixed_layer() -> None:
+    """A layer copying expert 0 while the CPU computes expert 1, host memory 2 GB/s: demand
+    3 GB/s (CPU 2 + link 1) is cut by 2/3, the copy takes 1.5 s instead of 1.0 and the CPU
+    read 0.75 s instead of 0.5; the GPU chain decides (copy + FFN): 0.5 s more."""
+    tr = hand_trace([[[[[0, 1]]]]], num_experts=4)
+    cost = cpu_cost(tr.dims, host_memory_gbps=2.0)
+    runs = []
+    for share in (False, True):
+        pol = _CopyFirst(num_layers=1, num_experts=4)
+        pol.share_host_memory = share
+        runs.append(simulate(tr, PREDICTORS.build("none", dims=tr.dims), _lru(tr.dims, 2), cost,
+                             progress=False, execution=pol))
+    (a, b) = runs
+    assert b.series["iter_ms"][0] == pytest.approx(a.series["iter_ms"][0] + 500.0)
+    assert b.metrics["link_shared_extra_ms_total"] == pytest.approx(500.0)
+    assert b.metrics["link_busy_ms_total"] == pytest.approx(1500.0)
+    assert b.metrics["cpu_ms_total"] == pytest.approx(a.metrics["cpu_ms_total"] + 250.0)
+    assert (a.metrics["share_host_memory"], b.metrics["share_host_memory"]) == (0.0, 1.0)
+
+
+def test_a_cpu_policy_is_refused_where_the_cpu_is_not_modelled() -> None:
+    tr = _alternating()
+    cost = cpu_cost(tr.dims)
+    pol = build_execution({"name": "cpu_on_miss"}, cost)
+    with pytest.raises(ConfigError, match="restricted_routing=True"):
+        simulate(tr, PREDICTORS.build("none", dims=tr.dims), _lru(tr.dims, 1), cost,
+                 progress=False, execution=pol, restricted_routing=True)
+    with pytest.raises(ConfigError, match="no cpu: block"):
+        build_execution({"name": "cpu_on_miss"}, unit_cost(tr.dims))
