@@ -232,8 +232,15 @@ def _presets(capacity: float) -> dict[str, Any]:
         for name in names:
             if name in SYSTEMS:
                 continue
-            out[name] = compose(config_name="config", overrides=[
+            cfg = compose(config_name="config", overrides=[
                 f"system={name}", "model=mixtral_8x7b", "logger=none", f"cache.capacity={capacity}"])
+            if (cfg.get("execution") or {}).get("name", "copy") != "copy":
+                # a CPU system needs its execution policy and a profile with a cpu: block;
+                # this benchmark replays predictor + cache on the copy-only profile
+                log.info("system %s: execution=%s not replayed here (copy systems only)",
+                         name, cfg.execution.name)
+                continue
+            out[name] = cfg
     return out
 
 
