@@ -67,6 +67,7 @@ class ExecDevice(Device):
         self.cost, self.policy, self.share = cost, policy, bool(share_host_memory)
         self.cpu = HostCpu(cost)
         self.pinned: frozenset[Key] = frozenset(policy.gpu_resident())
+        self.protected = set(self.pinned)
         self.stream_copies = 0
         self.cpu_wait_s = 0.0
         self.extra_link_s = 0.0  # copies slowed by host-memory sharing
