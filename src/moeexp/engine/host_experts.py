@@ -35,8 +35,9 @@ rounds differently from the GPU's, so there the greedy tokens are what is compar
 Timing (:class:`~moeexp.engine.runtime.Counters`): ``cpu_s`` is the host kernel's wall
 time only, ``cpu_transfer_s`` the hidden states' trips (CUDA: after the compute stream
 has drained, so queued GPU work is not counted as transfer), ``stream_s`` the streamed
-copies (CUDA: issue time). Every CPU kernel call adds ``(experts, rows, seconds)`` to
-``cpu_samples``: what the calibration (:mod:`moeexp.engine.profile`) fits.
+copies (CUDA: issue time). Every CPU expert call adds ``(rows, seconds)`` to
+``cpu_samples`` and every layer's trips ``(bytes both ways, seconds)`` to
+``cpu_transfer_samples``: what the calibration (:mod:`moeexp.engine.profile_cpu`) fits.
 """
 
 from __future__ import annotations
@@ -96,34 +97,47 @@ class HostExperts:
                  expert: torch.Tensor, weight: torch.Tensor, counters: Any, *,
                  batched: bool = False) -> torch.Tensor:
         """float[R, H] on ``hidden``'s device: ``weight * expert(hidden[token])`` per routing
-        row, every expert computed on the host from the store.
+        row, every expert computed on the host from the store, one call per expert (the CPU
+        chain of the cost model: experts one after another, each with its call overhead).
 
         Args:
             hidden: float[T, H] the layer's expert input (on the device).
             token: int64[R] token of each routing row; expert: int64[R] its expert;
                 weight: float[R] its routing weight.
-            counters: the engine's Counters (CPU calls, tokens, seconds are added).
+            counters: the engine's Counters (CPU calls, rows, seconds, samples are added).
         """
         tok, inv = torch.unique(token, return_inverse=True)
         if self.cuda:
             torch.cuda.current_stream(self.device).synchronize()
         t0 = time.perf_counter()
         x = hidden[tok].to("cpu")
-        rows_e = expert.to("cpu")
+        rows_e, inv = expert.to("cpu"), inv.to("cpu")
         self._pace(x.numel() * x.element_size(), t0)
         t1 = time.perf_counter()
-        raw = slot_rows(module, self.store.tensors[layer], x, inv.to("cpu"), rows_e, rows_e,
-                        batched=batched, finish=False)
+        raw: torch.Tensor | None = None
+        kernel_s = 0.0
+        for e in torch.unique(rows_e).tolist():
+            a = time.perf_counter()
+            sel = (rows_e == e).nonzero().squeeze(1)
+            out = slot_rows(module, self.store.tensors[layer], x, inv[sel], rows_e[sel],
+                            rows_e[sel], batched=batched, finish=False)
+            if raw is None:
+                raw = out.new_empty((rows_e.numel(), out.shape[-1]))
+            raw[sel] = out
+            b = time.perf_counter()
+            kernel_s += b - a
+            counters.cpu_samples.append((int(sel.numel()), b - a))
+            counters.cpu_expert_calls += 1
+        assert raw is not None
         t2 = time.perf_counter()
         raw = raw.to(hidden.device)
         self._pace(raw.numel() * raw.element_size(), t2)
         t3 = time.perf_counter()
-        n_exp = int(torch.unique(rows_e).numel())
-        counters.cpu_expert_calls += n_exp
+        moved = x.numel() * x.element_size() + raw.numel() * raw.element_size()
         counters.cpu_tokens += int(rows_e.numel())
-        counters.cpu_s += t2 - t1
+        counters.cpu_s += kernel_s
         counters.cpu_transfer_s += (t1 - t0) + (t3 - t2)
-        counters.cpu_samples.append((n_exp, int(rows_e.numel()), t2 - t1))
+        counters.cpu_transfer_samples.append((moved, (t1 - t0) + (t3 - t2)))
         return finish_rows(module, raw, weight)
 
     def stream_rows(self, module: Any, layer: int, hidden: torch.Tensor, token: torch.Tensor,

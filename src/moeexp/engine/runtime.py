@@ -137,8 +137,10 @@ class Counters:
     cpu_tokens: int = 0  # routing rows computed on the host CPU
     cpu_s: float = 0.0  # host expert kernel wall time
     cpu_transfer_s: float = 0.0  # hidden states to the host and outputs back
-    #: per host kernel call: (experts, routing rows, seconds): the calibration's samples
-    cpu_samples: list[tuple[int, int, float]] = field(default_factory=list)
+    #: per host expert call: (routing rows, seconds); per layer's hidden-state trips:
+    #: (bytes both ways, seconds): the calibration's samples (moeexp.engine.profile_cpu)
+    cpu_samples: list[tuple[int, float]] = field(default_factory=list)
+    cpu_transfer_samples: list[tuple[int, float]] = field(default_factory=list)
     stream_copies: int = 0  # experts copied for one pass only (never cached)
     stream_bytes: int = 0
     stream_s: float = 0.0
