@@ -37,6 +37,9 @@ class BackendContext:
             one device, the paper semantics. With several devices ``cache`` is a list, one
             policy per device. Only ``backend=sim``'s static replay takes them (checked by
             :func:`moeexp.config.validate`).
+        execution: where missed experts run (a built, fitted
+            :class:`~moeexp.execution.ExecutionPolicy`); None = ``copy`` (every miss
+            copied and cached). The engine backend serves with it.
     """
 
     loaded: Any
@@ -52,6 +55,7 @@ class BackendContext:
     kv_bytes_per_token: int | None = None
     topology: Any = None
     mechanics: Any = None
+    execution: Any = None
 
 
 @dataclass

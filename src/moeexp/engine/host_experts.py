@@ -15,8 +15,11 @@ decision stays the policy's (:meth:`HostExperts.place` only asks it and checks t
              CUDA: ``hidden[tokens].to("cpu")``, then ``out.to(device)``.
              CPU-only run: the device is emulated by the host, as the copy path emulates
              it (:mod:`moeexp.engine.transfer`): the hidden-state "transfers" move no
-             bytes and are paced to the emulated link (``bandwidth_bps``) when one is set,
-             as the copy thread paces expert copies.
+             bytes and are paced to the emulated link (``bandwidth_bps``) when one is set.
+             Unlike the copy thread, which sleeps each copy's remaining time, the trips
+             (hundreds of bytes: microseconds on the link) owe their time and sleep it off
+             once it reaches :data:`PACE_QUANTUM_S`, since one ``time.sleep`` overshoots
+             such a trip tenfold; the total is ``bytes / bandwidth`` to within a quantum.
     stream   the expert is copied into a transient device buffer outside the slot pool (no
              slot, no cache event, never a hit later), computed, and dropped after the
              pass: llama.cpp's large-batch offload, kTransformers' layer-wise prefill. The
@@ -53,6 +56,10 @@ from moeexp.engine.kernel import finish_rows, slot_rows
 from moeexp.engine.store import ExpertSpec, HostStore
 from moeexp.execution.base import ExecutionPolicy, LayerMisses, Placement
 
+#: CPU-only runs: the emulated link's time is slept off in quanta of at least this many
+#: seconds, so that a trip of a few hundred bytes does not pay a sleep's overshoot.
+PACE_QUANTUM_S = 5e-4
+
 
 class HostExperts:
     """The CPU and stream paths of one offloaded model (see the module docstring).
@@ -74,6 +81,7 @@ class HostExperts:
         self.device = device
         self.cuda = device.type == "cuda"
         self.bandwidth_bps = None if self.cuda or not bandwidth_bps else float(bandwidth_bps)
+        self._debt = 0.0  # seconds owed to the emulated link (compute thread only)
 
     def place(self, layer: int, experts: Sequence[int], tokens: Sequence[int],
               pass_tokens: int, resident_tokens: Sequence[int]) -> Placement:
@@ -87,11 +95,15 @@ class HostExperts:
         return placement
 
     def _pace(self, nbytes: int, since: float) -> None:
-        """CPU-only: sleep until ``nbytes`` would have crossed the emulated link."""
+        """CPU-only: owe the emulated link ``nbytes / bandwidth`` less the time spent since
+        ``since``, and sleep the debt off once it reaches :data:`PACE_QUANTUM_S` (module
+        docstring)."""
         if self.bandwidth_bps:
-            remaining = nbytes / self.bandwidth_bps - (time.perf_counter() - since)
-            if remaining > 0:
-                time.sleep(remaining)
+            now = time.perf_counter()
+            self._debt = max(0.0, self._debt + nbytes / self.bandwidth_bps - (now - since))
+            if self._debt >= PACE_QUANTUM_S:
+                time.sleep(self._debt)
+                self._debt = max(0.0, self._debt - (time.perf_counter() - now))
 
     def cpu_rows(self, module: Any, layer: int, hidden: torch.Tensor, token: torch.Tensor,
                  expert: torch.Tensor, weight: torch.Tensor, counters: Any, *,
