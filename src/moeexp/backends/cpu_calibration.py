@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,6 +82,36 @@ def execution_policies(name: str, cost: Any, store: Any) -> tuple[ExecutionPolic
             policy.fit(store)
         out.append(policy)
     return out[0], out[1]
+
+
+def entry_executions(name: str | None, cost: Any, store: Any
+                     ) -> tuple[tuple[Any, Any], str]:
+    """A systems entry's execution policies (one per backend; None, None for ``copy``) and
+    whether the simulator can run it (``ok``, or why not)."""
+    if not name:
+        return (None, None), "ok"
+    execs = execution_policies(name, cost, store)
+    ok = simulator_takes_execution()
+    return execs, "ok" if ok else "no execution in this build's simulator (issue 26 part A)"
+
+
+def cpu_columns(execution: str | None, sim_status: str, engine: Mapping[str, Any],
+                sim: Mapping[str, Any]) -> dict[str, Any]:
+    """summary.csv's CPU columns: the execution, the simulator's status, both backends'
+    CPU calls, CPU ms and streamed bytes, and the calibrated CPU block's prediction for the
+    engine's own CPU calls (``engine_cpu_model_ms_total``) with its error against the
+    measured CPU ms (``cpu_ms_err_pct``: the test split, the block being fitted on the
+    store split)."""
+    nan = float("nan")
+    out: dict[str, Any] = {"execution": execution or "copy", "sim_status": sim_status}
+    for side, m in (("engine", engine), ("sim", sim)):
+        for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total"):
+            out[f"{side}_{k}"] = m.get(k, nan)
+    model, measured = engine.get("cpu_model_ms_total", nan), engine.get("cpu_ms_total", nan)
+    out["engine_cpu_model_ms_total"] = model
+    out["cpu_ms_err_pct"] = (float((model - measured) / measured * 100)
+                             if measured > 0 and math.isfinite(model) else nan)
+    return out
 
 
 def calibration_cpu_metrics(calib: Any) -> dict[str, float]:

@@ -413,14 +413,9 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                                     s.decode_tokens_for(ctx.prompts))
         feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=s.engine_settings(),
                               warmup=s.warmup)
-    execs: tuple[Any, Any] = (None, None)
-    sim_status = "ok"
-    if entry.execution:
-        from moeexp.backends.cpu_calibration import execution_policies, simulator_takes_execution
+    from moeexp.backends.cpu_calibration import cpu_columns, entry_executions
 
-        execs = execution_policies(entry.execution, cost, ctx.store)
-        if not simulator_takes_execution():
-            sim_status = "no execution in this build's simulator (issue 26 part A)"
+    execs, sim_status = entry_executions(entry.execution, cost, ctx.store)
     settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,
                 "replay_tokens": True, "reference": False, "seed": ctx.seed, "progress": False}
     eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace,
@@ -451,9 +446,7 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         "engine_accesses_total": em["accesses_total"], "sim_accesses_total": sm["accesses_total"],
         "predictor": pcfg["name"], "cache": ccfg["name"],
         "sim_predictor_feed_us": feed_s * 1e6,
-        "execution": entry.execution or "copy", "sim_status": sim_status,
-        **{f"{side}_{k}": m.get(k, float("nan")) for side, m in (("engine", em), ("sim", sm))
-           for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total")},
+        **cpu_columns(entry.execution, sim_status, em, sm),
     }
     reqs = [{"system": entry.name, "request_id": rid, "engine_ttft_ms": et, "sim_ttft_ms": st,
              "engine_tpot_ms": ep, "sim_tpot_ms": sp}

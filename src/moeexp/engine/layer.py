@@ -8,9 +8,14 @@ on-demand loads in expert order, with ``now = pos0 + rank``::
 
     experts = sorted unique(idx); check the future (oracle); observe_layer -> predictor
     with the lock: [settle copies, then observe: restricted_wait, prefetch_wait]; pos0 = begin_layer(...)
-        exact:      accesses by state_of (hits, waits), demand loads, streamed chunks
+        exact:      accesses by state_of (hits, waits); with an execution policy
+                    (eng.host) its placement of the absent experts; demand loads (the
+                    copy placements, in its order), streamed chunks
         restricted: substitute non-ready experts (nothing loads)
-    compute the remaining rows (lock released); resume_prefetch; sum over top-k
+    compute the remaining rows (lock released), the CPU / stream placements' rows
+    (moeexp.engine.host_experts: before the slot rows on a CPU-only run, whose slot rows
+    wait for the emulated link; after them on CUDA, whose slot rows are queued
+    asynchronously); resume_prefetch; sum over top-k
 
 Under ``prefetch_wait`` (the exact, deterministic mode; ``restricted_wait``, the lossy one,
 observes the same way, so a prediction made at a layer never evicts that layer's experts

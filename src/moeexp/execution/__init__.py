@@ -7,8 +7,9 @@ registering itself in :data:`EXECUTIONS`.
 :class:`~moeexp.costmodel.roofline.CostModel` (algorithms.md §11): given a layer's missed
 experts and the pass's tokens they say which run on the host CPU and which are copied.
 
-**Not wired yet**: neither the simulator nor the engine calls these policies, and the root
-config does not list the group, so no run can select one yet; the replay will ask
+**Wired into the engine only** (:mod:`moeexp.engine.host_experts`: ``offload(...,
+execution=...)``, or ``BackendContext.execution`` for ``backend=engine``); the simulator
+does not call these policies yet, and the root config does not list the group; the replay will ask
 :meth:`ExecutionPolicy.place` at every layer with misses once the simulator's device model
 has a CPU. :func:`check_execution` validates a group before any work;
 :func:`build_execution` builds it for a cost model and refuses settings it cannot price

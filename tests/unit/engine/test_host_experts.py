@@ -101,6 +101,13 @@ def test_cpu_on_miss_splits_by_tokens_and_counts_stay_consistent(mixtral) -> Non
     assert m["accesses_total"] == m["hits_total"] + m["cpu_expert_calls"] + m["demand_loads_total"]
     assert m["stream_h2d_bytes_total"] == 0 and m["gpu_pinned_experts"] == 0
     assert m["cpu_transfer_ms_total"] >= 0
+    # the cost model's own prediction for these calls: the crossover profile's CPU block
+    # prices one row at 0.6 of a copy (module helper), so it is the calls' rows times that
+    with offload(mixtral, system="deepspeed", **_setups(mixtral)["cpu_on_miss"]) as om:
+        om.generate(ids, max_new_tokens=NEW, do_sample=False)
+        cost = om.engine.host.cost
+        want = sum(cost.cpu_expert_s(n) for n, _ in om.engine.counters.cpu_samples) * 1e3
+        assert om.metrics()["cpu_model_ms_total"] == pytest.approx(want) and want > 0
 
 
 def test_pinned_experts_stay_and_are_counted(store_of) -> None:
@@ -132,6 +139,7 @@ def test_copy_execution_is_the_engine_as_before(mixtral) -> None:
     for k in ("hits_total", "accesses_total", "h2d_bytes_total", "demand_loads_total"):
         assert a[k] == b[k], k
     assert all(a[k] == 0 for k in EXEC_KEYS) and a["execution"] == "copy"
+    assert a["cpu_model_ms_total"] == 0
 
 
 def test_emulated_link_paces_hidden_states_and_streams(mixtral) -> None:
