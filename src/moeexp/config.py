@@ -384,16 +384,16 @@ def _check_testbed(spec: RunSpec) -> None:
 
 def _check_execution(spec: RunSpec) -> None:
     """A known execution policy with valid keys. One other than ``copy`` runs in the
-    simulator's static replay on one device with the paper's mechanics only (the engine's
-    CPU path is not wired yet); one that computes experts on the CPU needs a ``cpu:``
-    block with a kernel efficiency for ``model.expert_format``."""
+    static replay (``backend=sim``) or the static engine (``backend=engine``) on one
+    device with the paper's mechanics only; one that computes experts on the CPU needs a
+    ``cpu:`` block with a kernel efficiency for ``model.expert_format``."""
     choice = spec.execution
     check_execution(choice)
     if choice.name == "copy":
         return
     what = f"execution={choice.name}"
-    if spec.backend.name != "sim":
-        raise ConfigError(f"{what}: only backend=sim runs experts on the CPU so far "
+    if spec.backend.name not in ("sim", "engine"):
+        raise ConfigError(f"{what}: backend=sim and backend=engine run experts on the CPU "
                           f"(backend={spec.backend.name} copies every miss; use "
                           "execution=copy there)")
     if (spec.scheduler.name != "static" or spec.backend.kwargs.get("restricted_routing")

@@ -118,6 +118,33 @@ def test_sim_vs_engine_experiment(tmp_path, model_overrides, trace_dir, run_app)
     assert (run / "calibration.json").is_file() and (run / "conf/hardware/calibrated.yaml").is_file()
 
 
+def test_sim_vs_engine_cpu_experiment(tmp_path, model_overrides, trace_dir, run_app):
+    """+experiment=sim_vs_engine_cpu shrunk: the calibrated profile gets a cpu: block fitted
+    on the engine's CPU path (calibration.json, the hardware YAML, metrics.json), and an
+    entry with an execution runs on the engine with its CPU counters in summary.csv (its
+    simulator half only where this build's simulator takes an execution)."""
+    from moeexp.backends.cpu_calibration import simulator_takes_execution
+    from moeexp.costmodel.hardware import load_profile
+
+    run = tmp_path / "cpu"
+    _ok(run_app(*model_overrides, "+experiment=sim_vs_engine_cpu", *LEN,
+                f"trace.cache_dir={trace_dir}", f"hydra.run.dir={run}",
+                "backend.systems=[deepspeed,{name:llama,system:deepspeed,execution:layer_split}]",
+                "backend.profile_requests=4", "backend.copy_repeats=2",
+                "backend.copy_factors=[0.5,1.0,2.0]"))
+    df = pd.read_csv(run / "summary.csv").set_index("system")
+    assert list(df.index) == ["deepspeed", "llama"]
+    assert df.loc["deepspeed", "execution"] == "copy" and df.loc["deepspeed", "engine_cpu_expert_calls"] == 0
+    assert df.loc["llama", "execution"] == "layer_split"
+    assert df.loc["llama", "engine_cpu_expert_calls"] > 0 and df.loc["llama", "engine_cpu_ms_total"] > 0
+    assert (df.loc["llama", "sim_status"] == "ok") == simulator_takes_execution()
+    cal = json.loads((run / "calibration.json").read_text())
+    assert cal["cpu"]["tflops"] > 0 and cal["fit"]["cpu"]["n"] > 0
+    assert load_profile("calibrated", conf_dir=run / "conf/hardware").cpu is not None
+    m = json.loads((run / "metrics.json").read_text())
+    assert m["calib_cpu_dram_gbps"] > 0
+
+
 def test_sim_backend_uses_a_cost_profile(tmp_path):
     """backend=sim with cost_profile=calibration.json replays with the fitted model: every
     expert resident, a decode pass costs exactly L * (layer_s + 2 experts of one token) +

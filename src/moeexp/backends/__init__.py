@@ -171,7 +171,7 @@ class EngineBackend:
             return self._serve(ctx)
         settings = {"seed": ctx.seed, **self.settings}
         res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
-                           trace=ctx.trace)
+                           trace=ctx.trace, execution=ctx.execution, cost=ctx.cost)
         return BackendResult(dict(res.metrics), dict(res.series))
 
     def _serve(self, ctx: BackendContext) -> BackendResult:
@@ -182,6 +182,10 @@ class EngineBackend:
         from moeexp.engine.serve_continuous import serve_engine_continuous  # torch
 
         assert ctx.scheduler is not None
+        if ctx.execution is not None and ctx.execution.name != "copy":
+            raise ConfigError(f"backend=engine: execution={ctx.execution.name} runs with the "
+                              f"static scheduler only; the continuous engine "
+                              f"(scheduler={ctx.scheduler.name}) copies every miss")
         profile = _serving_profile(ctx, ctx.cost)
         if isinstance(profile, BackendResult):
             return profile

@@ -39,8 +39,8 @@ class BackendContext:
             :func:`moeexp.config.validate`).
         execution: where a missed expert runs (:class:`moeexp.execution.ExecutionPolicy`,
             fitted on the store split and bound to the cache budget); None or a ``plain``
-            one (``copy``) = copy then compute on the GPU, today's replay. Only
-            ``backend=sim``'s static replay runs another (checked by ``validate``).
+            one (``copy``) = copy then compute on the GPU, today's replay. ``backend=sim``'s
+            static replay and the engine backend serve with it (checked by ``validate``).
     """
 
     loaded: Any

@@ -72,6 +72,7 @@ class SystemEntry:
     predictor: str | None = None
     cache: str | None = None
     scheduler: str | None = None
+    execution: str | None = None
 
 
 # Default copy sizes of the profile, multiples of one expert's bytes: {on CUDA: sizes}.
@@ -87,8 +88,9 @@ class SimVsEngineSettings:
 
     Attributes:
         systems: names of conf/system bundles, or mappings ``{name, system, predictor?,
-            cache?, scheduler?}`` (e.g. ``static`` = deepspeed with the static cache;
-            ``scheduler`` only in serving mode).
+            cache?, scheduler?, execution?}`` (e.g. ``static`` = deepspeed with the static
+            cache; ``scheduler`` only in serving mode; ``execution`` a conf/execution
+            option, priced by the calibrated CPU block: :mod:`moeexp.backends.cpu_calibration`).
         capacity: the expert budget of every system (cache.capacity syntax).
         prefetch_distance: ``${model.prefetch_distance}`` for predictor configs.
         device, bandwidth_bps, num_threads, predictor_async, max_inflight, spec_depth,
@@ -116,6 +118,9 @@ class SimVsEngineSettings:
             threads and version, host, the engine settings, the profile settings and the
             profiled token ids), and a later job with the same inputs reuses it (a file
             whose recorded inputs differ, or that does not load, is reported and replaced).
+        cpu_profile: profile the engine's CPU path and fit the calibrated profile's CPU
+            block (:func:`moeexp.backends.cpu_calibration.calibrate_cpu`; offline mode
+            only); needed by entries with an ``execution`` that computes on the CPU.
         progress: progress bars.
 
     Serving mode (``serving`` not None, :mod:`moeexp.backends.serving_point`): every
@@ -154,6 +159,7 @@ class SimVsEngineSettings:
     outlier_mads: float | None = None
     predictor_feed: bool = False
     calibration_dir: str | None = None
+    cpu_profile: bool = True
     progress: bool = True
     serving: Mapping[str, Any] | None = None
     arrival_rate: float | None = None
@@ -192,6 +198,14 @@ class SimVsEngineSettings:
         out = typed(cls, {"systems": tuple(entries), **d}, "backend=sim_vs_engine")
         if not out.systems:
             raise ConfigError("backend=sim_vs_engine: systems is empty")
+        execs = [e.execution for e in out.systems if e.execution]
+        if execs:
+            from moeexp.backends.cpu_calibration import check_execution_names
+
+            check_execution_names(execs)
+            if out.serving is not None:
+                raise ConfigError("backend=sim_vs_engine: a systems entry's execution runs "
+                                  "offline only (serving mode copies every miss)")
         if out.serving is not None:
             out.serving_settings()
             if out.arrival_rate is not None and not out.arrival_rate > 0:
@@ -204,6 +218,12 @@ class SimVsEngineSettings:
 
         check_serve_settings(out.engine)  # device (CUDA present?) checked before any work
         return out
+
+    @property
+    def profiles_cpu(self) -> bool:
+        """Whether the calibration profiles the CPU path (``cpu_profile``, offline mode:
+        serving mode copies every miss)."""
+        return self.cpu_profile and self.serving is None
 
     @property
     def engine(self) -> dict[str, Any]:
@@ -268,6 +288,7 @@ def calibration_inputs(ctx: Any, s: SimVsEngineSettings, reqs: list[tuple[list[i
         "profile": {"copy_factors": list(s.copy_factors or COPY_FACTORS[device.type == "cuda"]),
                     "copy_repeats": s.copy_repeats, "outlier_mads": s.outlier_mads,
                     "warmup": s.warmup, "passes": PASS_PROFILE, "batch_decode": s.batch_decode,
+                    "cpu_profile": s.profiles_cpu,
                     "fit": {"format": PROFILE_FORMAT, "member_outlier_mads": MEMBER_OUTLIER_MADS}},
         "requests": hashlib.sha256(json.dumps(reqs).encode()).hexdigest(),
     }
@@ -333,11 +354,17 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
             "profile_requests": len(reqs), "batch_decode": s.batch_decode,
             "decode_tokens": new, "model": ctx.loaded.name,
             "cuda_device": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
-    write_text(run_dir / "profile_samples.json",  # before the fit: kept if the fit fails
-               json.dumps({k: list(map(float, v)) for k, v in dataclasses.asdict(samples).items()}))
+    raw = {k: list(map(float, v)) for k, v in dataclasses.asdict(samples).items()}
+    write_text(run_dir / "profile_samples.json", json.dumps(raw))  # kept if the fit fails
     calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
                         intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
                         outlier_mads=s.outlier_mads, meta=meta)
+    if s.profiles_cpu:
+        from moeexp.backends.cpu_calibration import calibrate_cpu
+
+        calib, cpu_raw = calibrate_cpu(ctx.loaded, reqs, calib, settings=est, warmup=s.warmup,
+                                       progress=s.progress, outlier_mads=s.outlier_mads)
+        write_text(run_dir / "profile_samples.json", json.dumps({**raw, **cpu_raw}))
     if store is not None:
         calib.meta.update({"calibration_key": key, "calibration_inputs": inputs})
         calib.save(store)
@@ -386,11 +413,19 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                                     s.decode_tokens_for(ctx.prompts))
         feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=s.engine_settings(),
                               warmup=s.warmup)
-    sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
-                   seed=ctx.seed, progress=False, predictor_feed_s=feed_s)
+    from moeexp.backends.cpu_calibration import cpu_columns, entry_executions
+
+    execs, sim_status = entry_executions(entry.execution, cost, ctx.store)
     settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,
                 "replay_tokens": True, "reference": False, "seed": ctx.seed, "progress": False}
-    eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace)
+    eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace,
+                       execution=execs[1], cost=cost)
+    if sim_status == "ok":
+        sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
+                       seed=ctx.seed, progress=False, predictor_feed_s=feed_s,
+                       **({"execution": execs[0]} if entry.execution else {}))
+    else:
+        sim = _no_simulation(eng.series["request_id"])
     sm, em = sim.metrics, eng.metrics
     by_id = {rid: i for i, rid in enumerate(sim.series["request_id"])}
     order = [by_id[rid] for rid in eng.series["request_id"]]
@@ -411,6 +446,7 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         "engine_accesses_total": em["accesses_total"], "sim_accesses_total": sm["accesses_total"],
         "predictor": pcfg["name"], "cache": ccfg["name"],
         "sim_predictor_feed_us": feed_s * 1e6,
+        **cpu_columns(entry.execution, sim_status, em, sm),
     }
     reqs = [{"system": entry.name, "request_id": rid, "engine_ttft_ms": et, "sim_ttft_ms": st,
              "engine_tpot_ms": ep, "sim_tpot_ms": sp}
@@ -422,6 +458,23 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
              row["engine_tpot_ms_mean"], row["sim_tpot_ms_mean"], row["tpot_mape_pct"],
              row["engine_hit_rate"], row["sim_hit_rate"], feed_s * 1e6)
     return row, reqs
+
+
+@dataclasses.dataclass
+class _NoSimulation:
+    """The simulator columns of an entry this build's simulator cannot run: NaN."""
+
+    metrics: dict[str, float]
+    series: dict[str, list[Any]]
+
+
+def _no_simulation(request_ids: list[Any]) -> _NoSimulation:
+    nan = float("nan")
+    keys = ("ttft_ms_mean", "tpot_ms_mean", "hit_rate", "h2d_bytes_total", "stall_ms_total",
+            "prediction_recall", "accesses_total")
+    return _NoSimulation({k: nan for k in keys},
+                         {"request_id": list(request_ids), "ttft_ms": [nan] * len(request_ids),
+                          "tpot_ms": [nan] * len(request_ids)})
 
 
 def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any], dict[str, list]]:
@@ -481,5 +534,8 @@ def calibration_metrics(calib: Any, reused: bool, run_dir: Path) -> dict[str, An
               "prefill_pass_s", "copy_latency_s", "member_s"):
         out[f"calib_{k[:-2]}_us"] = getattr(calib, k) * 1e6
     out["calib_copy_mbps"] = calib.copy_bytes_per_s / 1e6
+    from moeexp.backends.cpu_calibration import calibration_cpu_metrics
+
+    out.update(calibration_cpu_metrics(calib))
     return out
 

@@ -59,6 +59,7 @@ import numpy as np
 import yaml
 
 from moeexp.atomic import write_text
+from moeexp.costmodel.cpu import CpuProfile
 from moeexp.costmodel.hardware import HardwareProfile
 from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
@@ -203,6 +204,9 @@ class CalibratedProfile:
             when the profile had no multi-member passes (then only one-member passes are
             priced: :meth:`CalibratedCostModel.dense_s` refuses more).
         member_kv_s: seconds per pass and KV entry of a multi-member pass (NaN with member_s).
+        cpu: this machine's CPU expert kernel as a ``cpu:`` block mapping
+            (:mod:`moeexp.costmodel.cpu_fit`, fitted on the engine's CPU path), or None
+            (not profiled: the calibrated profile has no CPU). Optional in a stored profile.
         format_version: :data:`PROFILE_FORMAT` (what :meth:`from_mapping` accepts).
         fit: per part ``{rms_ms, r2, n, kept}`` (``member``, of the members term, also
             ``offset_ms``;
@@ -226,6 +230,7 @@ class CalibratedProfile:
     copy_bytes_per_s: float
     member_s: float
     member_kv_s: float
+    cpu: dict[str, Any] | None = None
     name: str = "calibrated"
     format_version: int = PROFILE_FORMAT
     fit: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -268,7 +273,7 @@ class CalibratedProfile:
                 "passes): refit with `python -m moeexp +experiment=sim_vs_engine` (a "
                 "backend.calibration_dir store is refitted on its own)")
         names = {f.name for f in fields(cls)}
-        optional = ("name", "fit", "meta", "format_version")
+        optional = ("name", "fit", "meta", "format_version", "cpu")
         unknown, missing = sorted(set(data) - names), sorted(
             f.name for f in fields(cls) if f.name not in data and f.name not in optional)
         if unknown or missing:
@@ -309,16 +314,20 @@ class CalibratedProfile:
             copy_latency_us=self.copy_latency_s * 1e6, peak_tflops=flops / 1e12,
             compute_efficiency=1.0, hbm_gbps=1e6, memory_efficiency=1.0, memory_gb=0.0,
             dense_overhead_us=(self.layer_s + self.decode_pass_s / self.num_layers) * 1e6,
-            expert_overhead_us=self.expert_s * 1e6)
+            expert_overhead_us=self.expert_s * 1e6,
+            cpu=None if self.cpu is None else CpuProfile.from_mapping(self.cpu, "calibrated cpu"))
 
     def write_hardware_yaml(self, conf_root: str | Path) -> Path:
         """``conf_root/hardware/<name>.yaml`` (use ``hydra.searchpath=[file://conf_root]``)."""
-        hp = asdict(self.hardware_profile())
-        hp.pop("cpu")  # None: a calibrated roofline profile has no CPU block (yet)
+        hw = self.hardware_profile()
+        hp = asdict(hw)
+        hp.pop("cpu")  # written below as its YAML block, when profiled
+        flat = {k: (float(v) if k != "name" else v) for k, v in hp.items()}
+        if hw.cpu is not None:
+            flat["cpu"] = hw.cpu.to_mapping()
         text = ("# Roofline approximation of a calibrated profile "
                 "(moeexp.costmodel.fitted); written, not edited.\n"
-                + yaml.safe_dump({k: (float(v) if k != "name" else v) for k, v in hp.items()},
-                                 sort_keys=False))
+                + yaml.safe_dump(flat, sort_keys=False))
         path = Path(conf_root) / "hardware" / f"{self.name}.yaml"
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text(path, text)

@@ -18,14 +18,18 @@ import torch
 from torch import nn
 
 from moeexp.cache import CACHES
+from moeexp.costmodel.hardware import HardwareProfile, load_profile
+from moeexp.costmodel.roofline import CostModel
 from moeexp.engine.budget import Budget, budget_of, make_budget
+from moeexp.engine.host_experts import HostExperts
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.runtime import Engine, EngineSettings
 from moeexp.errors import ConfigError
+from moeexp.execution import ExecutionPolicy, build_execution, check_execution
 from moeexp.models.base import MoEAdapter
 from moeexp.predictors import PREDICTORS
-from moeexp.registry import unknown_keys
+from moeexp.registry import group_choice, unknown_keys
 from moeexp.systems import resolve_system
 from moeexp.traces.recorder import trace_dims
 from moeexp.traces.schema import Trace, TraceDims, missing_for
@@ -77,6 +81,8 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
             store: Trace | str | Path | None = None, predictor: Any = None, cache: Any = None,
             record: bool = False, future: Trace | str | Path | None = None,
             prefetch_distance: int | None = None, conf_dir: str | Path | None = None,
+            execution: str | Mapping[str, Any] | ExecutionPolicy | None = None,
+            hardware: str | HardwareProfile | None = None,
             **overrides: Any) -> OffloadedModel:
     """Offload ``model``'s routed experts under system ``system`` (see module docstring).
 
@@ -95,6 +101,13 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
             accesses against it and raises if the run diverges.
         prefetch_distance: value of ``${model.prefetch_distance}`` in predictor configs.
         conf_dir: config root (default: the repository's ``conf/``).
+        execution: where missed experts run (the ``execution`` group: a name such as
+            ``cpu_on_miss``, a mapping with ``name`` and its keys, or a built policy);
+            None = ``copy`` (every miss copied and cached). A policy that learns from the
+            store split (``hot_pinned``) is fitted on ``store``.
+        hardware: the hardware profile (a ``conf/hardware`` name or a profile) whose cost
+            model the execution policy prices its decisions with; a CPU policy needs one
+            with a ``cpu:`` block (e.g. ``rtx3090_pcie4_xeon_e5v4``).
         **overrides: mechanism settings (EngineSettings fields: ``bandwidth_bps``,
             ``restricted_routing``, ``renormalize``, ``predictor_async``, ``max_inflight``,
             ``spec_depth``, ``copy_chunk_mb``).
@@ -129,19 +142,79 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
         pred.fit(trace)
         pol.fit(trace)
     fut = _load_store(future, dims)
+    policy, cost = _execution(execution, hardware, dims, model, trace, conf_dir)
     om = build_offloaded(model, adapter, pred, pol, settings, device=device,
-                         system=system, record=record, future=fut)
+                         system=system, record=record, future=fut, execution=policy, cost=cost)
     log.info("offloaded %s: system=%s predictor=%s cache=%s slots=%d of %d (%s budget)",
              type(model).__name__, system, pred_name, pol.name, budget.slots,
              dims.num_layers * dims.num_experts, format_bytes(budget.budget_bytes))
     return om
 
 
+def _execution(execution: str | Mapping[str, Any] | ExecutionPolicy | None,
+               hardware: str | HardwareProfile | None, dims: TraceDims, model: nn.Module,
+               store: Trace | None, conf_dir: str | Path | None
+               ) -> tuple[ExecutionPolicy | None, CostModel | None]:
+    """offload()'s execution policy and cost model, built, checked and fitted (or None)."""
+    cost = None
+    if hardware is not None:
+        profile = (hardware if isinstance(hardware, HardwareProfile)
+                   else load_profile(hardware, None if conf_dir is None
+                                     else Path(conf_dir) / "hardware"))
+        dtype_bytes = next(model.parameters()).element_size()
+        cost = CostModel.from_profile(profile, dims, dtype_bytes=dtype_bytes)
+    if execution is None or isinstance(execution, ExecutionPolicy):
+        if execution is not None and cost is not None:
+            execution.check(cost)
+        return execution, cost
+    choice = {"name": execution} if isinstance(execution, str) else dict(execution)
+    if cost is None:
+        check_execution(group_choice(dict(choice), "execution"))
+        if choice.get("name") != "copy":
+            raise ConfigError(f"execution={choice.get('name')}: pass hardware=<a conf/hardware "
+                              "profile> to price its decisions (a CPU policy needs a cpu: "
+                              "block, e.g. rtx3090_pcie4_xeon_e5v4)")
+        return None, None
+    policy = build_execution(choice, cost)
+    if policy.needs_store:
+        if store is None:
+            raise ConfigError(f"execution={policy.name} learns from the store split: pass "
+                              "store=<trace>")
+        policy.fit(store)
+    return policy, cost
+
+
+def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cache: Any,
+                  settings: EngineSettings) -> list[tuple[int, int]]:
+    """Check an execution policy against the run before any weight moves; returns the
+    experts it pins on the device (ConfigError when they exceed the cache's slots)."""
+    if execution is None or execution.name == "copy":
+        return []
+    if settings.restricted_routing:
+        raise ConfigError(f"execution={execution.name} serves misses on the CPU or by "
+                          "streaming; restricted routing (eMoE) never serves a miss: use "
+                          "execution=copy with it")
+    if cost is None and execution.needs_cpu():
+        raise ConfigError(f"execution={execution.name} needs a cost model with a cpu: block "
+                          "(offload(..., hardware=...))")
+    try:
+        pinned = execution.gpu_resident()
+    except RuntimeError as exc:
+        raise ConfigError(f"execution={execution.name}: {exc} (fit it on the store split)") from None
+    if len(pinned) > cache.capacity_slots:
+        raise ConfigError(f"execution={execution.name} pins {len(pinned)} experts on the device "
+                          f"but the budget holds {cache.capacity_slots} slots: raise the "
+                          "capacity or pin fewer (gpu_experts, n_cpu_layers)")
+    return pinned
+
+
 def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache: Any,
                     settings: EngineSettings, *,
                     device: str | torch.device | None = None, system: str = "custom",
                     record: bool = False, future: Trace | None = None,
-                    routing: RoutingReplay | None = None) -> OffloadedModel:
+                    routing: RoutingReplay | None = None,
+                    execution: ExecutionPolicy | None = None,
+                    cost: CostModel | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
     The device gets exactly the slots the cache policy manages (``cache.capacity_slots``,
@@ -153,6 +226,11 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     ``routing``: force every router to a trace's routing (:mod:`moeexp.engine.routing_replay`;
     serve with its ``replay_requests``); a predictor needing what that trace lacks (e.g.
     speculative gates of a routing-only trace) is refused: not applicable.
+
+    ``execution`` (built, checked against ``cost`` and fitted): where missed experts run
+    (:mod:`moeexp.engine.host_experts`); None or ``copy`` = every miss copied and cached,
+    the engine exactly as before. Its pinned experts (``gpu_resident``) are loaded with
+    the cache's initial residents and never evicted; they must fit the cache's slots.
     """
     if routing is not None:
         lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
@@ -175,6 +253,7 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     if dev != here:
         raise ConfigError(f"the model is on {here}; move it to {dev} first (model.to(device)) "
                           f"or pass device=None")
+    pinned = _host_experts(execution, cost, cache, settings)
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:
         engine = Engine(adapter, runner, cache, budget, dev, settings)
@@ -182,12 +261,17 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
         runner.close()
         raise
     engine.replay = routing
+    if execution is not None and execution.name != "copy":
+        engine.host = HostExperts(execution, cost, engine.store, engine.spec, dev,
+                                  bandwidth_bps=settings.bandwidth_bps)
+        engine.pinned = frozenset(pinned)
     om = OffloadedModel(model, adapter, engine, system=system, record=record,
                         dims=trace_dims(adapter, 0), routing=routing)
     try:
         if wants_future and future is not None:
             engine.set_future(future)
-        engine.preload(list(cache.initial_residents()))
+        initial = list(cache.initial_residents())
+        engine.preload(initial + [k for k in pinned if k not in set(initial)])
     except BaseException:
         om.close()
         raise

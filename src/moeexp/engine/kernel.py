@@ -84,7 +84,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, slot_g: torch.Tensor,
 
 def slot_rows(module: Any, buffers: dict[str, torch.Tensor], hidden: torch.Tensor,
               token: torch.Tensor | int, slot: torch.Tensor, weight: torch.Tensor, *,
-              batched: bool = False) -> torch.Tensor:
+              batched: bool = False, finish: bool = True) -> torch.Tensor:
     """Weighted expert outputs of routing rows, reading weights from slots.
 
     ``batched=True`` computes like transformers' ``batched_mm`` kernel instead (each row's
@@ -104,6 +104,9 @@ def slot_rows(module: Any, buffers: dict[str, torch.Tensor], hidden: torch.Tenso
             T*K routing choices in order (row r belongs to token r // K).
         slot: int64[R] slot holding the routing row's expert (all valid).
         weight: float[R] routing weight of each row.
+        finish: apply the post-expert norm and the routing weights here; False returns
+            the raw expert outputs (``weight`` unused) for :func:`finish_rows` to finish
+            elsewhere (the CPU path computes on the host, finishes on the device).
 
     Returns:
         float[R, H]: ``weight * expert(hidden[token])`` per row, in the input row order.
@@ -119,9 +122,7 @@ def slot_rows(module: Any, buffers: dict[str, torch.Tensor], hidden: torch.Tenso
         out = module._apply_gate(out) if has_gate else module.act_fn(out)
         bias = buffers["down_proj_bias"][slot] if has_bias else None
         out = batched_linear(out, buffers["down_proj"][slot], bias, transposed)
-        if getattr(module, "has_post_expert_norm", False):
-            out = module.post_expert_norm(out)
-        return out * weight.unsqueeze(-1)
+        return finish_rows(module, out, weight) if finish else out
     slot_g, perm = torch.sort(slot)
     x_g = hidden[perm // token] if isinstance(token, int) else hidden[token[perm]]
     w_g = weight[perm]
@@ -134,12 +135,19 @@ def slot_rows(module: Any, buffers: dict[str, torch.Tensor], hidden: torch.Tenso
     out = module._apply_gate(out) if has_gate else module.act_fn(out)
     bias = buffers["down_proj_bias"][slot_g] if has_bias else None
     out = grouped_linear(out, buffers["down_proj"], slot_g, groups, bias, transposed)
-    if getattr(module, "has_post_expert_norm", False):
-        out = module.post_expert_norm(out)
-    out = out * w_g.unsqueeze(-1)
+    if finish:
+        out = finish_rows(module, out, w_g)
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(perm.numel(), device=perm.device)
     return out[inv]
+
+
+def finish_rows(module: Any, out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float[R, H]: raw expert outputs ``out`` through the module's optional post-expert
+    norm, times the routing weights ``weight`` (float[R]): the last step of :func:`slot_rows`."""
+    if getattr(module, "has_post_expert_norm", False):
+        out = module.post_expert_norm(out)
+    return out * weight.unsqueeze(-1)
 
 
 def restrict_routing(

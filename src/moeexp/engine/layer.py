@@ -8,9 +8,14 @@ on-demand loads in expert order, with ``now = pos0 + rank``::
 
     experts = sorted unique(idx); check the future (oracle); observe_layer -> predictor
     with the lock: [settle copies, then observe: restricted_wait, prefetch_wait]; pos0 = begin_layer(...)
-        exact:      accesses by state_of (hits, waits), demand loads, streamed chunks
+        exact:      accesses by state_of (hits, waits); with an execution policy
+                    (eng.host) its placement of the absent experts; demand loads (the
+                    copy placements, in its order), streamed chunks
         restricted: substitute non-ready experts (nothing loads)
-    compute the remaining rows (lock released); resume_prefetch; sum over top-k
+    compute the remaining rows (lock released), the CPU / stream placements' rows
+    (moeexp.engine.host_experts: before the slot rows on a CPU-only run, whose slot rows
+    wait for the emulated link; after them on CUDA, whose slot rows are queued
+    asynchronously); resume_prefetch; sum over top-k
 
 Under ``prefetch_wait`` (the exact, deterministic mode; ``restricted_wait``, the lossy one,
 observes the same way, so a prediction made at a layer never evicts that layer's experts
@@ -39,6 +44,7 @@ from moeexp.engine.kernel import restrict_routing
 from moeexp.engine.runtime import Engine
 from moeexp.engine.store import Key
 from moeexp.errors import ConfigError
+from moeexp.execution.base import Placement
 from moeexp.predictors.base import LayerObservation
 
 
@@ -85,7 +91,12 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
     """
     layer = eng.layer_of[id(module)]
     T, K = idx.shape
-    needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
+    rows_of: list[int] | None = None  # routing rows per needed expert (execution policies)
+    if eng.host is None:
+        needed: list[int] = torch.unique(idx).tolist()  # sorted; the one host sync
+    else:
+        uniq, cnt = torch.unique(idx, return_counts=True)
+        needed, rows_of = uniq.tolist(), cnt.tolist()
     eng.check_future(layer, needed)
     restricted = eng.settings.restricted_routing
     # the deterministic modes observe under the lock with prefetching held until the layer
@@ -122,14 +133,20 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
         pos0 = eng.begin_layer(layer, needed)
         if restricted:
             chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
-            streamed = False
+            streamed, off = False, None
         else:
             keep = None
-            chunk, streamed, all_ready = _serve(
-                eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False))
+            chunk, streamed, all_ready, off = _serve(
+                eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False),
+                rows_of, T)
         if wait and (restricted or all_ready or not eng.cache.pause_prefetch_on_miss):
             eng.resume_prefetch()  # demand loads submitted: the held prefetches may start
-    full = compute(chunk, flat_e, flat_w, keep, not streamed) if chunk else None
+    host_first = off is not None and not eng.copier.cuda  # CPU: overlap the emulated link
+    if host_first:
+        parts.extend(_off_slot(eng, module, layer, hidden, flat_e, flat_w, K, off))
+    full = compute(chunk, flat_e, flat_w, keep, not streamed and off is None) if chunk else None
+    if off is not None and not host_first:  # CUDA: the device's chain is queued first
+        parts.extend(_off_slot(eng, module, layer, hidden, flat_e, flat_w, K, off))
     eng.resume_prefetch()
     if full is None:
         dtype = parts[0][1].dtype if parts else hidden.dtype
@@ -139,17 +156,55 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
     return full.view(T, K, -1).sum(dim=1).to(hidden.dtype)
 
 
+def _off_slot(eng: Engine, module: nn.Module, layer: int, hidden: torch.Tensor,
+              flat_e: torch.Tensor, flat_w: torch.Tensor, K: int, off: Placement
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(row ids, weighted rows) of the experts placed on the host CPU and of those
+    streamed for this pass (:mod:`moeexp.engine.host_experts`), no lock held."""
+    out = []
+    for experts, on_cpu in ((off.cpu, True), (off.stream, False)):
+        if not experts:
+            continue
+        sel = torch.tensor(experts, device=flat_e.device)
+        rows = torch.isin(flat_e, sel).nonzero().squeeze(1)
+        args = (module, layer, hidden, rows // K, flat_e[rows], flat_w[rows])
+        res = (eng.host.cpu_rows(*args, eng.counters, batched=eng.batched_rows) if on_cpu
+               else eng.host.stream_rows(*args, experts, eng.counters, batched=eng.batched_rows))
+        out.append((rows, res))
+    return out
+
+
+def _place(eng: Engine, layer: int, keys: list[Key], hits: list[int], waits: list[int],
+           absent: list[int], rows_of: list[int] | None, pass_tokens: int
+           ) -> tuple[list[int], Placement | None]:
+    """The absent experts to copy into slots (in the policy's copy order) and, when the
+    execution policy serves some of them off the slot pool, its placement."""
+    if eng.host is None or not absent:
+        return absent, None
+    assert rows_of is not None
+    placement = eng.host.place(layer, [keys[i][1] for i in absent], [rows_of[i] for i in absent],
+                               pass_tokens, [rows_of[i] for i in hits + waits])
+    where = {e: r for r, e in enumerate(placement.copy)}
+    copy = sorted((i for i in absent if keys[i][1] in where), key=lambda i: where[keys[i][1]])
+    return copy, (placement if placement.cpu or placement.stream else None)
+
+
 def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
-           compute_rows: Callable[[list[Key]], object]) -> tuple[list[Key], bool, bool]:
+           compute_rows: Callable[[list[Key]], object], rows_of: list[int] | None = None,
+           pass_tokens: int = 0) -> tuple[list[Key], bool, bool, Placement | None]:
     """Exact mode (lock held): classify, access, demand-load.
 
-    Returns the keys still to compute, whether earlier chunks were streamed already, and
-    whether every key was a hit (nothing to wait for).
+    Returns the keys still to compute, whether earlier chunks were streamed already,
+    whether the link has nothing this layer waits for (every key a hit, or a miss served
+    off the slot pool), and the execution policy's placement when it serves misses on the
+    host CPU or streams them (None: every miss copied into a slot). Those misses are
+    neither accessed in the cache nor loaded: they never hold a slot.
     """
     states = [eng.state_of(k) for k in keys]
     hits = [i for i, s in enumerate(states) if s == "ready"]
     waits = [i for i, s in enumerate(states) if s == "copying"]
     absent = [i for i, s in enumerate(states) if s == "absent"]
+    copy, off = _place(eng, layer, keys, hits, waits, absent, rows_of, pass_tokens)
     pinned: list[Key] = []
     for group, hit in ((hits, True), (waits, False)):
         for i in group:
@@ -183,11 +238,13 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
             unreleased.difference_update(chunk)
         return True
 
-    for i in absent:
+    for i in copy:
         eng.demand(keys[i], pos0 + i, unreleased, flush)
         eng.access(keys[i], pos0 + i, False)
         pinned.append(keys[i])
-    if (absent or waits) and eng.cache.pause_prefetch_on_miss:
+    # a miss pauses prefetching when it needs the link (a copy, or a stream)
+    link_miss = bool(copy or waits or (off is not None and off.stream))
+    if link_miss and eng.cache.pause_prefetch_on_miss:
         eng.pause_prefetch()
     c = eng.counters
     c.accesses += len(keys)
@@ -196,7 +253,7 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     if eng.record_accesses:
         hit_set = {keys[i] for i in hits}
         c.access_log.extend((layer, k[1], k in hit_set) for k in keys)
-    return pinned, streamed, not (absent or waits)
+    return pinned, streamed, not (copy or waits), off
 
 
 def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tensor,

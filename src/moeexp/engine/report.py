@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from moeexp.engine.runtime import Engine
+from moeexp.errors import ConfigError
 from moeexp.metrics import CORE_KEYS, f1, summarize, traffic_metrics
 
 NAN = float("nan")
@@ -85,10 +86,44 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
                               (0.0 if engine.settings.restricted_routing else NAN)),
         "routing_dropped_rate": (c.dropped / c.routed_choices if c.routed_choices else NAN),
         "copy_seconds_total": float(engine.copier.copy_seconds),
+        **execution_metrics(engine),
     })
     out.update(one_device_metrics(out["h2d_bytes_total"], engine.copier.copy_seconds,
                                   out["expert_cache_bytes"]))
     return out
+
+
+def execution_metrics(engine: Engine) -> dict[str, Any]:
+    """Where the misses ran (:mod:`moeexp.engine.host_experts`), the simulator's names:
+    ``cpu_expert_calls`` ((layer call, expert) pairs computed on the host CPU),
+    ``cpu_ms_total`` (their measured host kernel time), ``cpu_tokens_total`` (their routing
+    rows), ``stream_h2d_bytes_total`` (experts copied for one pass only; not part of
+    ``h2d_bytes_total``), ``gpu_pinned_experts`` (kept on the device for the run); and the
+    engine's own ``cpu_transfer_ms_total`` (hidden states both ways), ``stream_copies_total``,
+    ``stream_ms_total``, ``execution`` (the policy's name) and ``cpu_model_ms_total``: what
+    the policy's cost model predicts for these very calls (the sum of
+    :meth:`~moeexp.costmodel.roofline.CostModel.cpu_expert_s` over each call's rows; NaN
+    without a CPU block): the calibration's check of the simulator's CPU times against the
+    measured ones. Zeros under ``copy``."""
+    c = engine.counters
+    host = engine.host
+    model_ms = 0.0 if host is None else float("nan")
+    cost = None if host is None else host.cost
+    if cost is not None and cost.profile.cpu is not None:
+        try:
+            model_ms = sum(cost.cpu_expert_s(n) for n, _ in c.cpu_samples) * 1e3
+        except ConfigError:  # no kernel efficiency for the format: nothing to predict
+            pass
+    return {"execution": "copy" if host is None else host.policy.name,
+            "cpu_model_ms_total": model_ms,
+            "cpu_expert_calls": float(c.cpu_expert_calls),
+            "cpu_ms_total": c.cpu_s * 1e3,
+            "cpu_tokens_total": float(c.cpu_tokens),
+            "cpu_transfer_ms_total": c.cpu_transfer_s * 1e3,
+            "stream_h2d_bytes_total": float(c.stream_bytes),
+            "stream_copies_total": float(c.stream_copies),
+            "stream_ms_total": c.stream_s * 1e3,
+            "gpu_pinned_experts": float(len(engine.pinned))}
 
 
 def one_device_metrics(h2d_bytes: float, copy_s: float, cache_bytes: float) -> dict[str, Any]:

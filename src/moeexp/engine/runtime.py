@@ -132,6 +132,18 @@ class Counters:
     cuda_stall_parts: list[tuple[torch.cuda.Event, torch.cuda.Event, bool,
                                  torch.cuda.Event | None]] = field(default_factory=list)
     access_log: list[tuple[int, int, bool]] = field(default_factory=list)
+    # missed experts served off the slot pool (moeexp.engine.host_experts)
+    cpu_expert_calls: int = 0  # (layer call, expert) pairs computed on the host CPU
+    cpu_tokens: int = 0  # routing rows computed on the host CPU
+    cpu_s: float = 0.0  # host expert kernel wall time
+    cpu_transfer_s: float = 0.0  # hidden states to the host and outputs back
+    #: per host expert call: (routing rows, seconds); per layer's hidden-state trips:
+    #: (bytes both ways, seconds): the calibration's samples (moeexp.engine.profile_cpu)
+    cpu_samples: list[tuple[int, float]] = field(default_factory=list)
+    cpu_transfer_samples: list[tuple[int, float]] = field(default_factory=list)
+    stream_copies: int = 0  # experts copied for one pass only (never cached)
+    stream_bytes: int = 0
+    stream_s: float = 0.0
 
 
 class Engine:
@@ -194,6 +206,11 @@ class Engine:
         #: :mod:`moeexp.eval.serving_quality`); None = no cycle (residency left as set)
         self.residency_cycle: Sequence[Sequence[Sequence[int]]] | None = None
         self.iteration = -1  # forward passes begun so far - 1
+        #: where missed experts run when not copied (moeexp.engine.host_experts): None =
+        #: the ``copy`` execution (every miss copied and cached: the path of every system)
+        self.host: Any = None
+        #: experts the execution policy keeps on the device for the run (never evicted)
+        self.pinned: frozenset[Key] = frozenset()
         self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
         try:
             self.pool = SlotPool(self.spec, budget.slots, self.L, self.J, device)
@@ -221,8 +238,10 @@ class Engine:
         self.cache.on_evict(key)
 
     def _protect(self, keys: set[Key]) -> set[Key]:
-        """``keys`` plus every key whose copy has not landed (their slots are being written)."""
-        return keys | {k for k, j in self.jobs.items() if not self.copier.is_ready(j)}
+        """``keys`` plus every key whose copy has not landed (their slots are being written)
+        and the execution policy's pinned experts."""
+        out = keys | {k for k, j in self.jobs.items() if not self.copier.is_ready(j)}
+        return out | self.pinned if self.pinned else out
 
     def _account_slot(self) -> None:
         used = self.pool.occupied * self.spec.nbytes

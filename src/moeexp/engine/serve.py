@@ -135,7 +135,8 @@ def run_on(model: torch.nn.Module, device: torch.device,
 
 
 def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
-                 settings: Mapping[str, Any], *, trace: Trace | None = None) -> EngineRun:
+                 settings: Mapping[str, Any], *, trace: Trace | None = None,
+                 execution: Any = None, cost: Any = None) -> EngineRun:
     """Serve ``prompts`` (moeexp.data.prompts.Prompt, test split) through the engine.
 
     Args:
@@ -144,6 +145,9 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
         predictor / cache: fitted decision objects (the simulator's classes).
         settings: the backend config group (see the module docstring).
         trace: the recorded test trace of these prompts (token replay; oracle's future).
+        execution / cost: where missed experts run (a built, fitted
+            :class:`~moeexp.execution.ExecutionPolicy`; None = ``copy``) and the cost model
+            it prices its decisions with (:func:`moeexp.engine.build.build_offloaded`).
     """
     eng_settings = engine_settings(settings)
     replay = bool(settings.get("replay_tokens", False)) and trace is not None
@@ -156,7 +160,7 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
     device = resolve_device(settings.get("device"), loaded.model)
     with run_on(loaded.model, device, settings.get("num_threads")) as dev:
         run = _serve(loaded, prompts, predictor, cache, settings, eng_settings, dev, forced,
-                     trace if needs_future else None)
+                     trace if needs_future else None, execution=execution, cost=cost)
         if settings.get("reference", False):
             ref = _reference(loaded, prompts, settings, eng_settings, dev, forced)
             _add_norms(run, ref)
@@ -165,7 +169,8 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
 
 def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
            settings: Mapping[str, Any], eng_settings: EngineSettings, device: torch.device,
-           forced: dict[int, list[int]] | None, future: Trace | None) -> EngineRun:
+           forced: dict[int, list[int]] | None, future: Trace | None, *,
+           execution: Any = None, cost: Any = None) -> EngineRun:
     """One engine over every prompt; metrics and series."""
     model = loaded.model
     embeds = None
@@ -176,7 +181,7 @@ def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
     seed = int(settings.get("seed", 0))
     _warmup(loaded, prompts, cache.capacity_slots, eng_settings, settings)
     om = build_offloaded(model, loaded.adapter, predictor, cache, eng_settings,
-                         system="engine", future=future)
+                         system="engine", future=future, execution=execution, cost=cost)
     probe = IterationProbe(om)
     per_req: dict[str, list[float]] = {k: [] for k in
                                        ("request_id", "arrival_ms", "ttft_ms", "tpot_ms", "e2e_ms")}

@@ -10,11 +10,11 @@ experts and the pass's tokens they say which run on the host CPU and which are c
 The root config's ``execution`` group (default ``copy``) chooses one; the pipeline builds it
 on the run's cost model, binds it to the cache budget, fits it on the store split and
 hands it to the backend; the simulator's static replay asks :meth:`ExecutionPolicy.place`
-at every layer with misses (:mod:`moeexp.simulator.exec_device`). The engine does not run
-CPU experts yet (``validate`` refuses ``backend=engine`` with another policy than
-``copy``). Every option also takes ``share_host_memory`` (default false): the mechanism
-then charges the CPU's reads and the link's copies their shared host-memory bandwidth
-in layers where both work (``balanced``'s own ``contended`` prices its split so).
+at every layer with misses (:mod:`moeexp.simulator.exec_device`) and so does the engine
+(:mod:`moeexp.engine.host_experts`; also ``offload(..., execution=...)``). Every option also
+takes ``share_host_memory`` (default false): the simulator then charges the CPU's reads and
+the link's copies their shared host-memory bandwidth in layers where both work
+(``balanced``'s own ``contended`` prices its split so).
 :func:`check_execution` validates a group before any work;
 :func:`build_execution` builds it for a cost model and refuses settings it cannot price
 (a CPU policy on a profile without a ``cpu:`` block, a format the CPU has no kernel

@@ -1,0 +1,126 @@
+"""``sim_vs_engine``'s CPU half: the calibrated profile's CPU block and the systems that run
+missed experts on the CPU (issue 26).
+
+:func:`calibrate_cpu` profiles the engine's CPU path (:func:`moeexp.engine.profile_cpu.
+profile_cpu`: every expert on the host, timed by the engine) on the store prompts and adds
+the fitted block (:func:`moeexp.costmodel.cpu_fit.fit_cpu_block`) to the calibrated
+profile, so the calibrated cost model prices CPU experts with this machine's kernel.
+:func:`execution_policies` builds a systems entry's ``execution`` (a conf/execution
+option) for both backends, priced by that cost model and fitted on the store split.
+
+The simulator half needs :func:`moeexp.simulator.simulate` to take the policy
+(``execution=``, issue 26 part A); :func:`simulator_takes_execution` says whether this
+build's does. Where it does not, an entry with an ``execution`` runs on the engine only
+and its simulator columns are NaN (``sim_status`` says why).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from moeexp.costmodel.cpu_fit import fit_cpu_block
+from moeexp.errors import ConfigError
+from moeexp.execution import ExecutionPolicy, build_execution
+from moeexp.paths import group_options, load_group_yaml
+from moeexp.simulator import simulate
+
+log = logging.getLogger(__name__)
+
+
+def simulator_takes_execution() -> bool:
+    """Whether this build's simulator accepts an execution policy (``execution=``)."""
+    return "execution" in inspect.signature(simulate).parameters
+
+
+def check_execution_names(names: Sequence[str]) -> None:
+    """ConfigError for a systems entry's execution that is not a conf/execution option."""
+    valid = group_options("execution")
+    bad = sorted(set(names) - set(valid))
+    if bad:
+        raise ConfigError(f"backend=sim_vs_engine: unknown execution(s) {bad}; valid: "
+                          f"{', '.join(valid)}")
+
+
+def calibrate_cpu(loaded: Any, reqs: Sequence[tuple[list[int], int]], calib: Any, *,
+                  settings: Any, warmup: int, progress: bool, outlier_mads: float | None,
+                  expert_format: str = "dense") -> tuple[Any, dict[str, list[float]]]:
+    """``calib`` with its CPU block fitted on the engine's CPU path (and the fit's quality
+    in ``fit["cpu"]``), and the raw samples (for profile_samples.json)."""
+    from moeexp.engine.profile_cpu import profile_cpu  # torch
+
+    s = profile_cpu(loaded, reqs, settings=settings, warmup=warmup, progress=progress)
+    cpu, quality = fit_cpu_block(
+        s.rows, s.seconds, s.trip_bytes, s.trip_seconds, read_bytes_per_s=s.read_bytes_per_s,
+        hidden_size=calib.hidden_size, intermediate_size=calib.intermediate_size,
+        expert_bytes=calib.expert_bytes, expert_format=expert_format,
+        where=f"{calib.meta.get('device', 'this machine')} (sim_vs_engine)",
+        outlier_mads=outlier_mads)
+    log.info("calibrated CPU: %.1f us per expert call + %.3f us per row (read %.2f GB/s, "
+             "%.4f TFLOPS, call overhead %.1f us; roofline MAPE %.1f%%)",
+             quality["intercept_us"], quality["per_row_us"], cpu.dram_gbps, cpu.tflops,
+             cpu.call_overhead_us, quality["roofline_mape_pct"])
+    out = dataclasses.replace(calib, cpu=cpu.to_mapping(), fit={**calib.fit, "cpu": quality})
+    raw = {"cpu_rows": s.rows, "cpu_s": s.seconds, "cpu_trip_bytes": s.trip_bytes,
+           "cpu_trip_s": s.trip_seconds, "cpu_read_bytes_per_s": [s.read_bytes_per_s]}
+    return out, raw
+
+
+def execution_policies(name: str, cost: Any, store: Any) -> tuple[ExecutionPolicy, ExecutionPolicy]:
+    """Two fresh policies of conf/execution option ``name`` (its YAML's keys), checked
+    against ``cost`` (a CPU policy needs its CPU block: ``cpu_profile: true``) and fitted
+    on ``store`` when they learn from it: one per backend."""
+    choice: Mapping[str, Any] = load_group_yaml("execution", name)
+    out = []
+    for _ in range(2):
+        policy = build_execution(dict(choice), cost)
+        if policy.needs_store:
+            policy.fit(store)
+        out.append(policy)
+    return out[0], out[1]
+
+
+def entry_executions(name: str | None, cost: Any, store: Any
+                     ) -> tuple[tuple[Any, Any], str]:
+    """A systems entry's execution policies (one per backend; None, None for ``copy``) and
+    whether the simulator can run it (``ok``, or why not)."""
+    if not name:
+        return (None, None), "ok"
+    execs = execution_policies(name, cost, store)
+    ok = simulator_takes_execution()
+    return execs, "ok" if ok else "no execution in this build's simulator (issue 26 part A)"
+
+
+def cpu_columns(execution: str | None, sim_status: str, engine: Mapping[str, Any],
+                sim: Mapping[str, Any]) -> dict[str, Any]:
+    """summary.csv's CPU columns: the execution, the simulator's status, both backends'
+    CPU calls, CPU ms and streamed bytes, and the calibrated CPU block's prediction for the
+    engine's own CPU calls (``engine_cpu_model_ms_total``) with its error against the
+    measured CPU ms (``cpu_ms_err_pct``: the test split, the block being fitted on the
+    store split)."""
+    nan = float("nan")
+    out: dict[str, Any] = {"execution": execution or "copy", "sim_status": sim_status}
+    for side, m in (("engine", engine), ("sim", sim)):
+        for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total"):
+            out[f"{side}_{k}"] = m.get(k, nan)
+    model, measured = engine.get("cpu_model_ms_total", nan), engine.get("cpu_ms_total", nan)
+    out["engine_cpu_model_ms_total"] = model
+    out["cpu_ms_err_pct"] = (float((model - measured) / measured * 100)
+                             if measured > 0 and math.isfinite(model) else nan)
+    return out
+
+
+def calibration_cpu_metrics(calib: Any) -> dict[str, float]:
+    """The CPU block's fitted numbers (``calib_cpu_*``), none when it was not profiled."""
+    if calib.cpu is None:
+        return {}
+    c = calib.cpu
+    q = calib.fit.get("cpu", {})
+    return {"calib_cpu_dram_gbps": float(c["dram_gbps"]), "calib_cpu_tflops": float(c["tflops"]),
+            "calib_cpu_call_overhead_us": float(c["call_overhead_us"]),
+            "calib_cpu_hidden_latency_us": float(c["hidden_latency_us"]),
+            "calib_cpu_roofline_mape_pct": float(q.get("roofline_mape_pct", float("nan")))}

@@ -1,0 +1,55 @@
+"""sim_vs_engine's CPU half: execution entries, their summary columns, the calibrated CPU
+block's metrics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moeexp.backends.cpu_calibration import (
+    calibration_cpu_metrics,
+    check_execution_names,
+    cpu_columns,
+    entry_executions,
+    execution_policies,
+)
+from moeexp.costmodel.hardware import load_profile
+from moeexp.costmodel.roofline import CostModel
+from moeexp.errors import ConfigError
+from moeexp.traces.synthetic import random_trace
+
+
+def test_entries_build_one_fresh_policy_per_backend() -> None:
+    tr = random_trace(num_requests=3, num_layers=4, num_experts=8, top_k=2, output_len=4)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4_xeon_e5v4"), tr.dims)
+    assert entry_executions(None, cost, tr) == ((None, None), "ok")
+    a, b = execution_policies("hot_pinned", cost, tr)  # fitted on the store: pins known
+    assert a is not b and a.gpu_resident() == b.gpu_resident() and a.gpu_resident()
+    with pytest.raises(ConfigError, match="no cpu: block"):
+        execution_policies("cpu_on_miss", CostModel.from_profile(load_profile("rtx3090_pcie4"),
+                                                                 tr.dims), tr)
+    with pytest.raises(ConfigError, match="cpu_on_miss"):
+        check_execution_names(["cpu_on_mis"])
+
+
+def test_cpu_columns_compare_the_block_with_the_engine() -> None:
+    eng = {"cpu_expert_calls": 10.0, "cpu_ms_total": 4.0, "stream_h2d_bytes_total": 0.0,
+           "cpu_model_ms_total": 5.0}
+    row = cpu_columns("cpu_on_miss", "ok", eng, {"cpu_ms_total": 4.5})
+    assert row["execution"] == "cpu_on_miss" and row["cpu_ms_err_pct"] == pytest.approx(25.0)
+    assert row["sim_cpu_ms_total"] == 4.5 and math.isnan(row["sim_cpu_expert_calls"])
+    assert math.isnan(cpu_columns(None, "ok", {"cpu_ms_total": 0.0}, {})["cpu_ms_err_pct"])
+
+
+def test_calibration_cpu_metrics_only_with_a_block() -> None:
+    class _C:
+        cpu = None
+        fit: dict = {}
+
+    assert calibration_cpu_metrics(_C()) == {}
+    _C.cpu = {"dram_gbps": 8.0, "tflops": 0.1, "call_overhead_us": 100.0,
+              "hidden_latency_us": 5.0}
+    _C.fit = {"cpu": {"roofline_mape_pct": 12.0}}
+    m = calibration_cpu_metrics(_C())
+    assert m["calib_cpu_dram_gbps"] == 8.0 and m["calib_cpu_roofline_mape_pct"] == 12.0
