@@ -348,8 +348,9 @@ def _check_sensitivity_labels(spec: RunSpec) -> None:
 
 
 def _check_testbed(spec: RunSpec) -> None:
-    """Topology and mechanics are valid, and only the simulator's static replay runs them
-    (the engine emulates neither yet; continuous batching and restricted routing are
+    """Topology and mechanics are valid, and only the simulator's static replay runs them,
+    or the engine's N emulated links on CPU for a topology with the paper's mechanics
+    (:mod:`moeexp.engine.devices`; continuous batching and restricted routing are
     single-device)."""
     spec.build_topology()
     spec.build_mechanics()
@@ -357,9 +358,17 @@ def _check_testbed(spec: RunSpec) -> None:
         return
     what = (f"hardware.devices={spec.hardware.devices}" if spec.hardware.devices > 1
             else f"mechanics {spec.mechanics}")
-    if spec.backend.name != "sim":
-        raise ConfigError(f"{what}: only backend=sim models several devices and the artifact's "
-                          f"mechanics (backend={spec.backend.name} runs one device as it is)")
+    if spec.backend.name == "engine" and spec.mechanics == MechanicsSpec():
+        device = str(spec.backend.kwargs.get("device") or "cpu")
+        if not device.startswith("cpu"):
+            raise ConfigError(f"{what}: backend=engine emulates several devices on the CPU only "
+                              f"(one copy thread per emulated link); backend.device={device} "
+                              "would need a multi-GPU path, not built until a machine with "
+                              "several GPUs can test it: use backend.device=cpu or backend=sim")
+    elif spec.backend.name != "sim":
+        raise ConfigError(f"{what}: only backend=sim models the artifact's mechanics, and "
+                          f"backend=engine (CPU) several devices with the paper's mechanics "
+                          f"(backend={spec.backend.name} runs one device as it is)")
     if spec.scheduler.name != "static" or spec.backend.kwargs.get("restricted_routing"):
         raise ConfigError(f"{what}: continuous batching (scheduler={spec.scheduler.name}) and "
                           "restricted routing run on one device with the paper's mechanics only")

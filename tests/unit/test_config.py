@@ -228,8 +228,12 @@ def test_expert_format_on_a_recorded_trace_needs_a_projection():
     (["mechanics.demand_load=all"], "demand_load 'all' is not valid; valid: activated, all_experts"),
     (["mechanics.flush_per_tokn=true"], "flush_per_tokn"),
     (["placement=diagonal"], "Could not find .placement/diagonal"),
-    (["hardware.devices=6", "backend=engine"], "only backend=sim models several devices"),
+    (["hardware.devices=6", "backend=engine", "backend.device=cuda"],
+     "backend=engine emulates several devices on the CPU only"),
+    (["hardware.devices=6", "backend=engine", "mechanics.flush_per_token=true"],
+     "only backend=sim models the artifact's mechanics"),
     (["mechanics.flush_per_token=true", "backend=engine"], "only backend=sim"),
+    (["hardware.devices=6", "backend=sim_vs_engine"], "only backend=sim"),
     (["hardware.devices=2", "scheduler=fcfs"], "continuous batching"),
 ])
 def test_testbed_settings_are_checked(overrides, pattern):
@@ -238,6 +242,13 @@ def test_testbed_settings_are_checked(overrides, pattern):
     with pytest.raises((ConfigError, ConfigCompositionException, MissingConfigException),
                        match=pattern):
         validate(_compose(overrides))
+
+
+def test_engine_takes_a_topology_on_cpu():
+    """backend=engine (CPU) runs several emulated devices with the paper's mechanics."""
+    spec = validate(_compose(["hardware.devices=3", "backend=engine",
+                              "topology.demand_concurrency=per_device"]))
+    assert spec.build_topology().devices == 3 and spec.backend.name == "engine"
 
 
 def test_testbed_defaults_are_the_plain_replay():

@@ -19,6 +19,7 @@ from torch import nn
 
 from moeexp.cache import CACHES
 from moeexp.engine.budget import Budget, budget_of, make_budget
+from moeexp.engine.devices import DeviceCaches
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.runtime import Engine, EngineSettings
@@ -33,6 +34,7 @@ from moeexp.units import format_bytes
 
 if TYPE_CHECKING:
     from moeexp.engine.routing_replay import RoutingReplay
+    from moeexp.simulator.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +143,8 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
                     settings: EngineSettings, *,
                     device: str | torch.device | None = None, system: str = "custom",
                     record: bool = False, future: Trace | None = None,
-                    routing: RoutingReplay | None = None) -> OffloadedModel:
+                    routing: RoutingReplay | None = None,
+                    topology: Topology | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
     The device gets exactly the slots the cache policy manages (``cache.capacity_slots``,
@@ -153,7 +156,12 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     ``routing``: force every router to a trace's routing (:mod:`moeexp.engine.routing_replay`;
     serve with its ``replay_requests``); a predictor needing what that trace lacks (e.g.
     speculative gates of a routing-only trace) is refused: not applicable.
+
+    ``topology`` with ``devices > 1`` (CPU only): ``cache`` is one policy per device
+    (:func:`moeexp.simulator.topology.build_device_caches`) and the engine runs one copy
+    thread per device (:mod:`moeexp.engine.devices`); the slots are the devices' sum.
     """
+    cache = _device_caches(cache, topology, adapter)
     if routing is not None:
         lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
         if lacks:
@@ -177,7 +185,7 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
                           f"or pass device=None")
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:
-        engine = Engine(adapter, runner, cache, budget, dev, settings)
+        engine = Engine(adapter, runner, cache, budget, dev, settings, topology=topology)
     except BaseException:
         runner.close()
         raise
@@ -192,3 +200,24 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
         om.close()
         raise
     return om
+
+
+def _device_caches(cache: Any, topology: Topology | None, adapter: MoEAdapter) -> Any:
+    """``cache`` as the engine takes it: the policy itself with one device; with several,
+    the per-device policies behind :class:`DeviceCaches` (ConfigError unless there is one
+    distinct policy per device)."""
+    n = 1 if topology is None else topology.devices
+    if n == 1:
+        if isinstance(cache, (list, tuple)):
+            if len(cache) != 1:
+                raise ConfigError(f"one device needs one cache policy, got {len(cache)}")
+            return cache[0]
+        return cache
+    assert topology is not None
+    if not isinstance(cache, (list, tuple)) or len(cache) != n:
+        got = len(cache) if isinstance(cache, (list, tuple)) else 1
+        raise ConfigError(f"hardware.devices={n}: the engine needs {n} cache policies (one per "
+                          f"device), got {got}")
+    layers = adapter.moe_layers()
+    where = topology.device_map(len(layers), adapter.num_experts).tolist()
+    return DeviceCaches(cache, where)

@@ -135,7 +135,8 @@ def run_on(model: torch.nn.Module, device: torch.device,
 
 
 def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
-                 settings: Mapping[str, Any], *, trace: Trace | None = None) -> EngineRun:
+                 settings: Mapping[str, Any], *, trace: Trace | None = None,
+                 topology: Any = None) -> EngineRun:
     """Serve ``prompts`` (moeexp.data.prompts.Prompt, test split) through the engine.
 
     Args:
@@ -144,11 +145,15 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
         predictor / cache: fitted decision objects (the simulator's classes).
         settings: the backend config group (see the module docstring).
         trace: the recorded test trace of these prompts (token replay; oracle's future).
+        topology: ``hardware.devices`` and how they share the work
+            (:class:`moeexp.simulator.topology.Topology`; several devices: ``cache`` is one
+            policy per device, CPU only, :mod:`moeexp.engine.devices`); None = one device.
     """
     eng_settings = engine_settings(settings)
     replay = bool(settings.get("replay_tokens", False)) and trace is not None
     forced = recorded_tokens(trace, prompts) if replay and trace is not None else None
-    needs_future = "future" in predictor.needs or cache.needs_future
+    needs_future = "future" in predictor.needs or any(
+        c.needs_future for c in (cache if isinstance(cache, list) else [cache]))
     if needs_future and forced is None:
         raise ConfigError(f"backend=engine: {predictor.name}/{cache.name} need the future "
                           "accesses: serve with backend.replay_tokens=true (the recorded "
@@ -156,7 +161,7 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
     device = resolve_device(settings.get("device"), loaded.model)
     with run_on(loaded.model, device, settings.get("num_threads")) as dev:
         run = _serve(loaded, prompts, predictor, cache, settings, eng_settings, dev, forced,
-                     trace if needs_future else None)
+                     trace if needs_future else None, topology)
         if settings.get("reference", False):
             ref = _reference(loaded, prompts, settings, eng_settings, dev, forced)
             _add_norms(run, ref)
@@ -165,7 +170,8 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
 
 def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
            settings: Mapping[str, Any], eng_settings: EngineSettings, device: torch.device,
-           forced: dict[int, list[int]] | None, future: Trace | None) -> EngineRun:
+           forced: dict[int, list[int]] | None, future: Trace | None,
+           topology: Any = None) -> EngineRun:
     """One engine over every prompt; metrics and series."""
     model = loaded.model
     embeds = None
@@ -174,9 +180,10 @@ def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
 
         embeds = embed_prompts([p.text for p in prompts])
     seed = int(settings.get("seed", 0))
-    _warmup(loaded, prompts, cache.capacity_slots, eng_settings, settings)
+    slots = sum(c.capacity_slots for c in cache) if isinstance(cache, list) else cache.capacity_slots
+    _warmup(loaded, prompts, slots, eng_settings, settings)
     om = build_offloaded(model, loaded.adapter, predictor, cache, eng_settings,
-                         system="engine", future=future)
+                         system="engine", future=future, topology=topology)
     probe = IterationProbe(om)
     per_req: dict[str, list[float]] = {k: [] for k in
                                        ("request_id", "arrival_ms", "ttft_ms", "tpot_ms", "e2e_ms")}
