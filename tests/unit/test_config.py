@@ -234,6 +234,9 @@ def test_expert_format_on_a_recorded_trace_needs_a_projection():
      "only backend=sim models the artifact's mechanics"),
     (["mechanics.flush_per_token=true", "backend=engine"], "only backend=sim"),
     (["hardware.devices=6", "backend=sim_vs_engine"], "only backend=sim"),
+    (["topology.host_gbps=-1"], "host_gbps must be a number of GB/s > 0"),
+    (["hardware.devices=2", "topology.host_gbps=12", "backend=engine"],
+     "host-side limit is modelled by backend=sim only"),
     (["hardware.devices=2", "scheduler=fcfs"], "continuous batching"),
 ])
 def test_testbed_settings_are_checked(overrides, pattern):
@@ -249,6 +252,8 @@ def test_engine_takes_a_topology_on_cpu():
     spec = validate(_compose(["hardware.devices=3", "backend=engine",
                               "topology.demand_concurrency=per_device"]))
     assert spec.build_topology().devices == 3 and spec.backend.name == "engine"
+    capped = validate(_compose(["topology.host_gbps=24"]))
+    assert not capped.testbed_default and capped.build_topology().host_gbps == 24
 
 
 def test_testbed_defaults_are_the_plain_replay():
