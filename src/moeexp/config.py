@@ -355,10 +355,10 @@ def _check_sensitivity_labels(spec: RunSpec) -> None:
 
 
 def _check_testbed(spec: RunSpec) -> None:
-    """Topology and mechanics are valid, and only the simulator's static replay runs them,
-    or the engine's N emulated links on CPU for a topology with the paper's mechanics
-    (:mod:`moeexp.engine.devices`; continuous batching and restricted routing are
-    single-device)."""
+    """Topology and mechanics are valid, and only the simulator's static replay and the
+    engine run them (several devices: the engine's N emulated links, CPU only,
+    :mod:`moeexp.engine.devices`; continuous batching and restricted routing are
+    single-device with the paper's mechanics)."""
     spec.build_topology()
     spec.build_mechanics()
     if spec.testbed_default:
@@ -369,17 +369,18 @@ def _check_testbed(spec: RunSpec) -> None:
     if spec.backend.name == "engine" and spec.topology.host_gbps is not None:
         raise ConfigError(f"{what}: the shared host-side limit is modelled by backend=sim only "
                           "(the engine's emulated links copy independently)")
-    if spec.backend.name == "engine" and spec.mechanics == MechanicsSpec():
+    if spec.backend.name == "engine":
         device = str(spec.backend.kwargs.get("device") or "cpu")
         if not device.startswith("cpu"):
-            raise ConfigError(f"{what}: backend=engine emulates several devices on the CPU only "
-                              f"(one copy thread per emulated link); backend.device={device} "
-                              "would need a multi-GPU path, not built until a machine with "
-                              "several GPUs can test it: use backend.device=cpu or backend=sim")
+            raise ConfigError(f"{what}: backend=engine emulates several devices and the "
+                              f"artifact's mechanics on the CPU only (one copy thread per "
+                              f"emulated link); backend.device={device} would need a multi-GPU "
+                              "path, not built until a machine with several GPUs can test it: "
+                              "use backend.device=cpu or backend=sim")
     elif spec.backend.name != "sim":
-        raise ConfigError(f"{what}: only backend=sim models the artifact's mechanics, and "
-                          f"backend=engine (CPU) several devices with the paper's mechanics "
-                          f"(backend={spec.backend.name} runs one device as it is)")
+        raise ConfigError(f"{what}: only backend=sim and backend=engine model several devices "
+                          f"and the artifact's mechanics (backend={spec.backend.name} runs one "
+                          "device as it is)")
     if spec.scheduler.name != "static" or spec.backend.kwargs.get("restricted_routing"):
         raise ConfigError(f"{what}: continuous batching (scheduler={spec.scheduler.name}) and "
                           "restricted routing run on one device with the paper's mechanics only")

@@ -170,7 +170,7 @@ class EngineBackend:
             return self._serve(ctx)
         settings = {"seed": ctx.seed, **self.settings}
         res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
-                           trace=ctx.trace, topology=ctx.topology)
+                           trace=ctx.trace, topology=ctx.topology, mechanics=ctx.mechanics)
         return BackendResult(dict(res.metrics), dict(res.series))
 
     def _serve(self, ctx: BackendContext) -> BackendResult:

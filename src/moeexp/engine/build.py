@@ -34,6 +34,7 @@ from moeexp.units import format_bytes
 
 if TYPE_CHECKING:
     from moeexp.engine.routing_replay import RoutingReplay
+    from moeexp.simulator.mechanics import Mechanics
     from moeexp.simulator.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -144,7 +145,8 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
                     device: str | torch.device | None = None, system: str = "custom",
                     record: bool = False, future: Trace | None = None,
                     routing: RoutingReplay | None = None,
-                    topology: Topology | None = None) -> OffloadedModel:
+                    topology: Topology | None = None,
+                    mechanics: Mechanics | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
     The device gets exactly the slots the cache policy manages (``cache.capacity_slots``,
@@ -160,6 +162,8 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     ``topology`` with ``devices > 1`` (CPU only): ``cache`` is one policy per device
     (:func:`moeexp.simulator.topology.build_device_caches`) and the engine runs one copy
     thread per device (:mod:`moeexp.engine.devices`); the slots are the devices' sum.
+    ``mechanics``: the FineMoE artifact's behaviours (``demand_load``, ``flush_per_token``;
+    :meth:`moeexp.engine.runtime.Engine._init_mechanics`); None = the paper's.
     """
     cache = _device_caches(cache, topology, adapter)
     if routing is not None:
@@ -185,7 +189,8 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
                           f"or pass device=None")
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:
-        engine = Engine(adapter, runner, cache, budget, dev, settings, topology=topology)
+        engine = Engine(adapter, runner, cache, budget, dev, settings, topology=topology,
+                        mechanics=mechanics)
     except BaseException:
         runner.close()
         raise

@@ -94,6 +94,9 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
                                       out["expert_cache_bytes"]))
     else:
         out.update(device_metrics(engine))
+    if engine.mechanics is not None:
+        out["demand_load"] = engine.mechanics.demand_load
+        out["flush_per_token"] = float(engine.mechanics.flush_per_token)
     return out
 
 
@@ -102,7 +105,7 @@ def device_metrics(engine: Engine) -> dict[str, Any]:
     (:mod:`moeexp.engine.devices`): per device ``d`` the bytes its copy thread moved
     (preloads left out), its measured copy seconds as link busy time, its slots' bytes;
     ``dev{d}_link_utilization`` is NaN (no makespan of the engine's own to divide by)."""
-    topo, nbytes = engine.topology, engine.spec.nbytes
+    topo, nbytes = engine.topology, engine.spec.nbytes  # (mechanics: build_metrics)
     assert topo is not None and isinstance(engine.cache, DeviceCaches)
     busy = [cp.copy_seconds for cp in engine.copiers]
     out: dict[str, Any] = {"demand_load": "activated", "flush_per_token": 0.0,

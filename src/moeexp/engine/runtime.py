@@ -55,6 +55,7 @@ from moeexp.prefetching import PredictionSets, PrefetchQueue
 from moeexp.traces.schema import Trace
 
 if TYPE_CHECKING:
+    from moeexp.simulator.mechanics import Mechanics
     from moeexp.simulator.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -155,12 +156,14 @@ class Engine:
 
     def __init__(self, adapter: MoEAdapter, runner: PredictorRunner,
                  cache: CachePolicy | DeviceCaches, budget: Budget, device: torch.device,
-                 settings: EngineSettings, topology: Topology | None = None) -> None:
+                 settings: EngineSettings, topology: Topology | None = None,
+                 mechanics: Mechanics | None = None) -> None:
         self.adapter, self.runner, self.cache = adapter, runner, cache
         self.budget, self.device, self.settings = budget, device, settings
         layers = adapter.moe_layers()
         self.L, self.J, self.K = len(layers), adapter.num_experts, adapter.top_k
         n_dev = self._init_devices(topology)
+        self._init_mechanics(mechanics)
         names = tuple(adapter.expert_tensor_names)
         self.spec = expert_spec(layers[0].experts, names, self.J)
         for m in layers[1:]:
@@ -244,6 +247,26 @@ class Engine:
             and topology.demand_concurrency == "single"
         self._demand_tail: CopyJob | None = None
         return n_dev
+
+    def _init_mechanics(self, mechanics: Mechanics | None) -> None:
+        """The FineMoE artifact's behaviours (:mod:`moeexp.simulator.mechanics`), as the
+        simulator runs them: ``all_experts`` (every layer touches its J experts in index
+        order; those without tokens cost a copy when absent and no compute) and
+        ``flush_per_token`` (every expert leaves at the end of each forward pass, once the
+        copies in flight landed). Exact mode only."""
+        self.mechanics = mechanics
+        self.all_experts = mechanics is not None and mechanics.demand_load == "all_experts"
+        self.flush_per_token = mechanics is not None and mechanics.flush_per_token
+        if (self.all_experts or self.flush_per_token) and self.device.type != "cpu":
+            raise ConfigError(f"the artifact's mechanics ({mechanics}) run on the CPU engine "
+                              f"only (tested there); got {self.device.type}")
+        if (self.all_experts or self.flush_per_token) and self.settings.restricted_routing:
+            raise ConfigError("restricted routing runs with the paper's mechanics only "
+                              f"(got {mechanics})")
+        if self.all_experts and self.cache.needs_future:
+            raise ConfigError("demand_load=all_experts cannot drive a policy that reads the "
+                              "future access stream (belady): its stream holds the router's "
+                              "experts only")
 
     def device_of(self, key: Key) -> int:
         """The device that holds ``key`` (0 with one device)."""
@@ -411,20 +434,40 @@ class Engine:
                 q.clear()
             self.cur_layer = -1  # prefetches made between passes target the next one
             self.logits.clear()
+            if self.flush_per_token:
+                self._flush()
+
+    def _flush(self) -> None:
+        """``flush_per_token`` (lock held): prefetching held, the copies in flight land,
+        then every resident expert leaves in residency order (unused prefetched ones count
+        as wasted), as the simulator's ``Device.flush``."""
+        paused, self.paused = self.paused, True
+        try:
+            pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
+            if pending:
+                self._wait_unlocked(pending)
+            for key in list(self.pool.slot_of):
+                self._evict(key)
+        finally:
+            self.paused = paused
 
     # ---- one layer's steps (sequenced by moeexp.engine.layer.serve_layer) --------------
-    def begin_layer(self, layer: int, experts: list[int]) -> int:
+    def begin_layer(self, layer: int, experts: list[int],
+                    touched: list[int] | None = None) -> int:
         """Layer ``layer`` starts (lock held): apply the predictions that are ready, account
-        P against its ``experts`` (sorted), make it the current layer and protect its keys.
-        Returns the access clock of its first expert (the i-th is accessed at that + i)."""
+        P against its ``experts`` (sorted), make it the current layer and protect the keys
+        it touches (``touched``, default ``experts``; ``all_experts``: every expert).
+        Returns the access clock of its first touched expert (the i-th is accessed at that
+        + i)."""
         if self.runner.any_active:
             self.apply_predictions()
         self.counters.pred.add(self.psets.for_layer(layer), experts)
+        touched = experts if touched is None else touched
         self.cur_layer = layer
-        self.protected = {(layer, e) for e in experts}
+        self.protected = {(layer, e) for e in touched}
         self._demand_tail = None
         pos0 = self.next_access
-        self.next_access = pos0 + len(experts)
+        self.next_access = pos0 + len(touched)
         return pos0
 
     def state_of(self, key: Key) -> Literal["absent", "copying", "ready"]:

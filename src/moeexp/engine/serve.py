@@ -136,7 +136,7 @@ def run_on(model: torch.nn.Module, device: torch.device,
 
 def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
                  settings: Mapping[str, Any], *, trace: Trace | None = None,
-                 topology: Any = None) -> EngineRun:
+                 topology: Any = None, mechanics: Any = None) -> EngineRun:
     """Serve ``prompts`` (moeexp.data.prompts.Prompt, test split) through the engine.
 
     Args:
@@ -148,6 +148,8 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
         topology: ``hardware.devices`` and how they share the work
             (:class:`moeexp.simulator.topology.Topology`; several devices: ``cache`` is one
             policy per device, CPU only, :mod:`moeexp.engine.devices`); None = one device.
+        mechanics: the FineMoE artifact's behaviours
+            (:class:`moeexp.simulator.mechanics.Mechanics`); None = the paper's.
     """
     eng_settings = engine_settings(settings)
     replay = bool(settings.get("replay_tokens", False)) and trace is not None
@@ -161,7 +163,7 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
     device = resolve_device(settings.get("device"), loaded.model)
     with run_on(loaded.model, device, settings.get("num_threads")) as dev:
         run = _serve(loaded, prompts, predictor, cache, settings, eng_settings, dev, forced,
-                     trace if needs_future else None, topology)
+                     trace if needs_future else None, topology, mechanics)
         if settings.get("reference", False):
             ref = _reference(loaded, prompts, settings, eng_settings, dev, forced)
             _add_norms(run, ref)
@@ -171,7 +173,7 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
 def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
            settings: Mapping[str, Any], eng_settings: EngineSettings, device: torch.device,
            forced: dict[int, list[int]] | None, future: Trace | None,
-           topology: Any = None) -> EngineRun:
+           topology: Any = None, mechanics: Any = None) -> EngineRun:
     """One engine over every prompt; metrics and series."""
     model = loaded.model
     embeds = None
@@ -183,7 +185,8 @@ def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
     slots = sum(c.capacity_slots for c in cache) if isinstance(cache, list) else cache.capacity_slots
     _warmup(loaded, prompts, slots, eng_settings, settings)
     om = build_offloaded(model, loaded.adapter, predictor, cache, eng_settings,
-                         system="engine", future=future, topology=topology)
+                         system="engine", future=future, topology=topology,
+                         mechanics=mechanics)
     probe = IterationProbe(om)
     per_req: dict[str, list[float]] = {k: [] for k in
                                        ("request_id", "arrival_ms", "ttft_ms", "tpot_ms", "e2e_ms")}

@@ -20,6 +20,7 @@ from moeexp.models.adapters import adapter_for
 from moeexp.models.toy_configs import toy_model
 from moeexp.predictors import PREDICTORS
 from moeexp.simulator import simulate
+from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.topology import Topology, build_device_caches
 
 SYSTEMS = {"deepspeed": ("none", "lru"), "oracle": ("oracle", "belady"),
@@ -71,6 +72,42 @@ def test_engine_takes_the_simulators_decisions_on_n_devices(
         assert m[key] == sim[key], key
     assert m["h2d_bytes_total"] > 0 and m["devices"] == devices
     assert sum(m[f"dev{i}_h2d_bytes_total"] for i in range(devices)) == m["h2d_bytes_total"]
+
+
+@pytest.mark.parametrize(("system", "devices", "demand_load", "flush"), [
+    ("deepspeed", 3, "all_experts", True),
+    ("hit_count", 2, "all_experts", False),
+    ("hit_count", 1, "activated", True),
+])
+def test_engine_takes_the_simulators_decisions_with_the_artifacts_mechanics(
+        system, devices, demand_load, flush, store_of) -> None:
+    """The artifact's mechanics in the engine (every expert of a layer touched in index
+    order, the cache flushed after each forward pass), on one or several emulated devices
+    with per-device budgets: the simulator's decisions, bytes and accesses (all J experts
+    of a layer count), device by device; the rows say which mechanics ran."""
+    trace = _recorded()
+    d = trace.dims
+    topo = Topology.build(devices=devices, budget="per_device")
+    mech = Mechanics(demand_load=demand_load, flush_per_token=flush)
+    store = store_of("mixtral") if system == "hit_count" else None
+    pred, caches = _policies(system, d, topo, 0.25, store)
+    model = toy_model("mixtral", seed=1)
+    ad = adapter_for(model)
+    replay = RoutingReplay(trace, ad)
+    settings = EngineSettings(predictor_async=False, prefetch_wait=True)
+    with build_offloaded(model, ad, pred, caches, settings, routing=replay, topology=topo,
+                         mechanics=mech) as om:
+        replay_requests(om, replay)
+        m = om.metrics()
+    pred, caches = _policies(system, d, topo, 0.25, store)
+    sim = simulate(trace, pred, caches, _instant_link(d), progress=False, topology=topo,
+                   mechanics=mech).metrics
+    keys = [*KEYS, "misses_total", "prefetches_wasted", "demand_load", "flush_per_token",
+            *(f"dev{i}_h2d_bytes_total" for i in range(devices))]
+    for key in keys:
+        assert m[key] == sim[key], key
+    if demand_load == "all_experts":  # every expert of every layer, every pass
+        assert m["accesses_total"] % (d.num_layers * d.num_experts) == 0
 
 
 def test_several_devices_need_one_policy_each() -> None:
