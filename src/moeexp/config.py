@@ -166,17 +166,21 @@ class TraceSpec:
 @dataclass(frozen=True)
 class TopologySpec:
     """The ``topology`` block: how several devices (``hardware.devices``) share the work
-    (:mod:`moeexp.simulator.topology`). Only matters with ``hardware.devices > 1``.
+    (:mod:`moeexp.simulator.topology`). Only matters with ``hardware.devices > 1``, but for
+    ``host_gbps``, which also caps one device's link.
 
     Attributes:
         demand_concurrency: ``single`` (one blocking demand thread over all links, as the
             FineMoE artifact) or ``per_device`` (each device's demand copies on its link).
         cache_budget: ``total`` (``cache.capacity`` is the sum over devices) or
             ``per_device`` (every device gets it: the artifact's per-GPU ``cache_limit``).
+        host_gbps: a host-side limit (PCIe switch / root complex) on the sum of the links'
+            rates, GB/s; None = none (:class:`moeexp.simulator.link.HostLimit`).
     """
 
     demand_concurrency: str = "single"
     cache_budget: str = "total"
+    host_gbps: float | None = None
 
 
 @dataclass(frozen=True)
@@ -254,7 +258,8 @@ class RunSpec:
         """The simulator's :class:`~moeexp.simulator.topology.Topology` (checked)."""
         return Topology.build(devices=self.hardware.devices, placement=self.placement,
                               demand_concurrency=self.topology.demand_concurrency,
-                              budget=self.topology.cache_budget)
+                              budget=self.topology.cache_budget,
+                              host_gbps=self.topology.host_gbps)
 
     def build_mechanics(self) -> Mechanics:
         """The simulator's :class:`~moeexp.simulator.mechanics.Mechanics` (checked)."""
@@ -263,8 +268,10 @@ class RunSpec:
 
     @property
     def testbed_default(self) -> bool:
-        """One device and none of the artifact's mechanics: the plain replay."""
-        return self.hardware.devices == 1 and self.mechanics == MechanicsSpec()
+        """One device, no host-side limit and none of the artifact's mechanics: the plain
+        replay."""
+        return (self.hardware.devices == 1 and self.mechanics == MechanicsSpec()
+                and self.topology.host_gbps is None)
 
 
 # ----------------------------------------------------------------------------- checks
@@ -362,18 +369,32 @@ def _check_sensitivity_labels(spec: RunSpec) -> None:
 
 
 def _check_testbed(spec: RunSpec) -> None:
-    """Topology and mechanics are valid, and only the simulator's static replay runs them
-    (the engine emulates neither yet; continuous batching and restricted routing are
-    single-device)."""
+    """Topology and mechanics are valid, and only the simulator's static replay and the
+    engine run them (several devices: the engine's N emulated links, CPU only,
+    :mod:`moeexp.engine.devices`; continuous batching and restricted routing are
+    single-device with the paper's mechanics)."""
     spec.build_topology()
     spec.build_mechanics()
     if spec.testbed_default:
         return
     what = (f"hardware.devices={spec.hardware.devices}" if spec.hardware.devices > 1
-            else f"mechanics {spec.mechanics}")
-    if spec.backend.name != "sim":
-        raise ConfigError(f"{what}: only backend=sim models several devices and the artifact's "
-                          f"mechanics (backend={spec.backend.name} runs one device as it is)")
+            else f"mechanics {spec.mechanics}" if spec.mechanics != MechanicsSpec()
+            else f"topology.host_gbps={spec.topology.host_gbps}")
+    if spec.backend.name == "engine" and spec.topology.host_gbps is not None:
+        raise ConfigError(f"{what}: the shared host-side limit is modelled by backend=sim only "
+                          "(the engine's emulated links copy independently)")
+    if spec.backend.name == "engine":
+        device = str(spec.backend.kwargs.get("device") or "cpu")
+        if not device.startswith("cpu"):
+            raise ConfigError(f"{what}: backend=engine emulates several devices and the "
+                              f"artifact's mechanics on the CPU only (one copy thread per "
+                              f"emulated link); backend.device={device} would need a multi-GPU "
+                              "path, not built until a machine with several GPUs can test it: "
+                              "use backend.device=cpu or backend=sim")
+    elif spec.backend.name != "sim":
+        raise ConfigError(f"{what}: only backend=sim and backend=engine model several devices "
+                          f"and the artifact's mechanics (backend={spec.backend.name} runs one "
+                          "device as it is)")
     if spec.scheduler.name != "static" or spec.backend.kwargs.get("restricted_routing"):
         raise ConfigError(f"{what}: continuous batching (scheduler={spec.scheduler.name}) and "
                           "restricted routing run on one device with the paper's mechanics only")

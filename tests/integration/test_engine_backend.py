@@ -176,3 +176,20 @@ def test_sim_backend_uses_a_cost_profile(tmp_path):
     assert m["tpot_ms_mean"] == pytest.approx(6.8)
     with pytest.raises(ConfigError, match="does not exist"):
         SimBackend(cost_profile=str(tmp_path / "nope.json"))
+
+
+def test_two_emulated_devices_take_the_simulators_decisions(tmp_path, model_overrides,
+                                                             trace_dir, run_app):
+    """hardware.devices=2 (round robin, per-device budgets, one demand thread) through
+    backend=engine (two emulated links on CPU) and backend=sim: deepspeed's decisions do
+    not depend on timing, so hit rate and every device's bytes equal exactly."""
+    _ok(run_app("--multirun", "backend=sim,engine", *model_overrides, *LEN,
+                f"trace.cache_dir={trace_dir}", "system=deepspeed", "hardware.devices=2",
+                "topology.cache_budget=per_device", f"hydra.sweep.dir={tmp_path}",
+                "hydra.sweep.subdir=${backend.name}"))
+    sim, eng = (json.loads((tmp_path / b / "metrics.json").read_text()) for b in ("sim", "engine"))
+    for k in ("hit_rate", "h2d_bytes_total", "devices", "demand_concurrency",
+              "dev0_h2d_bytes_total", "dev1_h2d_bytes_total", "dev0_expert_cache_bytes",
+              "dev1_expert_cache_bytes"):
+        assert eng[k] == sim[k], k
+    assert eng["devices"] == 2 and eng["dev0_h2d_bytes_total"] > 0 < eng["dev1_h2d_bytes_total"]

@@ -228,8 +228,17 @@ def test_expert_format_on_a_recorded_trace_needs_a_projection():
     (["mechanics.demand_load=all"], "demand_load 'all' is not valid; valid: activated, all_experts"),
     (["mechanics.flush_per_tokn=true"], "flush_per_tokn"),
     (["placement=diagonal"], "Could not find .placement/diagonal"),
-    (["hardware.devices=6", "backend=engine"], "only backend=sim models several devices"),
-    (["mechanics.flush_per_token=true", "backend=engine"], "only backend=sim"),
+    (["hardware.devices=6", "backend=engine", "backend.device=cuda"],
+     "backend=engine emulates several devices and the artifact.s mechanics on the CPU only"),
+    (["mechanics.flush_per_token=true", "backend=engine", "scheduler=fcfs"],
+     "continuous batching"),
+    (["hardware.devices=6", "backend=sim_vs_engine"], "only backend=sim"),
+    (["topology.host_gbps=-1"], "host_gbps must be a number of GB/s > 0"),
+    (["hardware.devices=2", "placement=pinned"], "needs placement.map"),
+    (["hardware.devices=2", "placement=pinned", "placement.map=/nonexistent.json"],
+     "does not exist"),
+    (["hardware.devices=2", "topology.host_gbps=12", "backend=engine"],
+     "host-side limit is modelled by backend=sim only"),
     (["hardware.devices=2", "scheduler=fcfs"], "continuous batching"),
 ])
 def test_testbed_settings_are_checked(overrides, pattern):
@@ -238,6 +247,18 @@ def test_testbed_settings_are_checked(overrides, pattern):
     with pytest.raises((ConfigError, ConfigCompositionException, MissingConfigException),
                        match=pattern):
         validate(_compose(overrides))
+
+
+def test_engine_takes_a_topology_on_cpu():
+    """backend=engine (CPU) runs several emulated devices with the paper's mechanics."""
+    spec = validate(_compose(["hardware.devices=3", "backend=engine",
+                              "topology.demand_concurrency=per_device"]))
+    assert spec.build_topology().devices == 3 and spec.backend.name == "engine"
+    art = validate(_compose(["hardware.devices=2", "backend=engine", "mechanics.flush_per_token=true",
+                             "mechanics.demand_load=all_experts"]))
+    assert art.build_mechanics().flush_per_token and art.backend.name == "engine"
+    capped = validate(_compose(["topology.host_gbps=24"]))
+    assert not capped.testbed_default and capped.build_topology().host_gbps == 24
 
 
 def test_testbed_defaults_are_the_plain_replay():

@@ -26,6 +26,8 @@ from moeexp.tracking.repro_data import Stat, ok_rows, paired
 
 RUNG_KEY = "experiment/paper_testbed"
 BASELINES = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity")
+#: baselines shown only when the sweep ran them (the artifact's own MoE-Infinity)
+EXTRA_BASELINES = ("moe_infinity_artifact",)
 FINEMOES = ("finemoe_artifact", "finemoe")
 
 
@@ -51,7 +53,8 @@ def ladder_rows(runs: pd.DataFrame, metric: str = "tpot_ms_mean") -> pd.DataFram
             if fm not in set(part["system"]):
                 continue
             row: dict[str, object] = {"projection": proj, "rung": rung, "finemoe": fm}
-            for b in BASELINES:
+            extra = [b for b in EXTRA_BASELINES if b in set(runs["system"])]
+            for b in (*BASELINES, *extra):
                 row[f"vs {b}"] = _cell(paired(part, "system", fm, b, metric))
             for q, name in (("h2d_bytes_total", "bytes / DS"), ("stall_ms_total", "stall / DS")):
                 x, y = _mean(part, fm, q), _mean(part, "deepspeed", q)

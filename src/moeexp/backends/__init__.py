@@ -171,7 +171,8 @@ class EngineBackend:
             return self._serve(ctx)
         settings = {"seed": ctx.seed, **self.settings}
         res = serve_engine(ctx.loaded, ctx.prompts, ctx.predictor, ctx.cache, settings,
-                           trace=ctx.trace, execution=ctx.execution, cost=ctx.cost)
+                           trace=ctx.trace, execution=ctx.execution, cost=ctx.cost,
+                           topology=ctx.topology, mechanics=ctx.mechanics)
         return BackendResult(dict(res.metrics), dict(res.series))
 
     def _serve(self, ctx: BackendContext) -> BackendResult:

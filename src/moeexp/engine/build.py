@@ -21,6 +21,7 @@ from moeexp.cache import CACHES
 from moeexp.costmodel.hardware import HardwareProfile, load_profile
 from moeexp.costmodel.roofline import CostModel
 from moeexp.engine.budget import Budget, budget_of, make_budget
+from moeexp.engine.devices import DeviceCaches
 from moeexp.engine.host_experts import HostExperts
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.predict import PredictorRunner
@@ -37,6 +38,8 @@ from moeexp.units import format_bytes
 
 if TYPE_CHECKING:
     from moeexp.engine.routing_replay import RoutingReplay
+    from moeexp.simulator.mechanics import Mechanics
+    from moeexp.simulator.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +217,9 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
                     record: bool = False, future: Trace | None = None,
                     routing: RoutingReplay | None = None,
                     execution: ExecutionPolicy | None = None,
-                    cost: CostModel | None = None) -> OffloadedModel:
+                    cost: CostModel | None = None,
+                    topology: Topology | None = None,
+                    mechanics: Mechanics | None = None) -> OffloadedModel:
     """Offload with already built (and fitted) predictor and cache objects.
 
     The device gets exactly the slots the cache policy manages (``cache.capacity_slots``,
@@ -231,7 +236,14 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     (:mod:`moeexp.engine.host_experts`); None or ``copy`` = every miss copied and cached,
     the engine exactly as before. Its pinned experts (``gpu_resident``) are loaded with
     the cache's initial residents and never evicted; they must fit the cache's slots.
+
+    ``topology`` with ``devices > 1`` (CPU only): ``cache`` is one policy per device
+    (:func:`moeexp.simulator.topology.build_device_caches`) and the engine runs one copy
+    thread per device (:mod:`moeexp.engine.devices`); the slots are the devices' sum.
+    ``mechanics``: the FineMoE artifact's behaviours (``demand_load``, ``flush_per_token``;
+    :meth:`moeexp.engine.runtime.Engine._init_mechanics`); None = the paper's.
     """
+    cache = _device_caches(cache, topology, adapter)
     if routing is not None:
         lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
         if lacks:
@@ -253,10 +265,15 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     if dev != here:
         raise ConfigError(f"the model is on {here}; move it to {dev} first (model.to(device)) "
                           f"or pass device=None")
+    if execution is not None and execution.name != "copy" and topology is not None \
+            and topology.devices > 1:
+        raise ConfigError(f"execution={execution.name} runs on one device; got "
+                          f"hardware.devices={topology.devices}")
     pinned = _host_experts(execution, cost, cache, settings)
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:
-        engine = Engine(adapter, runner, cache, budget, dev, settings)
+        engine = Engine(adapter, runner, cache, budget, dev, settings, topology=topology,
+                        mechanics=mechanics)
     except BaseException:
         runner.close()
         raise
@@ -276,3 +293,24 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
         om.close()
         raise
     return om
+
+
+def _device_caches(cache: Any, topology: Topology | None, adapter: MoEAdapter) -> Any:
+    """``cache`` as the engine takes it: the policy itself with one device; with several,
+    the per-device policies behind :class:`DeviceCaches` (ConfigError unless there is one
+    distinct policy per device)."""
+    n = 1 if topology is None else topology.devices
+    if n == 1:
+        if isinstance(cache, (list, tuple)):
+            if len(cache) != 1:
+                raise ConfigError(f"one device needs one cache policy, got {len(cache)}")
+            return cache[0]
+        return cache
+    assert topology is not None
+    if not isinstance(cache, (list, tuple)) or len(cache) != n:
+        got = len(cache) if isinstance(cache, (list, tuple)) else 1
+        raise ConfigError(f"hardware.devices={n}: the engine needs {n} cache policies (one per "
+                          f"device), got {got}")
+    layers = adapter.moe_layers()
+    where = topology.device_map(len(layers), adapter.num_experts).tolist()
+    return DeviceCaches(cache, where)

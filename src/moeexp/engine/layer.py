@@ -107,7 +107,8 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
     if not wait:
         _observe(eng, layer, hidden, idx, needed)
     flat_e, flat_w = idx.reshape(-1), weights.reshape(-1)
-    keys: list[Key] = [(layer, e) for e in needed]
+    touched = list(range(eng.J)) if eng.all_experts else needed  # mechanics.demand_load
+    keys: list[Key] = [(layer, e) for e in touched]
     parts: list[tuple[torch.Tensor, torch.Tensor]] = []  # (row ids, weighted rows)
 
     def compute(chunk: list[Key], e: torch.Tensor, w: torch.Tensor, keep: torch.Tensor | None,
@@ -117,6 +118,9 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
         sel = torch.tensor([k[1] for k in chunk], device=idx.device)
         mask = torch.isin(e, sel)
         rows = (mask if keep is None else mask & keep).nonzero().squeeze(1)
+        if not rows.numel():  # all_experts: a chunk of experts without tokens
+            eng.wait_keys(chunk)  # their copies are waited for, nothing computes
+            return None
         parts.append((rows, eng.compute(module, layer, hidden, rows // K, e[rows], w[rows],
                                         chunk)))
         return None
@@ -130,7 +134,7 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
             # after the layer (lossy: nothing loads)
             eng.pause_prefetch()
             _observe(eng, layer, hidden, idx, needed)
-        pos0 = eng.begin_layer(layer, needed)
+        pos0 = eng.begin_layer(layer, needed, touched)
         if restricted:
             chunk, flat_e, flat_w, keep = _restricted(eng, layer, idx, weights, needed, pos0)
             streamed, off = False, None

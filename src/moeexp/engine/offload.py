@@ -290,8 +290,11 @@ class OffloadedModel:
         with eng.lock:
             eng.counters = type(eng.counters)()
             eng.unused_prefetch.clear()
-            eng.queue.dropped = 0
-            eng.copier.reset_counters()
+            for q in eng.queues:
+                q.dropped = 0
+            for cp in eng.copiers:
+                cp.reset_counters()
+            eng.preload_by_device = [0] * len(eng.copiers)
             eng.runner.query_seconds, eng.runner.queries = 0.0, 0
         self.timing = RequestTiming()
         self._requests_done = 0

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from moeexp.engine.devices import DeviceCaches
 from moeexp.engine.runtime import Engine
 from moeexp.errors import ConfigError
 from moeexp.metrics import CORE_KEYS, f1, summarize, traffic_metrics
@@ -55,7 +56,8 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         **summarize("tpot_ms", [t * 1e3 for t in timing.tpot]),
         **summarize("e2e_ms", [t * 1e3 for t in timing.e2e]),
         "stall_ms_total": stall_ms,
-        "h2d_bytes_total": float(engine.copier.bytes_copied - c.preload_bytes),
+        "h2d_bytes_total": float(sum(cp.bytes_copied for cp in engine.copiers)
+                                 - c.preload_bytes),
         "prefetch_waste_bytes": float(c.waste_bytes
                                       + len(engine.unused_prefetch) * engine.spec.nbytes),
         "expert_cache_bytes": float(engine.budget.budget_bytes),
@@ -72,7 +74,8 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
             demand_loads=c.demand_loads, prefetches_issued=c.prefetches,
             prefetches_used=c.prefetches_used,
             prefetches_wasted=c.prefetches_wasted + len(engine.unused_prefetch),
-            prefetches_dropped=engine.queue.dropped, stall_demand_ms=parts_ms[0],
+            prefetches_dropped=sum(q.dropped for q in engine.queues),
+            stall_demand_ms=parts_ms[0],
             stall_late_prefetch_ms=parts_ms[1], stall_link_ms=parts_ms[2]),
     }
     missing = [k for k in CORE_KEYS if k not in out]
@@ -85,11 +88,38 @@ def build_metrics(engine: Engine, timing: RequestTiming, requests: int) -> dict[
         "substitution_rate": (c.substituted / c.routed_choices if c.routed_choices else
                               (0.0 if engine.settings.restricted_routing else NAN)),
         "routing_dropped_rate": (c.dropped / c.routed_choices if c.routed_choices else NAN),
-        "copy_seconds_total": float(engine.copier.copy_seconds),
+        "copy_seconds_total": float(sum(cp.copy_seconds for cp in engine.copiers)),
         **execution_metrics(engine),
     })
-    out.update(one_device_metrics(out["h2d_bytes_total"], engine.copier.copy_seconds,
-                                  out["expert_cache_bytes"]))
+    if engine.where is None:
+        out.update(one_device_metrics(out["h2d_bytes_total"], engine.copier.copy_seconds,
+                                      out["expert_cache_bytes"]))
+    else:
+        out.update(device_metrics(engine))
+    if engine.mechanics is not None:
+        out["demand_load"] = engine.mechanics.demand_load
+        out["flush_per_token"] = float(engine.mechanics.flush_per_token)
+    return out
+
+
+def device_metrics(engine: Engine) -> dict[str, Any]:
+    """The simulator's topology keys for the engine's N emulated devices
+    (:mod:`moeexp.engine.devices`): per device ``d`` the bytes its copy thread moved
+    (preloads left out), its measured copy seconds as link busy time, its slots' bytes;
+    ``dev{d}_link_utilization`` is NaN (no makespan of the engine's own to divide by)."""
+    topo, nbytes = engine.topology, engine.spec.nbytes  # (mechanics: build_metrics)
+    assert topo is not None and isinstance(engine.cache, DeviceCaches)
+    busy = [cp.copy_seconds for cp in engine.copiers]
+    out: dict[str, Any] = {"demand_load": "activated", "flush_per_token": 0.0,
+                           "devices": float(len(engine.copiers)),
+                           "demand_concurrency": topo.demand_concurrency,
+                           "cache_budget_scope": topo.budget,
+                           "link_busy_ms_total": sum(busy) * 1e3}
+    for d, (cp, pol) in enumerate(zip(engine.copiers, engine.cache.caches, strict=True)):
+        out[f"dev{d}_h2d_bytes_total"] = float(cp.bytes_copied - engine.preload_by_device[d])
+        out[f"dev{d}_link_busy_ms_total"] = busy[d] * 1e3
+        out[f"dev{d}_link_utilization"] = NAN
+        out[f"dev{d}_expert_cache_bytes"] = float(pol.capacity_slots * nbytes)
     return out
 
 

@@ -33,7 +33,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from functools import partial
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 import torch
@@ -42,6 +43,7 @@ from torch import nn
 from moeexp.cache.base import CachePolicy
 from moeexp.costmodel.copies import chunk_bytes_of
 from moeexp.engine.budget import Budget
+from moeexp.engine.devices import DeviceCaches
 from moeexp.engine.kernel import slot_rows
 from moeexp.engine.predict import PredictorRunner
 from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
@@ -51,6 +53,10 @@ from moeexp.metrics import PredictionTally
 from moeexp.models.base import MoEAdapter
 from moeexp.prefetching import PredictionSets, PrefetchQueue
 from moeexp.traces.schema import Trace
+
+if TYPE_CHECKING:
+    from moeexp.simulator.mechanics import Mechanics
+    from moeexp.simulator.topology import Topology
 
 log = logging.getLogger(__name__)
 
@@ -160,12 +166,16 @@ class Engine:
             prefetch, the predictor worker while its predictions apply).
     """
 
-    def __init__(self, adapter: MoEAdapter, runner: PredictorRunner, cache: CachePolicy,
-                 budget: Budget, device: torch.device, settings: EngineSettings) -> None:
+    def __init__(self, adapter: MoEAdapter, runner: PredictorRunner,
+                 cache: CachePolicy | DeviceCaches, budget: Budget, device: torch.device,
+                 settings: EngineSettings, topology: Topology | None = None,
+                 mechanics: Mechanics | None = None) -> None:
         self.adapter, self.runner, self.cache = adapter, runner, cache
         self.budget, self.device, self.settings = budget, device, settings
         layers = adapter.moe_layers()
         self.L, self.J, self.K = len(layers), adapter.num_experts, adapter.top_k
+        n_dev = self._init_devices(topology)
+        self._init_mechanics(mechanics)
         names = tuple(adapter.expert_tensor_names)
         self.spec = expert_spec(layers[0].experts, names, self.J)
         for m in layers[1:]:
@@ -173,7 +183,9 @@ class Engine:
                 raise ConfigError("the engine needs every MoE layer's experts to have one shape")
         self.layer_of = {id(m.experts): m.index for m in layers}
         self.lock = threading.RLock()
-        self.queue = PrefetchQueue(self.L, self.J)
+        #: one prefetch queue per device (its copy thread pops it)
+        self.queues = [PrefetchQueue(self.L, self.J) for _ in range(n_dev)]
+        self.queue = self.queues[0]
         self.psets = PredictionSets()
         self.jobs: dict[Key, CopyJob] = {}
         self.unused_prefetch: set[Key] = set()
@@ -215,15 +227,75 @@ class Engine:
         try:
             self.pool = SlotPool(self.spec, budget.slots, self.L, self.J, device)
             self._lut_host: dict[Key, int] = {}  # what pool.lut holds (compute thread)
-            self.copier = CopyEngine(self.store, self.pool, prefetch_source=self._start_prefetch,
-                                     bandwidth_bps=settings.bandwidth_bps,
-                                     max_inflight=settings.max_inflight,
-                                     chunk_bytes=chunk_bytes_of(self.spec.nbytes,
-                                                                settings.copy_chunk_mb))
+            chunk = chunk_bytes_of(self.spec.nbytes, settings.copy_chunk_mb)
+            #: one copy thread (one emulated link) per device
+            self.copiers = [CopyEngine(self.store, self.pool,
+                                       prefetch_source=partial(self._start_prefetch, d),
+                                       bandwidth_bps=settings.bandwidth_bps,
+                                       max_inflight=settings.max_inflight, chunk_bytes=chunk)
+                            for d in range(n_dev)]
+            self.copier = self.copiers[0]
+            self.preload_by_device = [0] * n_dev
             runner.on_result = self._on_prediction  # publisher -> subscriber, at once
         except BaseException:
             self.store.restore()
             raise
+
+    # ---- devices --------------------------------------------------------------------
+    def _init_devices(self, topology: Topology | None) -> int:
+        """Set the device map and demand chaining of ``topology`` (None: one device);
+        returns the number of devices. Several devices: CPU only, one policy each."""
+        n_dev = 1 if topology is None else topology.devices
+        if n_dev > 1 and self.device.type != "cpu":
+            raise ConfigError(f"hardware.devices={n_dev}: the engine emulates several devices "
+                              f"on the CPU only (N emulated links); a multi-GPU path on "
+                              f"{self.device.type} is not built yet: run it with "
+                              "backend.device=cpu or backend=sim")
+        if n_dev > 1 and not isinstance(self.cache, DeviceCaches):
+            raise ConfigError(f"hardware.devices={n_dev}: the engine needs one cache policy per "
+                              "device (a DeviceCaches)")
+        self.topology = topology
+        #: int[L][J] the device of each expert; None with one device
+        self.where: list[list[int]] | None = (
+            topology.device_map(self.L, self.J).tolist() if n_dev > 1 and topology else None)
+        #: one blocking demand thread over several links: the layer's last demand copy
+        #: (the next one starts once it landed)
+        self.chain_demand = n_dev > 1 and topology is not None \
+            and topology.demand_concurrency == "single"
+        self._demand_tail: CopyJob | None = None
+        return n_dev
+
+    def _init_mechanics(self, mechanics: Mechanics | None) -> None:
+        """The FineMoE artifact's behaviours (:mod:`moeexp.simulator.mechanics`), as the
+        simulator runs them: ``all_experts`` (every layer touches its J experts in index
+        order; those without tokens cost a copy when absent and no compute) and
+        ``flush_per_token`` (every expert leaves at the end of each forward pass, once the
+        copies in flight landed). Exact mode only."""
+        self.mechanics = mechanics
+        self.all_experts = mechanics is not None and mechanics.demand_load == "all_experts"
+        self.flush_per_token = mechanics is not None and mechanics.flush_per_token
+        if (self.all_experts or self.flush_per_token) and self.device.type != "cpu":
+            raise ConfigError(f"the artifact's mechanics ({mechanics}) run on the CPU engine "
+                              f"only (tested there); got {self.device.type}")
+        if (self.all_experts or self.flush_per_token) and self.settings.restricted_routing:
+            raise ConfigError("restricted routing runs with the paper's mechanics only "
+                              f"(got {mechanics})")
+        if self.all_experts and self.cache.needs_future:
+            raise ConfigError("demand_load=all_experts cannot drive a policy that reads the "
+                              "future access stream (belady): its stream holds the router's "
+                              "experts only")
+
+    def device_of(self, key: Key) -> int:
+        """The device that holds ``key`` (0 with one device)."""
+        return 0 if self.where is None else self.where[key[0]][key[1]]
+
+    def link_of(self, key: Key) -> CopyEngine:
+        """The copy thread (emulated link) of ``key``'s device."""
+        return self.copier if self.where is None else self.copiers[self.where[key[0]][key[1]]]
+
+    def wake_all(self) -> None:
+        for c in self.copiers:
+            c.wake()
 
     # ---- residency (call with the lock held) ------------------------------------------
     def _evict(self, key: Key) -> None:
@@ -250,13 +322,15 @@ class Engine:
                                f"{self.budget.budget_bytes}")
         self.counters.resident_bytes_peak = max(self.counters.resident_bytes_peak, used)
 
-    def _start_prefetch(self) -> CopyJob | None:
-        """Copy thread: start the best queued prefetch (eviction decided now), or None."""
+    def _start_prefetch(self, dev: int = 0) -> CopyJob | None:
+        """Copy thread of device ``dev``: start the best prefetch queued for that device
+        (eviction decided now), or None."""
         with self.lock:
             if self.lossy_wait and not self._settling:
                 return None
+            queue = self.queues[dev]
             while not self.paused:
-                got = self.queue.pop(self.cur_layer)
+                got = queue.pop(self.cur_layer)
                 if got is None:
                     return None
                 key = got[0]
@@ -265,12 +339,12 @@ class Engine:
                 try:
                     victim = self.cache.victim(key, self._protect(self.protected), self.next_access)
                 except ConfigError:
-                    self.queue.drop()
+                    queue.drop()
                     continue
                 if victim is not None:
                     self._evict(victim)
                 slot = self.pool.assign(key)
-                job = self.copier.started_prefetch(key, slot)
+                job = self.copiers[dev].started_prefetch(key, slot)
                 self.jobs[key] = job
                 self.cache.on_insert(key, self.next_access, True)
                 self.unused_prefetch.add(key)
@@ -289,11 +363,13 @@ class Engine:
                     raise ConfigError(f"{self.cache.name}: initial residents exceed the "
                                       f"capacity of {self.pool.num_slots} slots")
                 slot = self.pool.assign(key)
-                self.jobs[key] = self.copier.submit(key, slot)
+                self.jobs[key] = self.link_of(key).submit(key, slot)
                 self.cache.on_insert(key, 0, False)
                 self.counters.preload_bytes += self.spec.nbytes
+                self.preload_by_device[self.device_of(key)] += self.spec.nbytes
                 self._account_slot()
-        self.copier.drain()
+        for c in self.copiers:
+            c.drain()
 
     # ---- predictions ------------------------------------------------------------------
     def apply_predictions(self) -> None:
@@ -305,12 +381,24 @@ class Engine:
             # counted for the request's first pass: kept so engine metrics stay as they were.
             if hook != "start_request":
                 self.psets.take(pred, hook_layer)
-            if pred.prefetch and self.queue.push(pred.prefetch, self.cur_layer, self.pool.slot_of):
+            if pred.prefetch and self._push(pred.prefetch):
                 woke = True
             if pred.scores:
                 self.cache.observe_scores(pred.scores)
         if woke:
-            self.copier.wake()
+            self.wake_all()
+
+    def _push(self, prefetches: list[Any]) -> bool:
+        """Queue ``prefetches``, each on its expert's device (relative order kept); True
+        when any queue took one."""
+        if self.where is None:
+            return self.queue.push(prefetches, self.cur_layer, self.pool.slot_of)
+        per: list[list[Any]] = [[] for _ in self.queues]
+        for p in prefetches:
+            per[self.where[p.layer][p.expert]].append(p)
+        took = [q.push(ps, self.cur_layer, self.pool.slot_of)
+                for q, ps in zip(self.queues, per, strict=True) if ps]
+        return any(took)
 
     def _on_prediction(self) -> None:
         """Predictor worker: a hook returned a Prediction; apply it now (not at the next
@@ -361,22 +449,44 @@ class Engine:
 
     def end_iteration(self) -> None:
         with self.lock:
-            self.queue.clear()
+            for q in self.queues:
+                q.clear()
             self.cur_layer = -1  # prefetches made between passes target the next one
             self.logits.clear()
+            if self.flush_per_token:
+                self._flush()
+
+    def _flush(self) -> None:
+        """``flush_per_token`` (lock held): prefetching held, the copies in flight land,
+        then every resident expert leaves in residency order (unused prefetched ones count
+        as wasted), as the simulator's ``Device.flush``."""
+        paused, self.paused = self.paused, True
+        try:
+            pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
+            if pending:
+                self._wait_unlocked(pending)
+            for key in list(self.pool.slot_of):
+                self._evict(key)
+        finally:
+            self.paused = paused
 
     # ---- one layer's steps (sequenced by moeexp.engine.layer.serve_layer) --------------
-    def begin_layer(self, layer: int, experts: list[int]) -> int:
+    def begin_layer(self, layer: int, experts: list[int],
+                    touched: list[int] | None = None) -> int:
         """Layer ``layer`` starts (lock held): apply the predictions that are ready, account
-        P against its ``experts`` (sorted), make it the current layer and protect its keys.
-        Returns the access clock of its first expert (the i-th is accessed at that + i)."""
+        P against its ``experts`` (sorted), make it the current layer and protect the keys
+        it touches (``touched``, default ``experts``; ``all_experts``: every expert).
+        Returns the access clock of its first touched expert (the i-th is accessed at that
+        + i)."""
         if self.runner.any_active:
             self.apply_predictions()
         self.counters.pred.add(self.psets.for_layer(layer), experts)
+        touched = experts if touched is None else touched
         self.cur_layer = layer
-        self.protected = {(layer, e) for e in experts}
+        self.protected = {(layer, e) for e in touched}
+        self._demand_tail = None
         pos0 = self.next_access
-        self.next_access = pos0 + len(experts)
+        self.next_access = pos0 + len(touched)
         return pos0
 
     def state_of(self, key: Key) -> Literal["absent", "copying", "ready"]:
@@ -407,7 +517,7 @@ class Engine:
         if self.paused:
             with self.lock:
                 self.paused = False
-            self.copier.wake()
+            self.wake_all()
 
     @contextmanager
     def unlocked(self) -> Iterator[None]:
@@ -435,7 +545,7 @@ class Engine:
             t0 = prev = torch.cuda.Event(enable_timing=True)
             t0.record(stream)
             for j in waits:
-                self.copier.wait(j)
+                self.link_of(j.key).wait(j)
                 mark = torch.cuda.Event(enable_timing=True)
                 mark.record(stream)
                 c.cuda_stall_parts.append((prev, mark, j.demand, j.start_event))
@@ -444,7 +554,7 @@ class Engine:
         else:
             a = start = time.perf_counter()
             for j in waits:
-                self.copier.wait(j)
+                self.link_of(j.key).wait(j)
                 b = time.perf_counter()
                 if j.demand:
                     link = min(max(j.started_at - a, 0.0), b - a)
@@ -480,7 +590,10 @@ class Engine:
         if victim is not None:
             self._evict(victim)
         slot = self.pool.assign(key)
-        self.jobs[key] = self.copier.submit(key, slot)
+        job = self.link_of(key).submit(key, slot, after=self._demand_tail)
+        if self.chain_demand:  # one blocking demand thread: the next copy waits for this one
+            self._demand_tail = job
+        self.jobs[key] = job
         self.cache.on_insert(key, now, False)
         self.counters.demand_loads += 1
         self._account_slot()
@@ -502,9 +615,9 @@ class Engine:
         try:
             while True:
                 pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
-                if (not self.queue or self.paused) and not pending:
+                if (not any(self.queues) or self.paused) and not pending:
                     return
-                self.copier.wake()
+                self.wake_all()
                 self._wait_unlocked(pending)
         finally:
             self._settling = False
@@ -530,7 +643,7 @@ class Engine:
         job, just give the copy thread a moment to pop its queue."""
         with self.unlocked():
             for j in jobs:
-                self.copier.wait_landed(j)
+                self.link_of(j.key).wait_landed(j)
             if not jobs:
                 time.sleep(1e-4)
 
@@ -539,10 +652,13 @@ class Engine:
         """Stop the copy thread and give the fused parameters back to the model."""
         try:
             with self.lock:
-                self.queue.clear()
-            self.copier.drain()
+                for q in self.queues:
+                    q.clear()
+            for c in self.copiers:
+                c.drain()
         finally:
-            self.copier.close()
+            for c in self.copiers:
+                c.close()
             self.store.restore()
 
     def compute(self, module: nn.Module, layer: int, hidden: torch.Tensor,

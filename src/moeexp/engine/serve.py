@@ -136,7 +136,8 @@ def run_on(model: torch.nn.Module, device: torch.device,
 
 def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
                  settings: Mapping[str, Any], *, trace: Trace | None = None,
-                 execution: Any = None, cost: Any = None) -> EngineRun:
+                 execution: Any = None, cost: Any = None,
+                 topology: Any = None, mechanics: Any = None) -> EngineRun:
     """Serve ``prompts`` (moeexp.data.prompts.Prompt, test split) through the engine.
 
     Args:
@@ -148,11 +149,17 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
         execution / cost: where missed experts run (a built, fitted
             :class:`~moeexp.execution.ExecutionPolicy`; None = ``copy``) and the cost model
             it prices its decisions with (:func:`moeexp.engine.build.build_offloaded`).
+        topology: ``hardware.devices`` and how they share the work
+            (:class:`moeexp.simulator.topology.Topology`; several devices: ``cache`` is one
+            policy per device, CPU only, :mod:`moeexp.engine.devices`); None = one device.
+        mechanics: the FineMoE artifact's behaviours
+            (:class:`moeexp.simulator.mechanics.Mechanics`); None = the paper's.
     """
     eng_settings = engine_settings(settings)
     replay = bool(settings.get("replay_tokens", False)) and trace is not None
     forced = recorded_tokens(trace, prompts) if replay and trace is not None else None
-    needs_future = "future" in predictor.needs or cache.needs_future
+    needs_future = "future" in predictor.needs or any(
+        c.needs_future for c in (cache if isinstance(cache, list) else [cache]))
     if needs_future and forced is None:
         raise ConfigError(f"backend=engine: {predictor.name}/{cache.name} need the future "
                           "accesses: serve with backend.replay_tokens=true (the recorded "
@@ -160,7 +167,8 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
     device = resolve_device(settings.get("device"), loaded.model)
     with run_on(loaded.model, device, settings.get("num_threads")) as dev:
         run = _serve(loaded, prompts, predictor, cache, settings, eng_settings, dev, forced,
-                     trace if needs_future else None, execution=execution, cost=cost)
+                     trace if needs_future else None, execution=execution, cost=cost,
+                     topology=topology, mechanics=mechanics)
         if settings.get("reference", False):
             ref = _reference(loaded, prompts, settings, eng_settings, dev, forced)
             _add_norms(run, ref)
@@ -170,7 +178,8 @@ def serve_engine(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any
 def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
            settings: Mapping[str, Any], eng_settings: EngineSettings, device: torch.device,
            forced: dict[int, list[int]] | None, future: Trace | None, *,
-           execution: Any = None, cost: Any = None) -> EngineRun:
+           execution: Any = None, cost: Any = None,
+           topology: Any = None, mechanics: Any = None) -> EngineRun:
     """One engine over every prompt; metrics and series."""
     model = loaded.model
     embeds = None
@@ -179,9 +188,11 @@ def _serve(loaded: Any, prompts: Sequence[Any], predictor: Any, cache: Any,
 
         embeds = embed_prompts([p.text for p in prompts])
     seed = int(settings.get("seed", 0))
-    _warmup(loaded, prompts, cache.capacity_slots, eng_settings, settings)
+    slots = sum(c.capacity_slots for c in cache) if isinstance(cache, list) else cache.capacity_slots
+    _warmup(loaded, prompts, slots, eng_settings, settings)
     om = build_offloaded(model, loaded.adapter, predictor, cache, eng_settings,
-                         system="engine", future=future, execution=execution, cost=cost)
+                         system="engine", future=future, execution=execution, cost=cost,
+                         topology=topology, mechanics=mechanics)
     probe = IterationProbe(om)
     per_req: dict[str, list[float]] = {k: [] for k in
                                        ("request_id", "arrival_ms", "ttft_ms", "tpot_ms", "e2e_ms")}

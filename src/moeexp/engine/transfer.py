@@ -71,6 +71,9 @@ class CopyJob:
     start_event: torch.cuda.Event | None = None
     #: chunked copies: chunks copied (or issued) so far
     chunks_done: int = 0
+    #: a demand load on another link that must land before this one starts (several
+    #: emulated devices with one blocking demand thread, :mod:`moeexp.engine.devices`)
+    after: CopyJob | None = None
 
 
 class CopyEngine:
@@ -127,9 +130,12 @@ class CopyEngine:
             self._thread.start()
 
     # ---- compute-thread API ---------------------------------------------------------
-    def submit(self, key: Key, slot: int) -> CopyJob:
-        """Queue a demand load of ``key`` into ``slot`` (ahead of every prefetch)."""
-        job = CopyJob(key, slot, True, self.pool.spec.nbytes)
+    def submit(self, key: Key, slot: int, after: CopyJob | None = None) -> CopyJob:
+        """Queue a demand load of ``key`` into ``slot`` (ahead of every prefetch); with
+        ``after`` (CPU), its copy starts only once that job (on another link) landed."""
+        if after is not None and self.cuda:
+            raise RuntimeError("chained demand loads (several emulated devices) are CPU-only")
+        job = CopyJob(key, slot, True, self.pool.spec.nbytes, after=after)
         with self._cond:
             self._raise_if_failed()
             self._demand.append(job)
@@ -262,6 +268,8 @@ class CopyEngine:
                         self._finish(inflight.popleft())
                         continue
                     return  # stopped
+                if job.after is not None:
+                    self._await_after(job)
                 if self.chunks:
                     if self._copy_chunks(job) and self.cuda:
                         inflight.append(job)
@@ -281,6 +289,16 @@ class CopyEngine:
                 for j in self._outstanding:
                     j.issued.set()
                     j.finished.set()
+
+    def _await_after(self, job: CopyJob) -> None:
+        """Hold ``job`` (and this link) until the demand copy it is chained to landed (one
+        blocking demand thread); its copy begins then (``started_at``)."""
+        assert job.after is not None
+        while not job.after.finished.wait(timeout=0.5):
+            if self._stop:
+                return
+        job.after = None  # no chain of finished jobs kept alive
+        job.started_at = time.perf_counter()
 
     def _done(self, job: CopyJob) -> None:
         with self._cond:

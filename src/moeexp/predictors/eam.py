@@ -23,6 +23,17 @@ router just ran (``l = −1`` at iteration start).
     - replacement of the least-accessed entry (a match counts as an access; a new entry
       starts at 1); ``oss_prefetch: false`` reproduces the release's disabled prefetch.
 
+``per_layer`` (off by default): keep only the best ``per_layer`` scores of each future layer
+(``top_k``: the model's K), every future layer requested (``max_prefetch`` then defaults to
+all of them): the FineMoE artifact's MoE-Infinity baseline (``IntelliSys-Lab/
+FineMoE-EuroSys26`` at ``6d063946``, ``moe_infinity/memory/expert_predictor.py``
+``ExpertPredictor.predict``: the top-``top_k`` counts of each layer of the best-matching
+trace, layers l + 1 .. L − 1, decayed, all enqueued by ``memory/expert_prefetcher.py``
+``prefetch_experts``; ``demo/configs/baselines/config_moeinf.py``: ``store_capacity = 1000``).
+At ``051cb7e1`` the model file adds ``1e-6`` to every expert of layers < l + 2 + d (+ L/2 in
+decode) instead, which prefetches whole layers, as ``per_layer: null`` with a large
+``max_prefetch`` does.
+
 Choices where the paper is silent:
     - ``max_prefetch`` (default J): requests issued per hook, the highest scores over all
       future layers. The paper prefetches "in descending score" and lets bandwidth bound it;
@@ -67,6 +78,18 @@ MEMO_ENTRIES = 1 << 16
 SUFFIX_BYTES = 1 << 26
 #: Unit roundoff of float64 (2^-53).
 _U = 2.0 ** -53
+
+
+def _per_layer(value: int | str | None, dims: TraceDims) -> int | None:
+    """``per_layer`` checked: None, ``"top_k"`` (the model's K) or an int >= 1."""
+    if value is None:
+        return None
+    if value == "top_k":
+        return dims.top_k
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"predictor=eam: per_layer={value!r}; valid: null, top_k or an "
+                          "integer >= 1")
+    return value
 
 
 def normalize_rows(m: np.ndarray) -> np.ndarray:
@@ -195,16 +218,22 @@ class EAMPredictor(Predictor):
         online_update: add each finished request's EAMs to the collection(s).
         oss_prefetch: oss variant only; False disables prefetching (the release's Mixtral
             and DeepSeek behaviour).
+        per_layer: None (default), an int >= 1 or ``"top_k"`` (the model's K): only the
+            best ``per_layer`` experts of each future layer are prefetched, and
+            ``max_prefetch`` None then means every one of them (module docstring: the
+            artifact's MoE-Infinity).
     """
 
     def __init__(self, *, dims: TraceDims, variant: Variant = "paper", capacity: int | None = None,
                  top_n: int = 1, max_prefetch: int | None = None, online_update: bool = True,
-                 oss_prefetch: bool = True) -> None:
+                 oss_prefetch: bool = True, per_layer: int | str | None = None) -> None:
         super().__init__(dims=dims)
         if variant not in DEFAULT_CAPACITY:
             raise ConfigError(f"predictor=eam: variant={variant!r}; valid: paper, oss")
+        self.per_layer = _per_layer(per_layer, dims)
         cap = DEFAULT_CAPACITY[variant] if capacity is None else int(capacity)
-        limit = dims.num_experts if max_prefetch is None else int(max_prefetch)
+        limit = (int(max_prefetch) if max_prefetch is not None else dims.num_experts
+                 if self.per_layer is None else dims.num_layers * dims.num_experts)
         if cap < 1 or top_n < 1 or limit < 0:
             raise ConfigError(f"predictor=eam: capacity={cap}, top_n={top_n}, max_prefetch="
                               f"{limit}; need capacity >= 1, top_n >= 1, max_prefetch >= 0")
@@ -465,6 +494,8 @@ class EAMPredictor(Predictor):
             top = np.argsort(-s[0], kind="stable")[:K]
             nxt.update(int(e) for e in top[s[0][top] > 0])
         pred.predicted[layer + 1] = np.array(sorted(nxt), dtype=np.int64)
+        if self.per_layer is not None and self.per_layer < J:  # the artifact: top-N per layer
+            score = self._best_per_layer(score)
         flat = score.reshape(-1)
         n = min(self.max_prefetch, int(np.count_nonzero(flat > 0)))
         if n:
@@ -473,6 +504,18 @@ class EAMPredictor(Predictor):
             pred.prefetch = [Prefetch(float(flat[f]), layer + 1 + int(f) // J, int(f) % J)
                              for f in best]
         return pred
+
+    def _best_per_layer(self, score: np.ndarray) -> np.ndarray:
+        """``score`` (float[F, J], future layers) with all but each row's best
+        ``per_layer`` zeroed; ties at the cut go to the lower expert index."""
+        n = self.per_layer
+        assert n is not None
+        cut = np.sort(score, axis=1)[:, -n][:, None]
+        above = score > cut
+        at = (score == cut) & (score > 0)
+        room = n - above.sum(axis=1, keepdims=True)
+        keep = above | (at & (np.cumsum(at, axis=1) <= room))
+        return np.where(keep, score, 0.0)
 
     def stats(self) -> dict[str, float]:
         return {f"eam_collection_{p}": float(c.size) for p, c in self.collections.items()}

@@ -174,6 +174,7 @@ class Device:
         victim_of, on_insert, on_evict = cache.victim, cache.on_insert, cache.on_evict
         protected, now, copy_s = self.protected, self.next_access, link.copy_s
         unused, capacity, chunked = self.unused_prefetched, self.capacity, bool(link.chunk_s)
+        host = link.host
         while True:
             if got is None:
                 got = pop(cur, free if free >= paused else paused, t)
@@ -195,7 +196,7 @@ class Device:
                     raise RuntimeError(f"{cache.name}: victim {victim} is not resident (policy bug)")
                 else:
                     on_evict(victim)
-            free = start + copy_s
+            free = start + copy_s if host is None else link.finish(start)
             ready[key] = free
             link.copies += 1
             on_insert(key, now, True)
@@ -317,7 +318,7 @@ class Device:
                     copy_t = max(copy_t, finished[released][0])  # wait for one to finish
             if victim is not None:
                 self._evict(victim)
-            done = copy_t + copy_s
+            done = copy_t + copy_s if link.host is None else link.finish(copy_t)
             ready[k] = done  # _insert inlined
             link.copies += 1
             on_insert(k, pos0 + i, False)

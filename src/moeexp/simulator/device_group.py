@@ -200,7 +200,7 @@ class DeviceGroup:
                                                     finished, released)
             if victim is not None:
                 d._evict(victim)
-            done = copy_t + link.copy_s
+            done = copy_t + link.copy_s if link.host is None else link.finish(copy_t)
             d.ready[k] = done
             link.copies += 1
             d.cache.on_insert(k, pos0 + i, False)

@@ -15,7 +15,11 @@ to copy and when, and writes the times back here.
   chunks run after the demand loads (:meth:`resume`).
 * Counters: ``copies`` started (each moves ``expert_bytes``), ``preemptions`` (prefetches a
   demand load overtook). Every copy occupies the link for ``copy_s`` seconds in total (an
-  overtaken copy's chunks are only moved, never repeated), so ``busy_s = copies * copy_s``.
+  overtaken copy's chunks are only moved, never repeated), plus what a shared host limit
+  held it (``held_s``), so ``busy_s = copies * copy_s + held_s``.
+* ``host``: an optional :class:`HostLimit` that every link of the replay shares (a PCIe
+  switch or root complex in front of the links, ``topology.host_gbps``); None (default) =
+  each link copies at its own rate, whatever the others do.
 
 The hot paths (:meth:`Device.advance`, :meth:`Device._demand`) read and write ``free``,
 ``copies`` and ``onlink`` directly: a method call per copy would cost more than the copy's
@@ -39,7 +43,7 @@ class Link:
     """
 
     __slots__ = ("chunk_s", "copy_s", "expert_bytes", "free", "pause_until", "onlink",
-                 "preemptions", "copies")
+                 "preemptions", "copies", "host", "held_s")
 
     def __init__(self, cost: CostModel) -> None:
         plan = cost.copy_plan
@@ -55,6 +59,17 @@ class Link:
         self.onlink: tuple[Key, float, float] | None = None
         self.preemptions = 0  # prefetches a demand load overtook (chunked copies only)
         self.copies = 0  # copies started (demand loads and prefetches)
+        #: the shared host-side limit in front of every link (None: no limit)
+        self.host: HostLimit | None = None
+        self.held_s = 0.0  # seconds the host limit made copies on this link last longer
+
+    def finish(self, start: float) -> float:
+        """When a whole-expert copy started at ``start`` ends, under the host limit
+        (call only with ``host`` set; without it a copy ends at ``start + copy_s``)."""
+        assert self.host is not None
+        end = self.host.end(start, self.copy_s)
+        self.held_s += end - start - self.copy_s
+        return end
 
     @property
     def bytes(self) -> int:
@@ -63,8 +78,9 @@ class Link:
 
     @property
     def busy_s(self) -> float:
-        """Seconds the link spent copying (each copy occupies it ``copy_s`` in total)."""
-        return self.copies * self.copy_s
+        """Seconds the link spent copying (each copy occupies it ``copy_s`` in total, plus
+        what the host limit held it)."""
+        return self.copies * self.copy_s + self.held_s
 
     def overtake(self, t: float, cur_layer: int) -> tuple[float, float]:
         """Chunked copies: when a demand load issued at ``t`` gets the link, and the link
@@ -102,3 +118,40 @@ class Link:
         self.onlink = (key, at, end)
         self.free = end
         return key, done, end
+
+
+class HostLimit:
+    """A host-side bandwidth limit shared by every link (``topology.host_gbps``): a PCIe
+    switch or the root complex that all the GPUs' links pass through, capping the sum of
+    their rates at ``gbps`` GB/s.
+
+    Model: every copy also passes its bytes through one shared server of rate ``gbps``
+    (``pass_s = expert_bytes / (gbps * 1e9)`` seconds per expert), in the order the replay
+    starts copies; a copy ends when both its own link (``copy_s``, latency included) and
+    its turn at the server are done: ``end = max(start + copy_s, max(start, free) +
+    pass_s)``. So the links together never move more than ``gbps`` GB/s over any stretch
+    of time, and a limit at or above the links' sum changes nothing (one link: when
+    ``pass_s <= copy_s``). Approximations: a copy waits for those started before it (first
+    come, first served, not fair sharing), and within one advance of a device group the
+    devices start their copies one device after another, so which link waits is
+    approximate while the total rate is exact. Whole-expert copies only (with chunked
+    copies the replay refuses a host limit).
+
+    Args:
+        gbps: the limit, GB/s (1e9 bytes/s), > 0.
+        expert_bytes: bytes of one expert copy.
+    """
+
+    __slots__ = ("pass_s", "free")
+
+    def __init__(self, gbps: float, expert_bytes: int) -> None:
+        self.pass_s = expert_bytes / (float(gbps) * 1e9)
+        self.free = _NEG_INF
+
+    def end(self, start: float, copy_s: float) -> float:
+        """When a copy started at ``start`` taking ``copy_s`` on its link ends (its turn at
+        the shared server reserved)."""
+        turn = (start if start > self.free else self.free) + self.pass_s
+        self.free = turn
+        return turn if turn > start + copy_s else start + copy_s
+

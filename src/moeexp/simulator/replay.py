@@ -50,6 +50,7 @@ from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
 from moeexp.simulator.device_group import DeviceGroup
 from moeexp.simulator.exec_device import ExecDevice
+from moeexp.simulator.link import HostLimit
 from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.plan import Batch, GroupData, Plan
 from moeexp.simulator.report import Tally, build_metrics
@@ -268,6 +269,8 @@ class Replay:
             self.dev = DeviceGroup(caches, cost, self.L, J, topology)
         if self.exec_dev is not None:
             self.exec_dev.preload_pinned()
+        if topology is not None and topology.host_gbps is not None:
+            self._share_host(topology.host_gbps, cost)
         self.dev.preload([k for c in caches for k in c.initial_residents()])
         for c in caches:
             if c.needs_future:  # every device's policy sees the whole stream: its
@@ -283,6 +286,15 @@ class Replay:
         self.want_future, self.want_pe = "future" in needs, "prompt_embed" in needs
         self.req_pos = {r.request_id: i for i, r in enumerate(trace.requests)}
         self.pos = 0  # index of the next access in the whole replay's access stream
+
+    def _share_host(self, gbps: float, cost: CostModel) -> None:
+        """Every link passes the one host-side limit (``topology.host_gbps``)."""
+        if cost.copy_plan.chunked:
+            raise ConfigError("topology.host_gbps models whole-expert copies only; set "
+                              "hardware.copy_chunk_mb=0 or topology.host_gbps=null")
+        host = HostLimit(gbps, cost.expert_bytes)
+        for d in self.dev.members:
+            d.link.host = host
 
     def serve_all(self, progress: bool) -> None:
         """Every batch of the plan, in order, on one server (FCFS)."""

@@ -25,14 +25,17 @@ Definitions (the simulator's choices where §8 leaves room):
 * ``makespan_ms``: when the last forward pass ended (from time 0, the first batch's start
   or the first arrival's clock origin); ``bound_*``: the latency floor of
   :mod:`moeexp.simulator.bound` for this budget and one link (no exact system goes below
-  it); NaN with several devices, whose parallel links the floor does not model, and with
-  any :mod:`moeexp.simulator.mechanics` option on.
+  it); NaN with several devices, whose parallel links the floor does not model, with a
+  host-side limit (``topology.host_gbps``), and with any :mod:`moeexp.simulator.mechanics`
+  option on.
 * Topology (:func:`topology_metrics`): ``devices``, ``demand_concurrency`` and
   ``cache_budget_scope`` (how the capacity was split: ``total`` or ``per_device``;
   ``expert_cache_bytes`` is always the sum over devices), ``link_busy_ms_total`` (every
   link's copying time, summed), and per device ``d``: ``dev{d}_h2d_bytes_total``,
   ``dev{d}_link_busy_ms_total`` and ``dev{d}_link_utilization`` (busy time / makespan),
-  ``dev{d}_expert_cache_bytes``; and the :mod:`moeexp.simulator.mechanics` options
+  ``dev{d}_expert_cache_bytes``; ``host_gbps`` only when a host-side limit is set (busy
+  times then include the time the limit held a link); and the
+  :mod:`moeexp.simulator.mechanics` options
   (``demand_load``, ``flush_per_token`` 0/1), so every row says how it was served.
 """
 
@@ -110,6 +113,8 @@ def topology_metrics(dev: Device | DeviceGroup, cost: CostModel, makespan_s: flo
         "cache_budget_scope": topology.budget if topology else "total",
         "link_busy_ms_total": float(sum(d.link.busy_s for d in members) * 1e3),
     }
+    if topology is not None and topology.host_gbps is not None:  # only when set: the
+        m["host_gbps"] = float(topology.host_gbps)  # default rows keep their keys
     for i, d in enumerate(members):
         busy = d.link.busy_s
         m[f"dev{i}_h2d_bytes_total"] = float(d.h2d_bytes)
@@ -179,7 +184,8 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
         "tpot_norm_mean": _ratio_mean(tpot, tpot0),
         "makespan_ms": max(tally.finish.values(), default=NAN) * 1e3,
         **_bounds(plan, cost, slots, initial, floor_modelled and len(caches) == 1
-                  and (mechanics is None or mechanics.default)),
+                  and (mechanics is None or mechanics.default)
+                  and (topology is None or topology.host_gbps is None)),
         "sim_wall_s": wall_s,
         "accesses_per_s": accesses / wall_s if wall_s > 0 else NAN,
     }

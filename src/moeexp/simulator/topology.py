@@ -25,10 +25,15 @@ Rules of the model (algorithms.md §10 names the FineMoE artifact's testbed they
   ``total`` = the capacity is the sum over devices (split evenly, the remainder to the
   lowest devices), ``per_device`` = every device gets the capacity (the artifact's
   ``cache_limit`` is per GPU). Either is capped at the experts the device holds.
+* ``host_gbps``: optional host-side limit (a PCIe switch or the root complex every link
+  passes through) capping the sum of the links' rates, GB/s
+  (:class:`~moeexp.simulator.link.HostLimit`); None (default) = none, every link at
+  ``hardware.h2d_gbps`` whatever the others do. Simulator only, whole-expert copies only.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -62,12 +67,14 @@ class Topology:
         demand_concurrency: ``single`` (one demand copy in flight over all links) or
             ``per_device`` (one per link).
         budget: ``total`` or ``per_device`` (how :func:`device_slots` reads a capacity).
+        host_gbps: the shared host-side limit, GB/s (> 0), or None (no limit).
     """
 
     devices: int = 1
     placement: Placement = field(default_factory=_default_placement)
     demand_concurrency: DemandConcurrency = "single"
     budget: BudgetScope = "total"
+    host_gbps: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.devices, int) or isinstance(self.devices, bool) or self.devices < 1:
@@ -78,20 +85,26 @@ class Topology:
         if self.budget not in BUDGET_SCOPES:
             raise ConfigError(f"cache budget scope {self.budget!r} is not valid; valid: "
                               f"{', '.join(BUDGET_SCOPES)}")
+        h = self.host_gbps
+        if h is not None and (isinstance(h, bool) or not isinstance(h, (int, float))
+                              or not math.isfinite(h) or h <= 0):
+            raise ConfigError(f"topology.host_gbps must be a number of GB/s > 0, or null (no "
+                              f"host-side limit), got {h!r}")
 
     @classmethod
     def build(cls, *, devices: int = 1, placement: GroupChoice | Mapping[str, Any] | None = None,
-              demand_concurrency: str = "single", budget: str = "total") -> Topology:
+              demand_concurrency: str = "single", budget: str = "total",
+              host_gbps: float | None = None) -> Topology:
         """From config values; ``placement`` is a group (``name`` + its keywords), default
         ``round_robin``. Unknown placement names or keywords raise ConfigError."""
         if placement is None:
             return cls(devices=devices, demand_concurrency=demand_concurrency,  # type: ignore[arg-type]
-                       budget=budget)  # type: ignore[arg-type]
+                       budget=budget, host_gbps=host_gbps)  # type: ignore[arg-type]
         if not isinstance(placement, GroupChoice):
             placement = group_choice(placement, "placement")
         policy = PLACEMENTS.build(placement.name, **placement.kwargs)
-        return cls(devices=devices, placement=policy,
-                   demand_concurrency=demand_concurrency, budget=budget)  # type: ignore[arg-type]
+        return cls(devices=devices, placement=policy, demand_concurrency=demand_concurrency,  # type: ignore[arg-type]
+                   budget=budget, host_gbps=host_gbps)  # type: ignore[arg-type]
 
     def device_map(self, num_layers: int, num_experts: int) -> np.ndarray:
         """int64[L, J]: the device of each expert (checked)."""

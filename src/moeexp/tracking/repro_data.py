@@ -26,20 +26,29 @@ from moeexp.tracking.intervals import SEED_KEY, mean_ci
 
 log = logging.getLogger(__name__)
 
-Regime = Literal["embedded", "projected", "real"]
+Regime = Literal["embedded", "projected", "real", "testbed"]
 
-#: The three settings, in column order, with their column titles.
+#: The settings, in column order, with their column titles.
 REGIMES: dict[Regime, str] = {
     "embedded": "embedded default (tiny-model routing, its cost, rtx3090_pcie4)",
     "projected": "projected paper regime (tiny-model routing, Mixtral-8x7B cost)",
     "real": "real trace (gpt-oss-20b routing, its cost, rtx3090_pcie4)",
+    "testbed": "rung (a), the artifact's testbed (tiny-model routing, Mixtral-8x7B cost, "
+               "6 GPUs, 0.18 of expert bytes per GPU, all experts, per-token flush, leak; "
+               "`paper_testbed/README.md`)",
 }
+
+#: The paper-testbed ladder's column of ``summary_runs.csv`` and the rung and projection
+#: whose runs make the ``testbed`` setting (its other rungs are the ladder's own business).
+RUNG_KEY = "experiment/paper_testbed"
+TESTBED_RUNG, TESTBED_PROJECTION = "a_artifact", "mixtral_8x7b"
 
 #: experiment name -> the claims its sweep measures.
 CLAIMS: dict[str, tuple[str, ...]] = {
     "finemoe_vs_moeinfinity": ("fig10",), "real_routing": ("fig10", "fig12"),
     "cache_size_sweep": ("fig12",), "cache_ablation": ("cache",),
     "predictor_ablation": ("predictor",), "store_capacity_sweep": ("store",),
+    "paper_testbed": ("fig10",),
 }
 
 #: The budget (fraction of expert memory) of the Fig. 10 comparison.
@@ -97,20 +106,27 @@ class Setting:
 # ---------------------------------------------------------------------------------- reading
 
 
-def row_regime(r: pd.Series) -> Regime:
-    """``real`` for gpt-oss-20b's routing, ``projected`` when a cost projection is set,
-    else ``embedded``."""
-    proj = r.get("cost_as_model")
-    proj = "" if proj is None or (isinstance(proj, float) and math.isnan(proj)) else str(proj)
+def _text(v: object) -> str:
+    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else str(v)
+
+
+def row_regime(r: pd.Series) -> Regime | None:
+    """``testbed`` for the paper-testbed ladder's rung (a) on the Mixtral projection (None
+    for its other rungs), ``real`` for gpt-oss-20b's routing, ``projected`` when a cost
+    projection is set, else ``embedded``."""
+    proj, rung = _text(r.get("cost_as_model")), _text(r.get(RUNG_KEY))
+    if rung:
+        return "testbed" if (rung, proj) == (TESTBED_RUNG, TESTBED_PROJECTION) else None
     return "real" if str(r.get("model")) == "gpt_oss_20b" else "projected" if proj else "embedded"
 
 
 def by_regime(runs: pd.DataFrame) -> list[tuple[Regime, pd.DataFrame]]:
-    """``runs`` split by setting (:func:`row_regime`): the default experiment sweeps the
-    embedded costs and the Mixtral projection over the same traces."""
+    """``runs`` split by setting (:func:`row_regime`; rows of no setting left out): the
+    default experiment sweeps the embedded costs and the Mixtral projection over the same
+    traces."""
     regimes = [row_regime(r) for _, r in runs.iterrows()]
     return [(g, runs[[x == g for x in regimes]].reset_index(drop=True))
-            for g in dict.fromkeys(regimes)]
+            for g in dict.fromkeys(regimes) if g is not None]
 
 
 def commits_of(sweep_dir: Path, runs: pd.DataFrame) -> list[str]:
@@ -256,8 +272,20 @@ def ratio(runs: pd.DataFrame, col: str, a: object, b: object, metric: str) -> st
     return f"×{x / y:.2f}" if math.isfinite(x) and math.isfinite(y) and y > 0 else "×–"
 
 def finemoe_of(runs: pd.DataFrame) -> str:
-    """``finemoe`` when it ran, else ``finemoe_no_semantic`` (the real trace's stand-in)."""
-    return "finemoe" if not ok_rows(runs, "system", "finemoe").empty else "finemoe_no_semantic"
+    """``finemoe_artifact`` when it ran (the testbed: the artifact's selection), else
+    ``finemoe``, else ``finemoe_no_semantic`` (the real trace's stand-in)."""
+    for fm in ("finemoe_artifact", "finemoe"):
+        if not ok_rows(runs, "system", fm).empty:
+            return fm
+    return "finemoe_no_semantic"
+
+
+def baseline_of(runs: pd.DataFrame, baseline: str) -> str:
+    """The run of ``baseline`` to compare against: on the testbed the artifact's own
+    MoE-Infinity (``moe_infinity_artifact``) when it ran, else ``baseline`` itself."""
+    if baseline == "moe_infinity" and not ok_rows(runs, "system", "moe_infinity_artifact").empty:
+        return "moe_infinity_artifact"
+    return baseline
 
 
 def at_budget(runs: pd.DataFrame, budget: float) -> pd.DataFrame:

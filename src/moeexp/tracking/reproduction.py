@@ -8,6 +8,8 @@ one markdown table: a row per claim of FineMoE (algorithms.md §9), a column per
     embedded   the tiny model's recorded routing, its own cost (rtx3090_pcie4)
     projected  the same routing priced as Mixtral-8x7B (cost.as_model=mixtral_8x7b)
     real       the shipped gpt-oss-20b routing on gpt-oss-20b's dims (decode only)
+    testbed    rung (a) of the paper-testbed ladder (+experiment=paper_testbed, Mixtral
+               projection): FineMoE as finemoe_artifact, MoE-Infinity as moe_infinity_artifact
 
 A sweep's claim comes from its ``experiment`` column, its setting from the ``model`` and
 ``cost_as_model`` columns; several sweeps of one claim and
@@ -50,6 +52,7 @@ from moeexp.tracking.repro_data import (
     Regime,
     Setting,
     at_budget,
+    baseline_of,
     finemoe_of,
     level,
     load,
@@ -115,7 +118,8 @@ def _change_cell(runs: pd.DataFrame, fm: str, b: str, metric: str, better: int,
     verdict = {better: "**agrees in sign**", -better: "**differs: opposite sign**",
                0: "**≈ 0**"}[st.sign()]
     extra = f"<br><sub>{_why_bytes(runs, fm, b)}</sub>" if detail else ""
-    return f"{st.change()} {verdict}{_named(fm)}{extra}"
+    named = _named(fm) if b in _SHORT else f" ({fm} vs {b})"
+    return f"{st.change()} {verdict}{named}{extra}"
 
 
 def fig10_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
@@ -135,8 +139,8 @@ def fig10_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
                     cells[regime] = "not measured"
                     continue
                 runs = at_budget(s.runs, FIG10_BUDGET)
-                cells[regime] = _change_cell(runs, finemoe_of(runs), b, metric, better,
-                                             detail=q == "tpot")
+                cells[regime] = _change_cell(runs, finemoe_of(runs), baseline_of(runs, b),
+                                             metric, better, detail=q == "tpot")
             rows.append(Row(f"a-{q}-{b}", f"Fig. 10: FineMoE {title} vs {_SHORT[b]} "
                             f"(cache {FIG10_BUDGET:.0%})", f"{paper:+.0f} %", cells))
     return rows

@@ -150,3 +150,22 @@ def test_chunked_prefetch_for_the_demands_layer_finishes_first() -> None:
     pf, demand, preempted, landed = _chunked_run((0, 0), (0, 2))
     assert preempted == 0
     assert demand.started_at - pf.started_at >= 0.095
+
+
+def test_chained_demand_waits_for_the_other_links_copy() -> None:
+    """Two links (one copy thread each), one blocking demand thread: a demand load chained
+    ``after`` a load on the other link starts only once that one landed (72 bytes at
+    720 B/s: >= 0.1 s later); unchained, the two links copy at the same time."""
+    _, store, pool, _ = _setup(slots=4)
+    a, b = CopyEngine(store, pool, bandwidth_bps=720.0), CopyEngine(store, pool, bandwidth_bps=720.0)
+    try:
+        first = a.submit((0, 0), pool.assign((0, 0)))
+        second = b.submit((0, 1), pool.assign((0, 1)), after=first)
+        b.wait(second)
+        assert a.is_ready(first) and second.started_at - first.started_at >= 0.1
+        free = b.submit((1, 0), pool.assign((1, 0)))
+        other = a.submit((1, 1), pool.assign((1, 1)))
+        a.wait(other), b.wait(free)
+        assert abs(other.started_at - free.started_at) < 0.1
+    finally:
+        a.close(), b.close()

@@ -73,6 +73,25 @@ def test_oss_decays_raw_counts_with_l_plus_one() -> None:
     assert pred.collections["all"].access.tolist()[0] == 2  # inserted (1) + one match
 
 
+def test_per_layer_keeps_the_best_n_of_each_future_layer() -> None:
+    """The artifact's MoE-Infinity (per_layer = top_k = K = 1): of the oss scores above,
+    each future layer keeps its best expert only ((2,0) and (2,1) tie below (2,2)), and
+    every future layer is requested (max_prefetch defaults to all): (1,1), (3,2), (2,2).
+    With per_layer = 2 layer 2's tie goes to the lower expert: (2,2) then (2,0)."""
+    one = EAMPredictor(dims=dims(), variant="oss", per_layer="top_k")
+    one.collections["all"].add(M)
+    start(one, step=0)
+    assert prefetches(observe(one, 0, [4, 0, 0])) == [(1, 1, 2.4), (3, 2, 1.6), (2, 2, 1.2)]
+    two = EAMPredictor(dims=dims(), variant="oss", per_layer=2)
+    two.collections["all"].add(M)
+    start(two, step=0)
+    assert prefetches(observe(two, 0, [4, 0, 0])) == [
+        (1, 1, 2.4), (3, 2, 1.6), (2, 2, 1.2), (1, 2, 0.8), (2, 0, 0.6)]
+    for bad in (0, "k", True, 1.5):
+        with pytest.raises(ConfigError, match="per_layer"):
+            EAMPredictor(dims=dims(), per_layer=bad)
+
+
 def test_top_n_matches_are_summed_then_row_normalised() -> None:
     """L = 2, J = 2. E1 = [[2,0],[1,1]], E2 = [[0,2],[0,2]]; query after layer 0 = [1,1]
     (flattened [1,1,0,0]): cos E1 = 2/(√2·√6) = .577, cos E2 = 2/(√2·√8) = .5.

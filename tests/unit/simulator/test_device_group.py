@@ -82,6 +82,43 @@ def test_prefetches_drain_over_every_link_at_once_whatever_the_demand_thread() -
     assert one["ttft_ms_mean"] == pytest.approx(2100, abs=1e-3)
 
 
+def test_a_host_limit_caps_the_links_together() -> None:
+    """``host_gbps``: both prefetches at t=0 behind one 1 GB/s host limit cross it one
+    after the other (ready 1.0 and 2.0) as on one link: stall 1.8 s, TTFT 2.1, link 1 busy
+    2.0 s; at 2 GB/s (the two links' sum) nothing changes against no limit; a limit above
+    a single link's rate leaves one device bit-identical and the floor is NaN under one."""
+    tr = hand_trace(PAIR, 2)
+    at = [(1.0, 0, 0), (1.0, 0, 1)]
+
+    def go(gbps, devices=2):
+        return _run(tr, ScriptedPredictor(dims=tr.dims, at_start=at),
+                    _lrus(devices, 2 // devices, 1, 2), Topology(devices=devices, host_gbps=gbps))
+
+    capped, free, wide = go(1.0), go(None), go(2.0)
+    assert capped["stall_ms_total"] == pytest.approx(1800, abs=1e-3)
+    assert capped["ttft_ms_mean"] == pytest.approx(2100, abs=1e-3)
+    assert capped["dev1_link_busy_ms_total"] == pytest.approx(2000)
+    assert capped["host_gbps"] == 1.0 and "host_gbps" not in free
+    for k in ("stall_ms_total", "ttft_ms_mean", "link_busy_ms_total"):
+        assert wide[k] == free[k], k
+    one, one_wide = go(None, 1), go(5.0, 1)
+    assert one_wide["ttft_ms_mean"] == one["ttft_ms_mean"]
+    assert math.isnan(one_wide["bound_ttft_ms_mean"]) and not math.isnan(one["bound_ttft_ms_mean"])
+    slow = go(0.5, 1)  # below the link: each copy 2.0 s
+    assert slow["ttft_ms_mean"] == pytest.approx(4100, abs=1e-3)
+
+
+def test_a_host_limit_is_checked() -> None:
+    with pytest.raises(ConfigError, match="host_gbps must be a number of GB/s > 0"):
+        Topology(devices=2, host_gbps=0.0)
+    tr = hand_trace(PAIR, 2)
+    prof = dataclasses.replace(unit_profile(), copy_chunk_mb=250.0)
+    with pytest.raises(ConfigError, match="whole-expert copies only"):
+        simulate(tr, Predictor(dims=tr.dims), _lrus(2, 1, 1, 2),
+                 CostModel.from_profile(prof, tr.dims, dtype_bytes=2), progress=False,
+                 topology=Topology(devices=2, host_gbps=1.0))
+
+
 class _WatchedLRU(CapacityWatch, LRUCache):
     pass
 

@@ -10,7 +10,7 @@ import pytest
 from tests.unit.simulator.simhelpers import hand_trace, unit_cost, unit_profile
 
 from moeexp.costmodel import CostModel
-from moeexp.simulator.link import Link
+from moeexp.simulator.link import HostLimit, Link
 
 DIMS = hand_trace([[[[[0], [1]]]]], 2).dims
 
@@ -52,3 +52,33 @@ def test_a_prefetch_for_the_running_layer_or_in_its_last_chunk_is_not_overtaken(
     link.onlink = ((1, 0), 0.0, 1.0)
     assert link.overtake(0.8, cur_layer=0) == (1.0, 0.0)  # its last chunk is on the link
     assert link.preemptions == 0
+
+
+def test_host_limit_caps_the_sum_of_the_links_rates() -> None:
+    """Two links of 1 GB/s behind a 1 GB/s host limit: two 1 GB copies started together end
+    at 1.0 and 2.0 (one after the other through the host); at 2 GB/s both end at 1.0;
+    the link that waited counts the wait as busy time."""
+    cost = unit_cost(DIMS)
+    for gbps, ends in ((1.0, (1.0, 2.0)), (2.0, (1.0, 1.0)), (1.5, (1.0, 2 / 1.5))):
+        a, b = Link(cost), Link(cost)
+        a.host = b.host = HostLimit(gbps, cost.expert_bytes)
+        a.copies = b.copies = 1
+        assert (a.finish(0.0), b.finish(0.0)) == pytest.approx(ends)
+        assert (a.busy_s, b.busy_s) == pytest.approx(ends)
+
+
+def test_host_limit_below_one_link_slows_it() -> None:
+    """One 1 GB/s link behind a 0.5 GB/s limit: back-to-back copies take 2.0 s each."""
+    cost = unit_cost(DIMS)
+    link = Link(cost)
+    link.host = HostLimit(0.5, cost.expert_bytes)
+    assert link.finish(0.0) == pytest.approx(2.0) and link.finish(2.0) == pytest.approx(4.0)
+
+
+def test_host_limit_above_the_links_changes_nothing() -> None:
+    """A limit at a link's rate: a copy alone ends at ``start + copy_s``, bit for bit."""
+    cost = unit_cost(DIMS)
+    link = Link(cost)
+    link.host = HostLimit(1.0, cost.expert_bytes)
+    assert link.finish(0.25) == 0.25 + cost.copy_s and link.finish(5.0) == 5.0 + cost.copy_s
+    assert link.held_s == 0.0

@@ -52,6 +52,32 @@ def test_regime_from_model_and_projection() -> None:
     assert regimes(_fig10() + _fig10(proj="mixtral_8x7b")) == ["embedded", "projected"]
 
 
+def test_the_testbed_column_is_rung_a_on_the_mixtral_projection(tmp_path: Path) -> None:
+    """A paper_testbed sweep: only rung (a) on the Mixtral projection is the ``testbed``
+    setting (its other rungs and projections are left out); FineMoE is finemoe_artifact
+    there, and the MoE-Infinity rows compare against moe_infinity_artifact."""
+    rows = []
+    for rung, proj in (("a_artifact", "mixtral_8x7b"), ("b_no_leak", "mixtral_8x7b"),
+                       ("a_artifact", "qwen1_5_moe_a2_7b")):
+        for r in _fig10(proj=proj):
+            rows.append({**r, "experiment": "paper_testbed", "experiment/paper_testbed": rung,
+                         "cache_capacity": 0.18,
+                         "system": {"finemoe": "finemoe_artifact"}.get(r["system"], r["system"])})
+    inf = [{**r, "system": "moe_infinity_artifact", "tpot_ms_mean": 16.0}
+           for r in rows if r["system"] == "deepspeed"]
+    d = _sweep(tmp_path, "testbed", rows + inf)
+    data = load([d])
+    assert list(data) == [("fig10", "testbed")] and len(data[("fig10", "testbed")].runs) == 9
+    out = tmp_path / "README.md"
+    write_table([d], out)
+    text = out.read_text()
+    ds = next(line for line in text.splitlines() if line.startswith("| `a-tpot-deepspeed`"))
+    assert ds.count("not measured") == 3 and "-20.0 % [-25.0, -15.0]" in ds
+    assert "(finemoe_artifact)" in ds
+    mi = next(line for line in text.splitlines() if line.startswith("| `a-tpot-moe_infinity`"))
+    assert "-50.0 %" in mi and "(finemoe_artifact vs moe_infinity_artifact)" in mi
+
+
 def test_a_sweep_over_two_settings_splits(tmp_path: Path) -> None:
     """The default experiment sweeps the embedded costs and the Mixtral projection over the
     same traces: load() files each half under its own setting, both from the one dir."""
