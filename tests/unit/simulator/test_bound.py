@@ -17,7 +17,7 @@ from moeexp.costmodel import CostModel, load_profile
 from moeexp.predictors import build_predictor
 from moeexp.simulator import simulate
 from moeexp.simulator.bound import SetSeq, min_copies
-from moeexp.systems import resolve_system, system_names
+from moeexp.systems import bundle_choices, resolve_system, system_names
 from moeexp.traces.synthetic import random_trace
 
 
@@ -106,10 +106,14 @@ BOUNDED = [("ttft_ms_mean", "bound_ttft_ms_mean"), ("tpot_ms_mean", "bound_tpot_
 
 
 def _exact_systems() -> list[tuple[str, dict, dict]]:
+    """Every copy-only exact system: not emoe (lossy: its bound does not bind) and not the
+    systems that compute missed experts on the CPU (fiddler, ...: the floor and the oracles
+    model copies only, and their predictor + cache alone is not the system)."""
     out = []
     for name in system_names():
         pcfg, ccfg, settings = resolve_system(name)
-        if not settings.get("restricted_routing"):  # emoe is lossy: its bound does not bind
+        execution = (bundle_choices(name) or {}).get("execution", "copy")
+        if not settings.get("restricted_routing") and execution == "copy":
             out.append((name, pcfg, ccfg))
     return out
 

@@ -24,7 +24,7 @@ def test_bad_settings_are_refused_naming_the_valid_values(kw: dict, match: str) 
 
 
 def test_an_unknown_placement_is_refused_with_the_valid_names() -> None:
-    with pytest.raises(ConfigError, match="contiguous, round_robin"):
+    with pytest.raises(ConfigError, match="contiguous, pinned, round_robin"):
         Topology.build(devices=2, placement={"name": "random"})
     with pytest.raises(ConfigError, match="start_device"):
         Topology.build(devices=2, placement={"name": "round_robin", "start_devic": 1})
