@@ -110,7 +110,9 @@ class HostExperts:
                  batched: bool = False) -> torch.Tensor:
         """float[R, H] on ``hidden``'s device: ``weight * expert(hidden[token])`` per routing
         row, every expert computed on the host from the store, one call per expert (the CPU
-        chain of the cost model: experts one after another, each with its call overhead).
+        chain of the cost model: experts one after another, each with its call overhead);
+        with ``batched`` (the model's ``batched_mm`` kernel) one call over every row, as the
+        plain model computes them (:meth:`_batched_call`).
 
         Args:
             hidden: float[T, H] the layer's expert input (on the device).
@@ -126,21 +128,10 @@ class HostExperts:
         rows_e, inv = expert.to("cpu"), inv.to("cpu")
         self._pace(x.numel() * x.element_size(), t0)
         t1 = time.perf_counter()
-        raw: torch.Tensor | None = None
-        kernel_s = 0.0
-        for e in torch.unique(rows_e).tolist():
-            a = time.perf_counter()
-            sel = (rows_e == e).nonzero().squeeze(1)
-            out = slot_rows(module, self.store.tensors[layer], x, inv[sel], rows_e[sel],
-                            rows_e[sel], batched=batched, finish=False)
-            if raw is None:
-                raw = out.new_empty((rows_e.numel(), out.shape[-1]))
-            raw[sel] = out
-            b = time.perf_counter()
-            kernel_s += b - a
-            counters.cpu_samples.append((int(sel.numel()), b - a))
-            counters.cpu_expert_calls += 1
-        assert raw is not None
+        if batched:
+            raw, kernel_s = self._batched_call(module, layer, x, inv, rows_e, counters)
+        else:
+            raw, kernel_s = self._expert_calls(module, layer, x, inv, rows_e, counters)
         t2 = time.perf_counter()
         raw = raw.to(hidden.device)
         self._pace(raw.numel() * raw.element_size(), t2)
@@ -151,6 +142,43 @@ class HostExperts:
         counters.cpu_transfer_s += (t1 - t0) + (t3 - t2)
         counters.cpu_transfer_samples.append((moved, (t1 - t0) + (t3 - t2)))
         return finish_rows(module, raw, weight)
+
+    def _expert_calls(self, module: Any, layer: int, x: torch.Tensor, inv: torch.Tensor,
+                      rows_e: torch.Tensor, counters: Any) -> tuple[torch.Tensor, float]:
+        """Raw outputs float[R, H] (host) of the grouped kernel, one call per expert, each
+        timed (a sample); and the calls' seconds."""
+        raw: torch.Tensor | None = None
+        kernel_s = 0.0
+        for e in torch.unique(rows_e).tolist():
+            a = time.perf_counter()
+            sel = (rows_e == e).nonzero().squeeze(1)
+            out = slot_rows(module, self.store.tensors[layer], x, inv[sel], rows_e[sel],
+                            rows_e[sel], finish=False)
+            if raw is None:
+                raw = out.new_empty((rows_e.numel(), out.shape[-1]))
+            raw[sel] = out
+            b = time.perf_counter()
+            kernel_s += b - a
+            counters.cpu_samples.append((int(sel.numel()), b - a))
+            counters.cpu_expert_calls += 1
+        assert raw is not None
+        return raw, kernel_s
+
+    def _batched_call(self, module: Any, layer: int, x: torch.Tensor, inv: torch.Tensor,
+                      rows_e: torch.Tensor, counters: Any) -> tuple[torch.Tensor, float]:
+        """Raw outputs float[R, H] (host) of transformers' batched kernel over every row at
+        once, as the plain ``batched_mm`` model computes them (its per-row ``bmm`` rounds
+        with the batch it is given: one call keeps the outputs bitwise the model's); the
+        call's seconds are shared among the experts by their rows for the samples."""
+        a = time.perf_counter()
+        raw = slot_rows(module, self.store.tensors[layer], x, inv, rows_e, rows_e,
+                        batched=True, finish=False)
+        kernel_s = time.perf_counter() - a
+        experts, rows = torch.unique(rows_e, return_counts=True)
+        for n in rows.tolist():
+            counters.cpu_samples.append((int(n), kernel_s * n / rows_e.numel()))
+        counters.cpu_expert_calls += int(experts.numel())
+        return raw, kernel_s
 
     def stream_rows(self, module: Any, layer: int, hidden: torch.Tensor, token: torch.Tensor,
                     expert: torch.Tensor, weight: torch.Tensor, experts: Sequence[int],

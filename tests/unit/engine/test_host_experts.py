@@ -176,3 +176,19 @@ def test_bad_execution_settings_fail_before_weights_move(mixtral, store_of) -> N
             offload(mixtral, system="deepspeed", **kw)
     assert {n: p.data_ptr() for n, p in mixtral.named_parameters()} == before
     assert mixtral.config._experts_implementation == "grouped_mm"
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_batched_mm_model_on_the_cpu_path(model_type: str) -> None:
+    """A model on transformers' batched_mm kernel: the CPU and stream paths compute with
+    the batched kernel too (what generate's decode steps use on an accelerator), exactly."""
+    model = toy_model(model_type)
+    model.set_experts_implementation("batched_mm")
+    ids = prompt_ids(10, seed=4)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        ref_logits = model(ids).logits
+    for name in ("layer_split", "cpu_on_miss"):
+        out, logits, m = _run(model, ids, **_setups(model)[name])
+        assert torch.equal(out, ref) and torch.equal(logits, ref_logits), name
+        assert m["cpu_expert_calls"] > 0
