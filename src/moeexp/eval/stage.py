@@ -164,6 +164,11 @@ def _engine_factory(inputs: EvalInputs,
     epl = getattr(predictor, "experts_per_layer", None)
     if isinstance(epl, int):
         info["experts_per_layer"] = epl
+    plain = system in PLAIN_SYSTEMS or "future" in predictor.needs or cache.needs_future
+    if plain and settings.expert_format != "dense":
+        raise ConfigError(f"eval: system={system} is evaluated as the plain model, which does "
+                          f"not hold expert_format={settings.expert_format}; use a system the "
+                          "engine serves without the future (e.g. deepspeed)")
     if system in PLAIN_SYSTEMS:
         return None, info
     if "future" in predictor.needs or cache.needs_future:
