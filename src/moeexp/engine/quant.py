@@ -54,7 +54,6 @@ ENGINE_FORMATS: tuple[str, ...] = ("dense", "int8", "int4", "hqq3", "hqq2")
 #: HQQ's ``BaseQuantizeConfig`` arguments per format (Mixtral-Offloading's for hqq2).
 _HQQ = {"hqq3": {"nbits": 3, "group_size": 64}, "hqq2": {"nbits": 2, "group_size": 16}}
 _HQQ_META_GROUP = 128  # HQQ's scale_quant_params group_size
-_HQQ_PARTS = ("zero_q", "zero_s", "zero_z", "scale_q", "scale_s", "scale_z")
 
 
 def is_matrix(t: torch.Tensor) -> bool:
@@ -168,10 +167,7 @@ def dequantise(parts: Mapping[str, torch.Tensor], fmt: str, shape: tuple[int, in
     """Expert matrices [U, a, b] (``shape`` = (a, b)) in ``dtype`` from packed ``parts``
     (suffix -> tensor with leading U, as :func:`quantise` returns them)."""
     if fmt in _HQQ:
-        U = parts[""].shape[0]
-        mats = [_hqq_dequantise({k: v[u] for k, v in parts.items()}, fmt, shape)
-                for u in range(U)]
-        return torch.stack(mats).to(dtype) if mats else torch.empty(0, *shape, dtype=dtype)
+        return _hqq_dequantise(parts, fmt, shape).to(dtype)
     qp = _library(fmt)
     p = _affine_params(fmt, shape[1])
     q = parts[""]
@@ -185,25 +181,31 @@ def dequantise(parts: Mapping[str, torch.Tensor], fmt: str, shape: tuple[int, in
     return w.reshape(U, *shape).to(dtype)
 
 
-def _hqq_dequantise(part: Mapping[str, torch.Tensor], fmt: str,
+def _unpack(fmt: str, w_q: torch.Tensor, packing: str) -> torch.Tensor:
+    """HQQ's unpacker ``packing`` applied to each of the U packed matrices ``w_q`` [U, r, c]
+    at once (it works along rows, columns independent: the U matrices go side by side),
+    in fp16: [U, rows * values per word, c]."""
+    U, r, c = w_q.shape
+    flat = _library(fmt).Quantizer.unpack[packing](w_q.permute(1, 0, 2).reshape(r, U * c),
+                                                   dtype=torch.float16)
+    return flat.reshape(-1, U, c).permute(1, 0, 2)
+
+
+def _hqq_dequantise(parts: Mapping[str, torch.Tensor], fmt: str,
                     shape: tuple[int, int]) -> torch.Tensor:
-    hq = _library(fmt)
-    q = hq.Quantizer
-    half = torch.float16
-    g = _HQQ[fmt]["group_size"]
+    """HQQ's ``Quantizer.dequantize`` (``(unpack(W_q) - zero) * scale`` in fp16, after the
+    8-bit zeros and scales are dequantised the same way) for U experts at once: bit for bit
+    the library's per-matrix result (tests/unit/engine/test_quant.py)."""
+    U = parts[""].shape[0]
+    nbits, g = _HQQ[fmt]["nbits"], _HQQ[fmt]["group_size"]
     groups = shape[0] * shape[1] // g
-    base = {"axis": 0, "packing": "8bit_u8", "view_as_float": False, "nbits": 8,
-            "compute_dtype": half}
-    zero = q.dequantize(part[".zero_q"], {**base, "group_size": None, "shape": (groups, 1),
-                                          "scale": part[".zero_s"], "zero": part[".zero_z"]})
-    scale = q.dequantize(part[".scale_q"], {**base, "group_size": _HQQ_META_GROUP,
-                                            "shape": (groups, 1), "scale": part[".scale_s"],
-                                            "zero": part[".scale_z"]})
-    nbits = _HQQ[fmt]["nbits"]
-    meta = {"nbits": nbits, "group_size": g, "shape": shape, "scale": scale, "zero": zero,
-            "axis": 1, "packing": q.bit_to_packing[nbits], "view_as_float": False,
-            "compute_dtype": half}
-    return q.dequantize(part[""], meta)
+    half = torch.float16
+    zero = (parts[".zero_q"].to(half) - parts[".zero_z"].view(U, 1, 1)) \
+        * parts[".zero_s"].view(U, 1, 1)
+    scale = (parts[".scale_q"].to(half) - parts[".scale_z"]) * parts[".scale_s"]
+    packing = _library(fmt).Quantizer.bit_to_packing[nbits]
+    w = _unpack(fmt, parts[""], packing)[:, :groups]
+    return ((w - zero.reshape(U, groups, 1)) * scale.reshape(U, groups, 1)).reshape(U, *shape)
 
 
 # ---------------------------------------------------------------------- model level

@@ -62,6 +62,41 @@ def test_library_formats_bytes_error_and_slices(fmt: str) -> None:
     assert torch.equal(some, full[1:3])
 
 
+def _hqq_library_dequantise(part: dict[str, torch.Tensor], fmt: str,
+                            shape: tuple[int, int]) -> torch.Tensor:
+    """One matrix through HQQ's own ``Quantizer.dequantize`` (zeros, scales, then weights),
+    as ``HQQLinear.dequantize`` chains it."""
+    from hqq.core.quantize import Quantizer
+
+    nbits, g = {"hqq3": (3, 64), "hqq2": (2, 16)}[fmt]
+    groups = shape[0] * shape[1] // g
+    base = {"axis": 0, "packing": "8bit_u8", "view_as_float": False, "nbits": 8,
+            "compute_dtype": torch.float16}
+    zero = Quantizer.dequantize(part[".zero_q"], {**base, "group_size": None,
+                                                  "shape": (groups, 1), "scale": part[".zero_s"],
+                                                  "zero": part[".zero_z"]})
+    scale = Quantizer.dequantize(part[".scale_q"], {**base, "group_size": 128,
+                                                    "shape": (groups, 1),
+                                                    "scale": part[".scale_s"],
+                                                    "zero": part[".scale_z"]})
+    return Quantizer.dequantize(part[""], {
+        "nbits": nbits, "group_size": g, "shape": shape, "scale": scale, "zero": zero,
+        "axis": 1, "packing": Quantizer.bit_to_packing[nbits], "view_as_float": False,
+        "compute_dtype": torch.float16})
+
+
+@pytest.mark.parametrize("fmt", ["hqq3", "hqq2"])
+def test_hqq_batched_dequantisation_is_the_librarys(fmt: str) -> None:
+    """The engine dequantises U experts at once; each is bit for bit what HQQ's
+    Quantizer.dequantize gives for that matrix alone."""
+    torch.manual_seed(1)
+    parts = quantise(torch.randn(3, 256, 128), fmt)
+    ours = dequantise(parts, fmt, (256, 128), torch.float16)
+    for u in range(3):
+        ref = _hqq_library_dequantise({k: v[u] for k, v in parts.items()}, fmt, (256, 128))
+        assert torch.equal(ours[u], ref)
+
+
 @pytest.mark.parametrize("fmt", LOSSY)
 def test_engine_is_exact_against_the_same_quantised_weights(fmt: str) -> None:
     """The engine holding ``fmt`` (half the experts resident) gives the tokens of the plain
