@@ -287,6 +287,11 @@ def _check_recorded_format(spec: RunSpec) -> None:
     shapes. Whether the model's experts can take it is checked on its shapes before the
     load (moeexp.pipeline). The plain model (``no_offload``) does not hold a format."""
     fmt = spec.model.expert_format
+    if fmt != "dense" and spec.cost.as_model is None and spec.backend.name not in ("sim",
+                                                                                  "engine"):
+        raise ConfigError(f"model.expert_format={fmt} on the loaded model: backend="
+                          f"{spec.backend.name} does not hold quantised experts (valid: sim, "
+                          "engine; or price a projection with cost.as_model)")
     if fmt != "dense" and spec.cost.as_model is None and spec.eval.enabled \
             and spec.system.name in ("no_offload", "plain", "none"):
         raise ConfigError(f"model.expert_format={fmt} with eval={spec.eval.name}: "

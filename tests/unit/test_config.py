@@ -214,6 +214,8 @@ def test_expert_format_on_a_recorded_trace():
     evaluated in one; an unknown name is refused with the valid ones."""
     spec = validate(_compose(["+model.expert_format=hqq2"]))
     assert spec.model.expert_format == "hqq2"
+    with pytest.raises(ConfigError, match="backend=sim_vs_engine does not hold quantised"):
+        validate(_compose(["+model.expert_format=int8", "backend=sim_vs_engine"]))
     with pytest.raises(ConfigError, match="system=no_offload evaluates the plain model"):
         validate(_compose(["+model.expert_format=int8", "eval=lm_eval", "system=no_offload"]))
     with pytest.raises(ConfigError, match="expert_format='int3'; valid: dense"):

@@ -76,3 +76,28 @@ def test_a_format_the_model_cannot_take_is_refused_with_the_valid_ones():
         check_model_format(spec("int4"), adapter)
     check_model_format(spec("int8"), adapter)
     check_model_format(spec("int4", as_model="mixtral_8x7b"), adapter)
+
+
+def test_a_recorded_trace_prices_the_models_experts_in_its_format():
+    """No projection: the cost model's expert bytes are the loaded model's experts in
+    model.expert_format (formats.py's bits; the routing stays the recording's)."""
+    from types import SimpleNamespace
+
+    from moeexp.costmodel.hardware import load_profile
+    from moeexp.models.adapters import adapter_for
+    from moeexp.models.toy_configs import toy_model
+    from moeexp.pipeline import _cost_model
+    from moeexp.traces.recorder import trace_dims
+
+    model = toy_model("mixtral")  # fp32 experts 96x32 + 32x48 = 4608 weights
+    loaded = SimpleNamespace(model=model, adapter=adapter_for(model))
+    tr = SimpleNamespace(dims=trace_dims(loaded.adapter, 0))
+
+    def cost(fmt):
+        spec = SimpleNamespace(model=SimpleNamespace(name="m", expert_format=fmt, dtype="float32"),
+                               cost=SimpleNamespace(as_model=None, projected=False),
+                               hardware=load_profile("rtx3090_pcie4"))
+        return _cost_model(spec, tr, loaded)
+
+    assert cost("dense").expert_bytes == 4608 * 4
+    assert cost("int8").expert_bytes == 4608 + 2 * (96 + 32)  # a bf16 scale per stored row
