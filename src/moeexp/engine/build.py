@@ -97,12 +97,13 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
         conf_dir: config root (default: the repository's ``conf/``).
         **overrides: mechanism settings (EngineSettings fields: ``bandwidth_bps``,
             ``restricted_routing``, ``renormalize``, ``predictor_async``, ``max_inflight``,
-            ``spec_depth``, ``copy_chunk_mb``).
+            ``spec_depth``, ``copy_chunk_mb``, ``expert_format``: hold the experts quantised,
+            :mod:`moeexp.engine.quant`).
 
     Raises:
         ConfigError / ModelLoadError: before any weight moves, for an unknown system,
             predictor or cache, a capacity below top-k experts, a model without MoE layers,
-            or an unknown setting.
+            an unknown setting, or an ``expert_format`` the model's experts cannot take.
     """
     from moeexp.models.adapters import adapter_for
 

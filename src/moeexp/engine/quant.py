@@ -66,7 +66,7 @@ def check_engine_format(fmt: str, shapes: Mapping[str, tuple[int, ...]],
     """Refuse, before any work, a format the engine cannot hold for experts of ``shapes``
     (per-expert shape by tensor name), naming the formats it can."""
     format_spec(fmt, where)  # an unknown name: ConfigError listing EXPERT_FORMATS
-    mats = [s for s in shapes.values() if len(s) == 2]
+    mats: list[tuple[int, ...]] = [s for s in shapes.values() if len(s) == 2]
     ok = [f for f in ENGINE_FORMATS if not _why_not(f, mats)]
     why = _why_not(fmt, mats)
     if why:

@@ -119,7 +119,7 @@ class HostStore:
         layer = self.tensors[0]
         shapes = {n: tuple(t.shape[1:]) for n, t in layer.items()}
         nbytes = sum(t[0].numel() * t.element_size() for t in layer.values())
-        mats = {n: s for n, s in dense.shapes.items() if len(s) == 2}
+        mats: dict[str, tuple[int, ...]] = {n: s for n, s in dense.shapes.items() if len(s) == 2}
         return replace(dense, names=tuple(layer), shapes=shapes, nbytes=int(nbytes),
                        dtypes={n: t.dtype for n, t in layer.items()}, fmt=self.fmt,
                        dense_shapes=mats)

@@ -10,7 +10,9 @@ real engine (:func:`moeexp.engine.build_offloaded`) with the run's predictor and
 (the pipeline's own objects, fitted on the store split of the run's trace, copied before
 the backend ran: :class:`EvalInputs`) and the backend
 group's mechanism keys (``restricted_routing``, ``renormalize``: eMoE's lossy mode;
-``restricted_wait`` with ``backend=engine``: timing-independent substitutions). An
+``restricted_wait`` with ``backend=engine``: timing-independent substitutions), and
+``expert_format`` (``model.expert_format``, added by the pipeline: the engine holds the
+experts quantised, compared with the plain dense model). An
 exact system gives the plain model's numbers; a lossy one shows what it costs. Each phase
 below gets a fresh engine (a deep copy of the fitted policies), so one phase's requests do
 not change another's. Systems whose policies need the future (oracle, belady) are exact
