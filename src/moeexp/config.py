@@ -302,15 +302,23 @@ def _check_imported(spec: RunSpec) -> None:
 
 
 def _check_recorded_format(spec: RunSpec) -> None:
-    """A recorded trace's expert bytes are the loaded model's (dense): another
-    ``model.expert_format`` prices only a projection onto ``cost.as_model``'s real shapes."""
+    """A recorded trace with another ``model.expert_format``: the engine holds the loaded
+    model's experts in it (quality: ``eval``), the simulator prices its quantised bytes on
+    the routing recorded from the dense model, or a projection prices ``cost.as_model``'s
+    shapes. Whether the model's experts can take it is checked on its shapes before the
+    load (moeexp.pipeline). The plain model (``no_offload``) does not hold a format."""
     fmt = spec.model.expert_format
-    if fmt != "dense" and spec.cost.as_model is None:
-        raise ConfigError(f"model.expert_format={fmt} with a recorded trace: its expert bytes are "
-                          "the loaded model's (dense) and no shapes are known to quantise; price "
-                          "the format on a model's real shapes with cost.as_model=<preset with an "
-                          "arch: block>, or replay an imported trace (trace.source), or use "
-                          "expert_format=dense")
+    if fmt != "dense" and spec.cost.as_model is None and spec.backend.name not in ("sim",
+                                                                                  "engine"):
+        raise ConfigError(f"model.expert_format={fmt} on the loaded model: backend="
+                          f"{spec.backend.name} does not hold quantised experts (valid: sim, "
+                          "engine; or price a projection with cost.as_model)")
+    if fmt != "dense" and spec.cost.as_model is None and spec.eval.enabled \
+            and spec.system.name in ("no_offload", "plain", "none"):
+        raise ConfigError(f"model.expert_format={fmt} with eval={spec.eval.name}: "
+                          f"system={spec.system.name} evaluates the plain model, which holds "
+                          "its experts as loaded; evaluate the format with an offloading "
+                          "system (e.g. system=deepspeed cache.capacity=1.0)")
 
 
 def _check_scheduler(spec: RunSpec) -> None:

@@ -228,12 +228,36 @@ def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
     probe = probe_adapter(model_cfg)
     if probe is not None:
         _check_with_dims(spec, trace_dims(probe, spec.trace.spec_depth))
+        check_model_format(spec, probe)
     t = time.perf_counter()
     loaded = load_model(model_cfg)
     times["load_time_s"] = time.perf_counter() - t
     if probe is None:
         _check_with_dims(spec, trace_dims(loaded.adapter, spec.trace.spec_depth))
+        check_model_format(spec, loaded.adapter)
     return loaded
+
+
+def check_model_format(spec: RunSpec, adapter: Any) -> None:
+    """``model.expert_format`` on the loaded model's own experts (no projection): one the
+    engine can hold for their shapes (:func:`moeexp.engine.quant.check_engine_format`),
+    else ConfigError naming those it can, before the load when a probe is possible."""
+    if spec.model.expert_format == "dense" or spec.cost.as_model is not None:
+        return
+    from moeexp.engine.quant import check_engine_format  # torch
+
+    experts = adapter.moe_layers()[0].experts
+    shapes = {n: tuple(getattr(experts, n).shape[1:]) for n in adapter.expert_tensor_names}
+    check_engine_format(spec.model.expert_format, shapes, f"model={spec.model.name}")
+
+
+def _backend_kwargs(spec: RunSpec) -> dict[str, Any]:
+    """The backend group's keys, plus ``expert_format`` (the engine's setting) when the
+    loaded model's experts are held quantised (engine backend, eval stage)."""
+    kw = dict(spec.backend.kwargs)
+    if spec.model.expert_format != "dense" and spec.cost.as_model is None:
+        kw["expert_format"] = spec.model.expert_format
+    return kw
 
 
 def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, float],
@@ -269,7 +293,9 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     # the eval stage gets the fitted policies as they are before the backend uses them
     unused = (copy.deepcopy(predictor), copy.deepcopy(cache)) if spec.eval.enabled else None
 
-    backend = BACKENDS.build(spec.backend.name, **spec.backend.kwargs)
+    backend = BACKENDS.build(spec.backend.name, **(_backend_kwargs(spec)
+                                                     if spec.backend.name == "engine"
+                                                     else spec.backend.kwargs))
     test_ids = {r.request_id for r in test.requests}
     ctx = BackendContext(loaded=loaded, prompts=[p for p in prompts if p.request_id in test_ids],
                          trace=test, predictor=predictor, cache=cache,
@@ -294,7 +320,7 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
     if unused is not None:
         metrics.update(run_eval(spec.eval, EvalInputs(
             loaded=loaded, prompts=prompts, system=spec.system.name,
-            backend=spec.backend.kwargs, dataset=spec.dataset.to_mapping(),
+            backend=_backend_kwargs(spec), dataset=spec.dataset.to_mapping(),
             predictor=unused[0], cache=unused[1])))
     return metrics, dict(result.series)
 
@@ -369,9 +395,14 @@ def _cost_model(spec: RunSpec, trace: Trace, loaded: Any) -> CostModel:
     """The hardware profile's cost model for the trace's dims (projected by the ``cost``
     block), at the weights' bytes per element, with the experts held in
     ``model.expert_format``: an imported trace's dims were built in it, a projection onto
-    ``cost.as_model`` builds that preset's dims in it (a recorded trace without a projection
-    is dense: :func:`moeexp.config.validate` refuses another format there)."""
+    ``cost.as_model`` builds that preset's dims in it, a recorded trace without one prices
+    the loaded model's experts in it (the routing stays the dense model's recording)."""
     dims, fmt = trace.dims, spec.model.expert_format
+    if fmt != "dense" and spec.cost.as_model is None and loaded is not None:
+        from moeexp.models.arch import format_expert_bytes
+
+        dims = dataclasses.replace(dims, expert_bytes=format_expert_bytes(
+            loaded.adapter, fmt, 8 * _dtype_bytes(spec, loaded), f"model={spec.model.name}"))
     if spec.cost.projected:
         from moeexp.models.arch import arch_dims  # torch, transformers (meta device only)
         from moeexp.paths import load_group_yaml

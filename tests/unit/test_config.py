@@ -208,11 +208,16 @@ def test_console_script_from_another_directory(tmp_path):
     assert out.returncode == 1 and "no run (metrics.json)" in out.stderr
 
 
-def test_expert_format_on_a_recorded_trace_needs_a_projection():
-    """A recorded trace's experts are the loaded model's (dense): another format is refused
-    unless a projection onto a preset's real shapes (cost.as_model) prices it."""
-    with pytest.raises(ConfigError, match="model.expert_format=int4 with a recorded trace"):
-        validate(_compose(["+model.expert_format=int4"]))
+def test_expert_format_on_a_recorded_trace():
+    """A recorded trace's model holds its experts in the format (the engine quantises them;
+    the shapes are checked by the pipeline before the load); the plain model cannot be
+    evaluated in one; an unknown name is refused with the valid ones."""
+    spec = validate(_compose(["+model.expert_format=hqq2"]))
+    assert spec.model.expert_format == "hqq2"
+    with pytest.raises(ConfigError, match="backend=sim_vs_engine does not hold quantised"):
+        validate(_compose(["+model.expert_format=int8", "backend=sim_vs_engine"]))
+    with pytest.raises(ConfigError, match="system=no_offload evaluates the plain model"):
+        validate(_compose(["+model.expert_format=int8", "eval=lm_eval", "system=no_offload"]))
     with pytest.raises(ConfigError, match="expert_format='int3'; valid: dense"):
         validate(_compose(["+model.expert_format=int3", "cost.as_model=mixtral_8x7b"]))
     spec = validate(_compose(["+model.expert_format=hqq2", "cost.as_model=mixtral_8x7b"]))

@@ -51,3 +51,53 @@ def test_the_artifact_demo_leak_puts_every_test_request_in_the_store(caplog):
     assert "finemoe+store_leak=artifact_demo: dataset.store_leak=artifact_demo" in caplog.text
     assert f"the {len(test.requests)} test requests are in the store too" in caplog.text
     assert all(r.split == "test" for r in tr.split("test").requests)  # the trace unchanged
+
+
+def test_a_format_the_model_cannot_take_is_refused_with_the_valid_ones():
+    """model.expert_format on the loaded model's own experts: checked on their shapes (the
+    pipeline does it on the meta-device probe, before the load); a projection skips it."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from moeexp.errors import ConfigError
+    from moeexp.models.adapters import adapter_for
+    from moeexp.models.toy_configs import toy_model
+    from moeexp.pipeline import check_model_format
+
+    adapter = adapter_for(toy_model("mixtral"))  # experts 96x32 and 32x48
+
+    def spec(fmt, as_model=None):
+        return SimpleNamespace(model=SimpleNamespace(name="m", expert_format=fmt),
+                               cost=SimpleNamespace(as_model=as_model))
+
+    with pytest.raises(ConfigError, match=r"model=m: expert_format=int4: its groups of 128 .*"
+                                          r"can hold .*: dense, int8 \(all formats"):
+        check_model_format(spec("int4"), adapter)
+    check_model_format(spec("int8"), adapter)
+    check_model_format(spec("int4", as_model="mixtral_8x7b"), adapter)
+
+
+def test_a_recorded_trace_prices_the_models_experts_in_its_format():
+    """No projection: the cost model's expert bytes are the loaded model's experts in
+    model.expert_format (formats.py's bits; the routing stays the recording's)."""
+    from types import SimpleNamespace
+
+    from moeexp.costmodel.hardware import load_profile
+    from moeexp.models.adapters import adapter_for
+    from moeexp.models.toy_configs import toy_model
+    from moeexp.pipeline import _cost_model
+    from moeexp.traces.recorder import trace_dims
+
+    model = toy_model("mixtral")  # fp32 experts 96x32 + 32x48 = 4608 weights
+    loaded = SimpleNamespace(model=model, adapter=adapter_for(model))
+    tr = SimpleNamespace(dims=trace_dims(loaded.adapter, 0))
+
+    def cost(fmt):
+        spec = SimpleNamespace(model=SimpleNamespace(name="m", expert_format=fmt, dtype="float32"),
+                               cost=SimpleNamespace(as_model=None, projected=False),
+                               hardware=load_profile("rtx3090_pcie4"))
+        return _cost_model(spec, tr, loaded)
+
+    assert cost("dense").expert_bytes == 4608 * 4
+    assert cost("int8").expert_bytes == 4608 + 2 * (96 + 32)  # a bf16 scale per stored row

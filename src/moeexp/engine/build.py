@@ -113,12 +113,13 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
             with a ``cpu:`` block (e.g. ``rtx3090_pcie4_xeon_e5v4``).
         **overrides: mechanism settings (EngineSettings fields: ``bandwidth_bps``,
             ``restricted_routing``, ``renormalize``, ``predictor_async``, ``max_inflight``,
-            ``spec_depth``, ``copy_chunk_mb``).
+            ``spec_depth``, ``copy_chunk_mb``, ``expert_format``: hold the experts quantised,
+            :mod:`moeexp.engine.quant`).
 
     Raises:
         ConfigError / ModelLoadError: before any weight moves, for an unknown system,
             predictor or cache, a capacity below top-k experts, a model without MoE layers,
-            or an unknown setting.
+            an unknown setting, or an ``expert_format`` the model's experts cannot take.
     """
     from moeexp.models.adapters import adapter_for
 
@@ -265,10 +266,15 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     if dev != here:
         raise ConfigError(f"the model is on {here}; move it to {dev} first (model.to(device)) "
                           f"or pass device=None")
-    if execution is not None and execution.name != "copy" and topology is not None \
-            and topology.devices > 1:
-        raise ConfigError(f"execution={execution.name} runs on one device; got "
-                          f"hardware.devices={topology.devices}")
+    if execution is not None and execution.name != "copy":
+        if topology is not None and topology.devices > 1:
+            raise ConfigError(f"execution={execution.name} runs on one device; got "
+                              f"hardware.devices={topology.devices}")
+        if settings.expert_format != "dense":
+            raise ConfigError(f"execution={execution.name}: the engine's CPU path computes "
+                              f"dense experts only; got expert_format="
+                              f"{settings.expert_format} (use expert_format=dense, or "
+                              f"execution=copy with a quantised format)")
     pinned = _host_experts(execution, cost, cache, settings)
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:

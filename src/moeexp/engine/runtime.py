@@ -46,6 +46,7 @@ from moeexp.engine.budget import Budget
 from moeexp.engine.devices import DeviceCaches
 from moeexp.engine.kernel import slot_rows
 from moeexp.engine.predict import PredictorRunner
+from moeexp.engine.quant import check_engine_format, dense_slots
 from moeexp.engine.store import HostStore, Key, SlotPool, expert_spec
 from moeexp.engine.transfer import CopyEngine, CopyJob
 from moeexp.errors import ConfigError
@@ -95,6 +96,9 @@ class EngineSettings:
         copy_chunk_mb: copy granularity, MB (``hardware.copy_chunk_mb``): 0 = whole-expert
             copies; > 0 = chunks after which a demand load may overtake a prefetch
             (:mod:`moeexp.engine.transfer`, :mod:`moeexp.costmodel.copies`).
+        expert_format: how the store and the slots hold the experts (``model.expert_format``;
+            :mod:`moeexp.engine.quant`): ``dense`` (as loaded) or a quantised format, whose
+            packed bytes are what a copy moves; the kernel dequantises what it computes with.
     """
 
     restricted_routing: bool = False
@@ -106,6 +110,7 @@ class EngineSettings:
     max_inflight: int = 2
     spec_depth: int = 4
     copy_chunk_mb: float = 0.0
+    expert_format: str = "dense"
 
 
 @dataclass
@@ -223,8 +228,11 @@ class Engine:
         self.host: Any = None
         #: experts the execution policy keeps on the device for the run (never evicted)
         self.pinned: frozenset[Key] = frozenset()
-        self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda")
+        check_engine_format(settings.expert_format, self.spec.shapes, "engine")
+        self.store = HostStore([m.experts for m in layers], names, pin=device.type == "cuda",
+                               fmt=settings.expert_format)
         try:
+            self.spec = self.store.packed_spec(self.spec)
             self.pool = SlotPool(self.spec, budget.slots, self.L, self.J, device)
             self._lut_host: dict[Key, int] = {}  # what pool.lut holds (compute thread)
             chunk = chunk_bytes_of(self.spec.nbytes, settings.copy_chunk_mb)
@@ -670,7 +678,10 @@ class Engine:
             self.wait_keys(keys)
         self.sync_lut(layer, keys)
         slots = self.pool.lut[layer][experts]
-        out = slot_rows(module, self.pool.buffers, hidden, token, slots, weights,
+        buffers = self.pool.buffers
+        if self.spec.fmt != "dense":
+            buffers, slots = dense_slots(self.spec, buffers, slots)
+        out = slot_rows(module, buffers, hidden, token, slots, weights,
                         batched=self.batched_rows)
         if self.copier.cuda:
             self.copier.mark_used([self.pool.slot_of[k] for k in keys])

@@ -11,12 +11,18 @@ The host store *is* the model's fused expert parameters, moved to host memory wh
 device is CUDA (``param.data`` becomes a pinned host tensor, so the device never holds the
 full fused tensors) and left untouched on a CPU-only run. :meth:`HostStore.restore` moves
 them back. The slot pool is the only place the engine's experts kernel reads weights from.
+
+With a lossy ``expert_format`` (:mod:`moeexp.engine.quant`) the store holds the quantised
+experts instead, under the packed names (``gate_up_proj``, ``gate_up_proj.scale``, ...),
+and the slots are packed the same way: a copy moves the quantised bytes
+(:attr:`ExpertSpec.nbytes`), and the kernel dequantises the slots it computes with. The
+model's own (dense) tensors stay on the host, untouched, for :meth:`HostStore.restore`.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -35,14 +41,24 @@ class ExpertSpec:
     Attributes:
         names: fused parameter names of the experts module, each of shape (J, ...).
         shapes: name -> shape of one expert's slice.
-        dtype: parameter dtype.
-        nbytes: bytes of one expert (all tensors).
+        dtype: parameter dtype (of the dense experts the kernel computes with).
+        nbytes: bytes of one expert (all tensors, as held: packed when quantised).
+        dtypes: name -> dtype of the tensors that are not ``dtype`` (packed parts).
+        fmt: ``model.expert_format`` the store and slots hold (``dense``: as loaded).
+        dense_shapes: quantised formats: name of a matrix -> its dense per-expert shape.
     """
 
     names: tuple[str, ...]
     shapes: dict[str, tuple[int, ...]]
     dtype: torch.dtype
     nbytes: int
+    dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    fmt: str = "dense"
+    dense_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """The dtype slot buffer ``name`` holds."""
+        return self.dtypes.get(name, self.dtype)
 
 
 def expert_spec(experts: nn.Module, names: tuple[str, ...], num_experts: int) -> ExpertSpec:
@@ -73,12 +89,40 @@ class HostStore:
         pin: pin host memory (CUDA devices: enables asynchronous copies).
     """
 
-    def __init__(self, experts: list[nn.Module], names: tuple[str, ...], *, pin: bool) -> None:
+    def __init__(self, experts: list[nn.Module], names: tuple[str, ...], *, pin: bool,
+                 fmt: str = "dense") -> None:
         self.names = names
+        self.fmt = fmt
         self.tensors: list[dict[str, torch.Tensor]] = []
         self._moved: list[tuple[nn.Parameter, torch.device]] = []
         with torch.inference_mode(False), torch.no_grad():
-            self._take(experts, names, pin)
+            self._take(experts, names, pin and fmt == "dense")
+            if fmt != "dense":
+                self.tensors = [self._quantised(layer, pin) for layer in self.tensors]
+
+    def _quantised(self, layer: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
+        """One layer's tensors held in ``self.fmt`` (vectors as they are)."""
+        from moeexp.engine.quant import is_matrix, quantise  # the libraries: lazily
+
+        out: dict[str, torch.Tensor] = {}
+        for n, t in layer.items():
+            parts = quantise(t, self.fmt) if is_matrix(t) else {"": t}
+            for suffix, p in parts.items():
+                p = p.contiguous()
+                out[n + suffix] = p.pin_memory() if pin else p
+        return out
+
+    def packed_spec(self, dense: ExpertSpec) -> ExpertSpec:
+        """The :class:`ExpertSpec` of what this store holds (``dense``: the model's)."""
+        if self.fmt == "dense":
+            return dense
+        layer = self.tensors[0]
+        shapes = {n: tuple(t.shape[1:]) for n, t in layer.items()}
+        nbytes = sum(t[0].numel() * t.element_size() for t in layer.values())
+        mats: dict[str, tuple[int, ...]] = {n: s for n, s in dense.shapes.items() if len(s) == 2}
+        return replace(dense, names=tuple(layer), shapes=shapes, nbytes=int(nbytes),
+                       dtypes={n: t.dtype for n, t in layer.items()}, fmt=self.fmt,
+                       dense_shapes=mats)
 
     def _take(self, experts: list[nn.Module], names: tuple[str, ...], pin: bool) -> None:
         for module in experts:
@@ -122,7 +166,7 @@ class SlotPool:
         self.device = device
         # normal tensors even under inference_mode: the copy thread writes them outside it
         with torch.inference_mode(False), torch.no_grad():
-            self.buffers = {n: torch.empty((slots, *spec.shapes[n]), dtype=spec.dtype,
+            self.buffers = {n: torch.empty((slots, *spec.shapes[n]), dtype=spec.dtype_of(n),
                                            device=device) for n in spec.names}
             self.lut = torch.full((num_layers, num_experts), -1, dtype=torch.long, device=device)
         self.key_of: list[Key | None] = [None] * slots

@@ -10,7 +10,9 @@ real engine (:func:`moeexp.engine.build_offloaded`) with the run's predictor and
 (the pipeline's own objects, fitted on the store split of the run's trace, copied before
 the backend ran: :class:`EvalInputs`) and the backend
 group's mechanism keys (``restricted_routing``, ``renormalize``: eMoE's lossy mode;
-``restricted_wait`` with ``backend=engine``: timing-independent substitutions). An
+``restricted_wait`` with ``backend=engine``: timing-independent substitutions), and
+``expert_format`` (``model.expert_format``, added by the pipeline: the engine holds the
+experts quantised, compared with the plain dense model). An
 exact system gives the plain model's numbers; a lossy one shows what it costs. Each phase
 below gets a fresh engine (a deep copy of the fitted policies), so one phase's requests do
 not change another's. Systems whose policies need the future (oracle, belady) are exact
@@ -164,6 +166,11 @@ def _engine_factory(inputs: EvalInputs,
     epl = getattr(predictor, "experts_per_layer", None)
     if isinstance(epl, int):
         info["experts_per_layer"] = epl
+    plain = system in PLAIN_SYSTEMS or "future" in predictor.needs or cache.needs_future
+    if plain and settings.expert_format != "dense":
+        raise ConfigError(f"eval: system={system} is evaluated as the plain model, which does "
+                          f"not hold expert_format={settings.expert_format}; use a system the "
+                          "engine serves without the future (e.g. deepspeed)")
     if system in PLAIN_SYSTEMS:
         return None, info
     if "future" in predictor.needs or cache.needs_future:

@@ -67,12 +67,12 @@ def arch_dims(arch: Mapping[str, Any], *, dtype: str = "bfloat16",
     dims = trace_dims(adapter, spec_depth)
     if expert_format != "dense":
         dense_bits = 8 * torch.empty((), dtype=torch_dtype).element_size()
-        dims = replace(dims, expert_bytes=_format_expert_bytes(adapter, expert_format,
+        dims = replace(dims, expert_bytes=format_expert_bytes(adapter, expert_format,
                                                                dense_bits, where))
     return dims
 
 
-def _format_expert_bytes(adapter: Any, fmt: str, dense_bits: int, where: str) -> int:
+def format_expert_bytes(adapter: Any, fmt: str, dense_bits: int, where: str) -> int:
     """Bytes of one routed expert held in ``fmt``: matrices at the format's bits (scales
     included), vectors in the model's dtype. Raises ConfigError if the model cannot take it."""
     experts = adapter.moe_layers()[0].experts
