@@ -52,6 +52,21 @@ from moeexp.simulator.cpu import HostCpu
 from moeexp.simulator.device import Device
 
 
+def runs_on_exec_device(execution: ExecutionPolicy | None, devices: int, default_mechanics: bool,
+                        restricted: bool) -> bool:
+    """Whether a replay with ``execution`` needs an :class:`ExecDevice` (a policy other than
+    a ``plain`` one); ConfigError when it does on a testbed the CPU is not modelled on
+    (several devices, the artifact's mechanics, restricted routing)."""
+    if execution is None or execution.plain:
+        return False
+    if devices > 1 or not default_mechanics or restricted:
+        raise ConfigError(f"execution={execution.name}: the CPU is modelled on one device with "
+                          "the default mechanics and no restricted routing; got "
+                          f"hardware.devices={devices}, default mechanics={default_mechanics}, "
+                          f"restricted_routing={restricted}")
+    return True
+
+
 class ExecDevice(Device):
     """One device plus the host CPU, serving misses where ``policy`` places them.
 

@@ -49,7 +49,7 @@ from moeexp.predictors.base import (
 from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
 from moeexp.simulator.device_group import DeviceGroup
-from moeexp.simulator.exec_device import ExecDevice
+from moeexp.simulator.exec_device import ExecDevice, runs_on_exec_device
 from moeexp.simulator.link import HostLimit
 from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.plan import Batch, GroupData, Plan
@@ -160,12 +160,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
         raise ConfigError("demand_load=all_experts cannot drive a policy that reads the "
                           "future access stream (belady): its stream holds the router's "
                           "experts only")
-    cpu = execution is not None and not execution.plain
-    if cpu and (topology.devices > 1 or not mechanics.default or restricted_routing):
-        raise ConfigError(f"execution={execution.name}: the CPU is modelled on one device with "
-                          "the default mechanics and no restricted routing; got "
-                          f"hardware.devices={topology.devices}, {mechanics}, "
-                          f"restricted_routing={restricted_routing}")
+    cpu = runs_on_exec_device(execution, topology.devices, mechanics.default, restricted_routing)
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     with paused_gc():
