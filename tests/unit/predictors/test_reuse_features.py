@@ -54,7 +54,7 @@ def test_fit_is_calibrated_in_the_large_and_learns_a_sure_expert() -> None:
     st = rf.ReuseState.zeros(3, 6)
     for _ in range(30):  # a used-every-pass history, as in the fit
         st.update_all(np.eye(6)[[0, 0, 0]] + 0.0)
-    p_sure = m.next.on_state(st, m.logpop, 1)
+    p_sure = m.next(rf.state_features(st, m.logpop, 1))
     assert p_sure[0] > 0.9 and p_sure[0] > p_sure[1:].max()
     X, y = [], []
     state = rf.ReuseState.zeros(3, 6)
