@@ -1,6 +1,6 @@
 """``next_use``: approximate Belady from predicted next use, and a prefetch gate that pays.
 
-The cache half of the ``prefetch_if_pays`` system (algorithms.md §5c).
+The cache half of the ``prefetch_if_pays`` system (algorithms.md §12).
 
 **Eviction.** Each expert ``(l, e)`` has ``P[l, e]``, the probability that it is used the
 next time layer l runs (the predictor's ``scores``: for a layer still ahead in the running

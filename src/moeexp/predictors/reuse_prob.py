@@ -1,6 +1,6 @@
 """``reuse_prob``: calibrated per-expert probabilities of use, for prefetch and for eviction.
 
-The predictor half of the ``prefetch_if_pays`` system (algorithms.md §5c). At every layer
+The predictor half of the ``prefetch_if_pays`` system (algorithms.md §12). At every layer
 l of a pass it (1) updates layer l's reuse state (:mod:`moeexp.predictors.reuse_features`)
 and gives the cache, as ``scores[l]``, each expert's probability of being used at layer
 l's next pass; (2) for the layers l + 1 .. l + D ahead, gives ``scores[l + d]``, each
