@@ -13,7 +13,9 @@ A predictor sees, in order, for every request and iteration of a replay or a rea
 Every hook returns a :class:`Prediction`: prefetch requests (layer, expert, priority;
 higher priority is issued first) and optional per-layer expert scores that a cache policy
 may use for eviction (FineMoE's p, MoE-Infinity's pEAM). The mechanism (simulator or
-engine) decides *when* bytes move; the predictor never sees bytes, time or torch.
+engine) decides *when* bytes move; the predictor never sees bytes, time or torch. It may
+read the run's *prices* (:meth:`Predictor.bind`: the cost model, with its copy and compute
+times, before the first request; the simulator calls it), never the mechanism's clock.
 
 ``predicted`` in a Prediction lists, per layer, the experts the predictor believes will be
 used even when it does not prefetch them (used for ``prediction_recall``); by default the
@@ -163,6 +165,12 @@ class Predictor:
 
     def fit(self, store: Trace) -> None:
         """Learn from the store split (never the test split). Default: nothing to learn."""
+
+    def bind(self, cost: object, caches: Sequence[object]) -> None:
+        """The run's cost model and cache policies, before the first request (the simulator
+        calls it; the engine does not). A policy that owns both decisions (``reuse_prob``
+        with the ``next_use`` cache) reads the copy and compute times here. Default:
+        nothing."""
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         return Prediction()

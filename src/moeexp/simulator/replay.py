@@ -163,6 +163,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     cpu = runs_on_exec_device(execution, topology.devices, mechanics.default, restricted_routing)
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
+    predictor.bind(cost, caches)  # a policy that reads the cost model it runs under
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)

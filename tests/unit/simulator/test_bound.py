@@ -173,15 +173,19 @@ def test_oracle_aggressive_is_at_or_above_every_exact_system(seed: int, batch_si
     """Same runs: ``oracle_aggressive`` has a hit rate at least, and a TTFT, TPOT and e2e at
     most, every other exact system's. The documented gap (cache/belady.py): against the
     conservative ``oracle``, which makes MIN's replacements only, its hit rate may be lower
-    at tight budgets with batching (more copies) and its latency at most 1 % higher."""
+    at tight budgets with batching (more copies) and its latency at most 1 % higher. The
+    Aggressive oracle is a heuristic, not a bound (the floor is ``bound_*``): on one of these
+    traces (seed 4, batch 1, 50 %, ``h100_pcie5``) ``prefetch_if_pays``'s TTFT is 0.9 % below
+    its, so that system's TTFT gets the same 1 % (issue 27; its hit rate and TPOT stay held)."""
     runs = _runs(seed, batch_size)
     for capacity, hw in CONFIGS:
         best = runs["oracle_aggressive", capacity, hw]
         for (name, cap, h), m in runs.items():
             if (cap, h) != (capacity, hw) or name in ("oracle_aggressive", "no_offload"):
                 continue
-            slack = 1.01 if name == "oracle" else 1.0 + 1e-9
             for key in ("ttft_ms_mean", "tpot_ms_mean", "e2e_ms_mean"):
+                loose = name == "oracle" or (name, key) == ("prefetch_if_pays", "ttft_ms_mean")
+                slack = 1.01 if loose else 1.0 + 1e-9
                 assert best[key] <= m[key] * slack, (name, capacity, hw, key, best[key], m[key])
             if name != "oracle":
                 assert best["hit_rate"] >= m["hit_rate"], (name, capacity, hw, best["hit_rate"],

@@ -1,0 +1,172 @@
+"""``next_use``: approximate Belady from predicted next use, and a prefetch gate that pays.
+
+The cache half of the ``prefetch_if_pays`` system (algorithms.md §12).
+
+**Eviction.** Each expert ``(l, e)`` has ``P[l, e]``, the probability that it is used the
+next time layer l runs (the predictor's ``scores``: for a layer still ahead in the running
+pass, this pass; otherwise the next pass; before any score, the store split's per-pass
+popularity from :meth:`fit`). Layers run in a cycle of L, so with ``c`` the layer of the
+latest access, layer l next runs ``Δ_l = ((l - c - 1) mod L) + 1`` layer steps from now,
+and if each later pass uses the expert independently with probability P its expected next
+use is ``E = Δ_l + L (1 - P) / P`` layer steps away (a geometric wait). The victim is the
+unprotected resident expert of largest E (Belady's rule on the estimate). Demand loads are
+never refused.
+
+**Prefetch gate.** A prefetch of ``k`` (recognised, as in ``belady``, by ``k`` not being
+protected) whose victim would be ``v`` is taken only if
+
+* ``E[v] > E[k]`` (the victim is expected to be needed later than ``k``: Cao et al.'s
+  Aggressive condition, on estimates), and
+* ``P_k min(x, w) - (1 - P_k) x s - (1 - P_k) P_v x > 0``: the stall a used prefetch
+  hides (at most its copy time x, and at most the compute window w of a layer of this
+  pass, which is all the link time a prefetch can overlap) against the link time a wasted
+  one takes from demand loads (x times the link's saturation ``s``) and the reload of a
+  victim evicted for nothing. ``s = min(1, n x / w)``, with n the copies a layer has needed
+  lately (its demand loads plus its used prefetches, an average over the last layers).
+
+x and w come from the cost model the run is priced with, handed over by the ``reuse_prob``
+predictor (:meth:`set_link`): on a saturated link (x >> w) a prefetch pays only when P_k >
+x / (x + w), so the policy degrades to on-demand loading with the eviction above; on a free
+link (x < w, s -> 0) it prefetches whatever is more likely needed than its victim. Without
+a cost model (another predictor, or the engine, which does not bind one) only the first
+condition gates.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeexp.cache.base import CACHES, CachePolicy, Key
+from moeexp.cache.belady import PrefetchRefused
+from moeexp.errors import ConfigError
+from moeexp.traces.schema import Trace
+
+P_MIN = 1e-3  #: floor of a probability before 1 / P
+NEED_DECAY = 0.8  #: per-layer decay of the average of copies needed per layer
+
+
+@CACHES.register("next_use")
+class NextUseCache(CachePolicy):
+    """Approximate Belady on predicted next use, with the cost-aware prefetch gate.
+
+    Args:
+        capacity_slots, num_layers, num_experts: as every policy.
+        gate: False: take every prefetch that has a victim of later expected use (no cost
+            rule; the ablation row of the gate).
+    """
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
+                 gate: bool = True) -> None:
+        super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
+                         num_experts=num_experts)
+        self.gate = bool(gate)
+        self.P = np.full((num_layers, num_experts), 0.5)  # float64[L, J]
+        self.cur = 0  # layer of the latest access
+        self._pref: set[Key] = set()  # prefetched, not used yet
+        self._count = 0  # copies needed by the running layer so far
+        self.need = 0.0  # average copies needed per layer
+        self.copy_s: float | None = None
+        self.window_s: float | None = None
+        self.refused = 0
+        self._E: np.ndarray | None = None  # expected_next_use, until P or cur changes
+
+    # ---- learning and cost ----------------------------------------------------------
+    def fit(self, store: Trace) -> None:
+        """P before any score: each expert's share of the store split's single-token passes
+        (store split only: a request of another split raises ConfigError)."""
+        bad = [r.request_id for r in store.requests if r.split != "store"]
+        if bad:
+            raise ConfigError(f"next_use: fit() got {len(bad)} request(s) outside the store "
+                              f"split (e.g. {bad[:3]}): pass trace.split('store')")
+        L, J = self.num_layers, self.num_experts
+        sizes = np.diff(store.iter_offsets)
+        rows = np.repeat(sizes == 1, sizes)  # tokens of single-token passes
+        idx = store.topk_idx[rows].astype(np.int64)  # [N, L, K]
+        n = int(idx.shape[0])
+        flat = (np.arange(L)[None, :, None] * J + idx).reshape(-1)
+        counts = np.bincount(flat, minlength=L * J).reshape(L, J)
+        self.P = (counts + 1.0) / (n + 2.0)
+
+    def set_link(self, *, copy_s: float, window_s: float | None) -> None:
+        """Seconds of one expert copy and of one layer's compute in the running pass
+        (None: not known yet; the copy time stands in)."""
+        if not copy_s > 0:
+            raise ConfigError(f"next_use: copy_s must be > 0, got {copy_s}")
+        self.copy_s, self.window_s = float(copy_s), window_s
+
+    # ---- events ---------------------------------------------------------------------
+    def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
+        P = self.P
+        for layer, row in scores.items():
+            P[layer] = row
+        self._E = None
+
+    def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
+        super().on_insert(key, now, prefetched)
+        if prefetched:
+            self._pref.add(key)
+
+    def on_access(self, key: Key, now: int, hit: bool) -> None:
+        if key[0] != self.cur:  # a new layer: close the last one's count
+            self.need = NEED_DECAY * self.need + (1.0 - NEED_DECAY) * self._count
+            self._count, self.cur, self._E = 0, key[0], None
+        if not hit or key in self._pref:
+            self._count += 1
+            self._pref.discard(key)
+
+    def on_evict(self, key: Key) -> None:
+        super().on_evict(key)
+        self._pref.discard(key)
+
+    # ---- decisions ------------------------------------------------------------------
+    def expected_next_use(self) -> np.ndarray:
+        """float64[L, J]: E, layer steps to each expert's expected next use (kept until the
+        scores or the current layer change; read it, never write it)."""
+        if self._E is None:
+            L = self.num_layers
+            delta = (np.arange(L) - self.cur - 1) % L + 1.0
+            P = np.maximum(self.P, P_MIN)
+            self._E = delta[:, None] + L * (1.0 - P) / P
+        return self._E
+
+    def min_paying_prob(self) -> float:
+        """The least P_k for which a prefetch can pass the gate with a free victim (the
+        predictor need not offer less probable ones): P_k min(x, w) > (1 - P_k) x s."""
+        if not self.gate or self.copy_s is None:
+            return 0.0
+        x = self.copy_s
+        w = self.window_s if self.window_s else x
+        waste = x * min(1.0, self.need * x / w)
+        return waste / (min(x, w) + waste)
+
+    def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
+        prefetch = incoming not in protected
+        if self.has_room(incoming):
+            if prefetch and not self._pays(incoming, None):
+                self.refused += 1
+                raise PrefetchRefused("%s: prefetching %s does not pay", self.name, incoming)
+            return None
+        E = self.expected_next_use()
+        v = self.lowest_priority(incoming, protected, -E)
+        if prefetch and (E[v] <= E[incoming] or not self._pays(incoming, v)):
+            self.refused += 1
+            raise PrefetchRefused("%s: prefetching %s over %s does not pay", self.name,
+                                  incoming, v)
+        return v
+
+    def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
+        E = self.expected_next_use()
+        return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
+
+    def _pays(self, k: Key, v: Key | None) -> bool:
+        """The gate's second condition (module docstring); True without a cost model."""
+        if not self.gate or self.copy_s is None:
+            return True
+        x = self.copy_s
+        w = self.window_s if self.window_s else x
+        pk = float(self.P[k])
+        s = min(1.0, self.need * x / w)
+        gain = pk * min(x, w) - (1.0 - pk) * x * s
+        if v is not None:
+            gain -= (1.0 - pk) * float(self.P[v]) * x
+        return gain > 0.0

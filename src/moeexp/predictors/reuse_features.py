@@ -1,0 +1,203 @@
+"""Per-expert reuse features and their calibrated logistic models (``reuse_prob``'s parts).
+
+Every routed expert ``(l, e)`` carries a small state, updated each time layer l runs:
+
+* ``last[l, e]``: 1 if the last pass used it at layer l, else 0;
+* ``fast[l, e]``, ``slow[l, e]``: exponential averages of that 0/1 use (decays
+  :data:`FAST` and :data:`SLOW` per pass: recency and frequency);
+* ``logpop[l, e]``: log of its share of the store split's decode passes (popularity).
+
+Two kinds of probability come out of it, each a logistic regression fitted on the store
+split only (Platt's calibration, with the features as the score):
+
+* ``next``: P(expert used at its layer's next pass | state): what eviction needs for a layer
+  that already ran in the current pass, and for every layer before the pass starts.
+* ``ahead[d]`` (d = 1..D, and separately for single-token decode and multi-token prefill
+  passes): P(used at layer l + d of this pass | state of l + d, the pass's observed routing at
+  layer l), the router's evidence entering through ``log(v_l P_l ... P_{l+d-1})``: layer
+  l's token distribution carried d layers by the store's layer transition matrices
+  (:func:`moeexp.predictors.layer_transition.transition_counts`).
+
+The fit walks the store requests in their order through the same state updates the replay
+makes, so a feature means the same at fit and at query time. Shapes: L layers, J experts,
+F features. Units: probabilities; no time here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.traces.schema import Trace
+
+FAST = 0.5  #: decay per pass of the recency average
+SLOW = 0.9  #: decay per pass of the frequency average
+EPS = 1e-3  #: floor of a carried transition probability before its log
+MAX_ROWS = 300_000  #: rows per fitted model (passes are strided to stay under it)
+
+
+@dataclass
+class ReuseState:
+    """The running feature state: ``feat`` float64[3, L, J] = (last, fast, slow) (see the
+    module docstring), one array so that a model reads several layers in one product."""
+
+    feat: np.ndarray
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_experts: int) -> ReuseState:
+        return cls(np.zeros((3, num_layers, num_experts)))
+
+    @property
+    def last(self) -> np.ndarray:
+        return self.feat[0]
+
+    @property
+    def fast(self) -> np.ndarray:
+        return self.feat[1]
+
+    @property
+    def slow(self) -> np.ndarray:
+        return self.feat[2]
+
+    def update(self, layer: int, used: np.ndarray) -> None:
+        """Layer ``layer`` ran; ``used``: float64[J] 0/1 (or bool) of the experts it used."""
+        f = self.feat
+        f[0, layer] = used
+        f[1, layer] = FAST * f[1, layer] + (1.0 - FAST) * used
+        f[2, layer] = SLOW * f[2, layer] + (1.0 - SLOW) * used
+
+    def update_all(self, used: np.ndarray) -> None:
+        """Every layer ran; ``used``: float64[L, J] 0/1."""
+        f = self.feat
+        f[0] = used
+        f[1] = FAST * f[1] + (1.0 - FAST) * used
+        f[2] = SLOW * f[2] + (1.0 - SLOW) * used
+
+
+@dataclass
+class Logistic:
+    """``sigmoid(X @ coef + intercept)``; coef float64[F]."""
+
+    coef: np.ndarray
+    intercept: float
+
+    def __call__(self, X: np.ndarray) -> np.ndarray:
+        """float64[..., F] -> probabilities float64[...]."""
+        return sigmoid(X @ self.coef + self.intercept)
+
+
+def sigmoid(z: np.ndarray) -> np.ndarray:
+    """The logistic function of ``z`` (clipped to +-30: no overflow)."""
+    return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
+
+
+def fit_logistic(X: np.ndarray, y: np.ndarray, n_features: int) -> Logistic:
+    """Platt-style calibration: a logistic regression of ``y`` (0/1 float[N]) on ``X``
+    (float[N, F]) with scikit-learn; with one class only, a constant at its rate."""
+    if len(y) == 0:
+        return Logistic(np.zeros(n_features), 0.0)
+    rate = float(np.mean(y))
+    if rate in (0.0, 1.0):
+        return Logistic(np.zeros(n_features), 30.0 if rate else -30.0)
+    from sklearn.linear_model import LogisticRegression  # fit time only
+
+    m = LogisticRegression(C=1.0, max_iter=300).fit(X, y)
+    return Logistic(m.coef_[0].astype(np.float64), float(m.intercept_[0]))
+
+
+def state_features(state: ReuseState, logpop: np.ndarray,
+                   rows: slice | int = slice(None)) -> np.ndarray:
+    """float64[..., J, 4]: (last, fast, slow, logpop) of layers ``rows``."""
+    return np.stack([state.last[rows], state.fast[rows], state.slow[rows], logpop[rows]],
+                    axis=-1)
+
+
+def carried(counts: np.ndarray, chain: np.ndarray) -> np.ndarray:
+    """float64[..., J]: log(max(v @ M, EPS)), v = counts / sum(counts) (int[..., J]),
+    M = chain float64[..., J, J] (the d-step transition of the layer)."""
+    tot = counts.sum(axis=-1, keepdims=True)
+    v = counts / np.where(tot > 0, tot, 1.0)
+    if v.ndim == 1:
+        return np.log(np.maximum(v @ chain, EPS))
+    return np.log(np.maximum(np.einsum("...j,...jk->...k", v, chain), EPS))
+
+
+@dataclass
+class ReuseModels:
+    """The fitted models: ``next`` (decode passes) and ``ahead[(kind, d)]``, kind 0 =
+    single-token pass, 1 = multi-token pass; ``chains[d - 1]``: float64[L - d, J, J];
+    ``logpop``: float64[L, J]."""
+
+    next: Logistic
+    ahead: dict[tuple[int, int], Logistic] = field(default_factory=dict)
+    chains: list[np.ndarray] = field(default_factory=list)
+    logpop: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    rows: int = 0  #: training rows over all models
+
+
+def chain_matrices(trans: np.ndarray, depth: int) -> list[np.ndarray]:
+    """``trans`` float64[L-1, J, J] row-stochastic -> [M_1, ..., M_depth], M_d float64[L-d,
+    J, J]: M_d[l] = P_l P_{l+1} ... P_{l+d-1}."""
+    out: list[np.ndarray] = []
+    cur = trans
+    for d in range(1, depth + 1):
+        if d > 1:
+            cur = np.einsum("lij,ljk->lik", cur[:-1], trans[d - 1:])
+        out.append(cur)
+    return out
+
+
+def _pass_used(store: Trace, it: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(used float64[L, J] 0/1, counts int64[L, J], tokens) of iteration ``it``."""
+    sl = store.token_slice(it)
+    idx = store.topk_idx[sl].astype(np.int64)  # [T, L, K]
+    T, L, _ = idx.shape
+    J = store.dims.num_experts
+    flat = (np.arange(L)[None, :, None] * J + idx).reshape(-1)
+    counts = np.bincount(flat, minlength=L * J).reshape(L, J)
+    return (counts > 0).astype(np.float64), counts, T
+
+
+def store_iterations(store: Trace) -> list[int]:
+    """The store split's iterations in request order (the replay's order); ConfigError if
+    ``store`` holds a request of another split (a fit must never see a test request)."""
+    bad = [r.request_id for r in store.requests if r.split != "store"]
+    if bad:
+        raise ConfigError(f"reuse_prob: fit() got {len(bad)} request(s) outside the store "
+                          f"split (e.g. {bad[:3]}): pass trace.split('store')")
+    return [int(i) for r in store.requests for i in store.request_iterations(r.request_id)]
+
+
+def fit_models(store: Trace, trans: np.ndarray, depth: int) -> ReuseModels:
+    """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``."""
+    L, J = store.dims.num_layers, store.dims.num_experts
+    its = store_iterations(store)
+    passes = [_pass_used(store, it) for it in its]
+    decode = [p for p in passes if p[2] == 1]
+    pop = (sum((p[0] for p in decode), np.zeros((L, J))) + 1.0) / (len(decode) + 2.0)
+    logpop = np.log(pop)
+    chains = chain_matrices(trans, depth)
+    stride = max(1, int(np.ceil(len(passes) * L * J / MAX_ROWS)))
+    xs: dict[tuple[int, int], list[np.ndarray]] = {}
+    ys: dict[tuple[int, int], list[np.ndarray]] = {}
+    state = ReuseState.zeros(L, J)
+    for n, (used, counts, T) in enumerate(passes):
+        kind = int(T > 1)
+        if kind == 1 or n % stride == 0:
+            feats = state_features(state, logpop)  # [L, J, 4]
+            if kind == 0:
+                xs.setdefault((0, 0), []).append(feats.reshape(-1, 4))
+                ys.setdefault((0, 0), []).append(used.reshape(-1))
+            for d, M in enumerate(chains, start=1):
+                extra = carried(counts[:L - d], M)[..., None]  # [L-d, J, 1]
+                x = np.concatenate([feats[d:], extra], axis=-1).reshape(-1, 5)
+                xs.setdefault((kind, d), []).append(x)
+                ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
+        state.update_all(used)
+    stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
+    nxt = fit_logistic(*stack.get((0, 0), (np.zeros((0, 4)), np.zeros(0))), 4)
+    ahead = {k: fit_logistic(X, y, 5) for k, (X, y) in stack.items() if k[1] > 0}
+    return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop,
+                       rows=sum(len(y) for _, y in stack.values()))

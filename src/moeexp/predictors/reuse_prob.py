@@ -1,0 +1,207 @@
+"""``reuse_prob``: calibrated per-expert probabilities of use, for prefetch and for eviction.
+
+The predictor half of the ``prefetch_if_pays`` system (algorithms.md §12). At every layer
+l of a pass it (1) updates layer l's reuse state (:mod:`moeexp.predictors.reuse_features`)
+and gives the cache, as ``scores[l]``, each expert's probability of being used at layer
+l's next pass; (2) for the layers l + 1 .. l + D ahead, gives ``scores[l + d]``, each
+expert's probability of being used there in this pass, and asks to prefetch the ones that
+could pay (probability >= ``min_prob``, at most ``max_per_layer`` per layer; priority:
+nearer layers first, then the more probable). Whether a prefetch pays is decided where
+the victim is known: by the ``next_use`` cache, with the cost model this predictor hands it
+(:meth:`bind`): copy time, and the compute window of each pass (the layer's dense part for
+the pass's tokens and context, plus its experts' compute for the observed counts).
+
+Every probability is a logistic regression fitted on the store split only
+(:func:`moeexp.predictors.reuse_features.fit_models`); the transition matrices too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+from moeexp.predictors.base import (
+    PREDICTORS,
+    IterationStart,
+    LayerObservation,
+    Prediction,
+    Predictor,
+    Prefetch,
+    RequestStart,
+)
+from moeexp.predictors.layer_transition import transition_counts
+from moeexp.predictors.reuse_features import ReuseModels, ReuseState, carried, fit_models, sigmoid
+from moeexp.traces.schema import Trace, TraceDims
+
+
+@PREDICTORS.register("reuse_prob")
+class ReuseProbability(Predictor):
+    """Calibrated P(use) per expert: next pass (eviction) and D layers ahead (prefetch).
+
+    Args:
+        dims: trace dimensions.
+        depth: D >= 1, layers ahead it predicts and may prefetch (config: the model's
+            ``prefetch_distance``); a model of fewer layers caps it at L - 1.
+        min_prob: the least probability worth offering the cache as a prefetch (the cache
+            refuses the ones that do not pay; this only bounds the work).
+        max_per_layer: most prefetches offered per layer ahead (0: J).
+        alpha: Laplace smoothing of the transition counts.
+    """
+
+    def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
+                 max_per_layer: int = 0, alpha: float = 1.0) -> None:
+        super().__init__(dims=dims)
+        L, J = dims.num_layers, dims.num_experts
+        if int(depth) < 1:
+            raise ConfigError(f"reuse_prob: depth must be >= 1 (layers ahead), got {depth}")
+        if not 0.0 <= min_prob <= 1.0:
+            raise ConfigError(f"reuse_prob: min_prob must be in [0, 1], got {min_prob}")
+        if max_per_layer < 0 or alpha <= 0:
+            raise ConfigError(f"reuse_prob: max_per_layer must be >= 0 and alpha > 0, got "
+                              f"{max_per_layer}, {alpha}")
+        self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
+        self.max_per_layer = int(max_per_layer) or J
+        self.models: ReuseModels | None = None
+        self._coef: dict[int, np.ndarray] = {}
+        self._icpt: dict[int, np.ndarray] = {}
+        self._from: list[np.ndarray] = [np.zeros((0, 0, 0))] * L
+        self.state = ReuseState.zeros(L, J)
+        self._caches: list[Any] = []
+        self._cost: Any = None
+        self._prompt_len: dict[int, int] = {}
+        self._kind, self._dense_s, self._window_set = 0, 0.0, False
+        self._query_ns = self._queries = 0
+
+    # ---- learning ---------------------------------------------------------------------
+    def fit(self, store: Trace) -> None:
+        """Transitions and the calibrated models, from ``store`` (store split only:
+        a request of another split raises ConfigError)."""
+        C = transition_counts(store) + self.alpha
+        trans = C / C.sum(axis=-1, keepdims=True)
+        L = self.dims.num_layers
+        m = fit_models(store, trans, min(self.depth, L - 1))
+        D = len(m.chains)
+        # per pass kind (0: one token, 1: more): coefficients float64[D, 5], intercepts [D]
+        for kind in (0, 1):
+            fits = [m.ahead.get((kind, d)) or m.ahead[(0, d)] for d in range(1, D + 1)]
+            self._coef[kind] = np.array([f.coef for f in fits]).reshape(D, 5)
+            self._icpt[kind] = np.array([f.intercept for f in fits])
+        # per layer: the d-step chains out of it, float64[min(D, L-1-l), J, J]
+        self._from = [np.stack([m.chains[d][layer] for d in range(min(D, L - 1 - layer))])
+                      if layer < L - 1 else np.zeros((0, 0, 0)) for layer in range(L)]
+        self.models = m
+        self.state = ReuseState.zeros(L, self.dims.num_experts)
+
+    def bind(self, cost: Any, caches: Sequence[Any]) -> None:
+        """The run's cost model (:class:`moeexp.costmodel.roofline.CostModel`) and cache
+        policies: each policy with ``set_link`` (``next_use``) gets the copy time now and
+        the compute window of every pass as it starts."""
+        self._cost = cost
+        self._caches = [c for c in caches if hasattr(c, "set_link")]
+        for c in self._caches:
+            c.set_link(copy_s=float(cost.copy_s), window_s=None)
+
+    # ---- hooks ------------------------------------------------------------------------
+    def start_request(self, ctx: RequestStart) -> Prediction:
+        self._prompt_len[ctx.request.request_id] = int(ctx.request.prompt_len)
+        return Prediction()
+
+    def end_request(self, request_id: int) -> None:
+        self._prompt_len.pop(request_id, None)
+
+    def start_iteration(self, ctx: IterationStart) -> Prediction:
+        T = len(ctx.token_request)
+        self._kind = int(T > 1)
+        self._window_set = False
+        if self._cost is not None:
+            prompt = sum(self._prompt_len.get(int(r), 0) for r in ctx.request_ids)
+            if T > 1:  # prefill: T tokens attend to their prefix
+                ctx_tok, kv = T * (T + 1) // 2, T
+            else:
+                ctx_tok = kv = prompt + int(ctx.step)
+            self._dense_s = float(self._cost.dense_s(T, ctx_tok, kv))
+        return self._opening()
+
+    def _opening(self) -> Prediction:
+        """At a pass's start: the first ``depth`` layers' offers, from their next-pass
+        probabilities (no routing of this pass is known yet); the cache's gate uses the
+        last pass's compute window."""
+        if self.models is None:
+            raise ConfigError("reuse_prob: start_iteration() before fit() (fit on the store split)")
+        t0 = time.perf_counter_ns()
+        n = min(self.depth, self.dims.num_layers)
+        c, feat = self.models.next.coef, self.state.feat
+        z = (c[0] * feat[0, :n] + c[1] * feat[1, :n] + c[2] * feat[2, :n]
+             + c[3] * self.models.logpop[:n] + self.models.next.intercept)
+        floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
+        out = Prediction(prefetch=self._offers(-1, sigmoid(z), floor))
+        self._query_ns += time.perf_counter_ns() - t0
+        return out
+
+    def observe_layer(self, obs: LayerObservation) -> Prediction:
+        t0 = time.perf_counter_ns()
+        if self.models is None:
+            raise ConfigError("reuse_prob: observe_layer() before fit() (fit on the store split)")
+        layer = obs.layer
+        if self._caches and not self._window_set:  # the pass's compute window, once
+            window = self._dense_s + float(self._cost.experts_s(obs.counts))
+            for c in self._caches:
+                c.set_link(copy_s=float(self._cost.copy_s), window_s=window)
+            self._window_set = True
+        used = np.zeros(self.dims.num_experts)
+        used[obs.experts] = 1.0
+        self.state.update(layer, used)
+        feat, logpop, nxt = self.state.feat, self.models.logpop, self.models.next
+        c = nxt.coef
+        scores = {layer: sigmoid(c[:3] @ feat[:, layer] + c[3] * logpop[layer] + nxt.intercept)}
+        out = Prediction(scores=scores)
+        chains = self._from[layer]
+        n = len(chains)
+        if n:
+            p = self._ahead(layer, n, np.asarray(obs.counts, dtype=np.float64), chains)
+            for d in range(n):
+                scores[layer + 1 + d] = p[d]
+            floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
+            out.prefetch = self._offers(layer, p, floor)
+        self._query_ns += time.perf_counter_ns() - t0
+        self._queries += 1
+        return out
+
+    def _ahead(self, layer: int, n: int, counts: np.ndarray, chains: np.ndarray) -> np.ndarray:
+        """float64[n, J]: P(used at layer + d in this pass), d = 1..n, in one product:
+        ``chains`` float64[n, J, J] carries layer's token distribution d layers."""
+        coef, icpt = self._coef[self._kind], self._icpt[self._kind]
+        extra = carried(counts, chains)  # [n, J]
+        rows = slice(layer + 1, layer + 1 + n)
+        feat = self.state.feat
+        z = coef[:n, 0, None] * feat[0, rows]
+        z += coef[:n, 1, None] * feat[1, rows]
+        z += coef[:n, 2, None] * feat[2, rows]
+        z += coef[:n, 3, None] * self.models.logpop[rows]  # type: ignore[union-attr]
+        z += coef[:n, 4, None] * extra
+        z += icpt[:n, None]
+        return sigmoid(z)
+
+    def _offers(self, layer: int, p: np.ndarray, floor: float) -> list[Prefetch]:
+        """Prefetch offers for layers layer + 1.. (``p`` float64[n, J]): p >= ``floor``
+        (``min_prob``, or more where the cache says less cannot pay), at most
+        ``max_per_layer`` per layer, the most probable; priority: nearer layers first."""
+        keep = p >= floor
+        if self.max_per_layer < p.shape[1]:
+            rank = np.argsort(np.argsort(-p, axis=1, kind="stable"), axis=1)
+            keep &= rank < self.max_per_layer
+        ds, es = np.nonzero(keep)
+        if not len(ds):
+            return []
+        pri = (self.depth - 1 - ds) + p[ds, es]
+        return [Prefetch(q, layer + 1 + d, e)
+                for q, d, e in zip(pri.tolist(), ds.tolist(), es.tolist(), strict=True)]
+
+    def stats(self) -> dict[str, float]:
+        q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
+        rows = float(self.models.rows) if self.models is not None else 0.0
+        return {"query_us_mean": q, "fit_rows": rows}

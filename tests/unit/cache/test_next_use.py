@@ -1,0 +1,110 @@
+"""next_use: approximate Belady on predicted next use, and the cost-aware prefetch gate."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moeexp.cache import CACHES
+from moeexp.cache.belady import PrefetchRefused
+from moeexp.errors import ConfigError
+from moeexp.traces.synthetic import random_trace
+
+
+def make(slots: int = 3, L: int = 4, J: int = 4, **kw):
+    return CACHES.build("next_use", capacity_slots=slots, num_layers=L, num_experts=J, **kw)
+
+
+def filled(c, keys) -> None:
+    for k in keys:
+        c.on_insert(k, 0, False)
+        c.on_access(k, 0, False)
+
+
+def test_expected_next_use_follows_the_layer_cycle_and_the_probability() -> None:
+    """At layer 1 (L = 4): layer 2 runs in 1 step, layer 0 in 3, layer 1 itself in 4;
+    E = delta + L (1 - P) / P."""
+    c = make()
+    c.observe_scores({layer: np.full(4, 0.5) for layer in range(4)})
+    c.on_access((1, 0), 0, True)
+    E = c.expected_next_use()
+    np.testing.assert_allclose(E[:, 0], np.array([3.0, 4.0, 1.0, 2.0]) + 4.0)
+    c.observe_scores({2: np.array([1.0, 0.25, 0.5, 0.5])})
+    np.testing.assert_allclose(c.expected_next_use()[2, :2], [1.0, 1.0 + 12.0])
+
+
+def test_demand_victim_is_the_furthest_expected_use_and_choose_agrees() -> None:
+    c = make()
+    filled(c, [(0, 0), (2, 1), (3, 2)])
+    c.observe_scores({0: np.full(4, 0.9), 2: np.full(4, 0.05), 3: np.full(4, 0.9)})
+    # at layer 3 (the last access): layer 0 is 1 step away, layer 2 is 3 steps + 4 * 19
+    v = c.victim((3, 3), {(3, 3), (3, 2)}, 5)
+    assert v == (2, 1)
+    assert c.choose(sorted(c.resident - {(3, 2)}), (3, 3), 5) == v
+
+
+def test_prefetch_whose_victim_is_needed_sooner_is_refused() -> None:
+    c = make()
+    filled(c, [(1, 0), (1, 1), (1, 2)])
+    c.on_access((0, 0), 1, True)  # running layer 0: layer 1 is next
+    c.observe_scores({1: np.full(4, 0.9), 3: np.full(4, 0.1)})
+    with pytest.raises(PrefetchRefused):
+        c.victim((3, 0), set(), 2)  # every resident is needed before (3, 0)
+    assert c.refused == 1
+
+
+def test_gate_prefetches_on_a_free_link_and_not_on_a_saturated_one() -> None:
+    """A key of P = 0.6 with a free slot: on a free link (x < w, nothing needed lately)
+    it pays; at x = 12 w with two copies needed per layer it needs P > x / (x + w)."""
+    c = make(slots=8)
+    c.observe_scores({2: np.array([0.6, 0.97, 0.0, 0.0])})
+    c.set_link(copy_s=1.0, window_s=4.0)
+    assert c.min_paying_prob() == 0.0
+    assert c.victim((2, 0), set(), 0) is None  # taken
+    c.set_link(copy_s=12.0, window_s=1.0)
+    c.need = 2.0
+    assert c.min_paying_prob() == pytest.approx(12.0 / 13.0)
+    with pytest.raises(PrefetchRefused):
+        c.victim((2, 0), set(), 0)
+    assert c.victim((2, 1), set(), 0) is None  # 0.97 > 12 / 13
+    ungated = make(slots=8, gate=False)
+    ungated.observe_scores({2: np.array([0.6, 0.97, 0.0, 0.0])})
+    ungated.set_link(copy_s=12.0, window_s=1.0)
+    ungated.need = 2.0
+    assert ungated.victim((2, 0), set(), 0) is None
+
+
+def test_a_demand_load_is_never_refused() -> None:
+    c = make(slots=1)
+    filled(c, [(1, 0)])
+    c.set_link(copy_s=100.0, window_s=1.0)
+    c.need = 5.0
+    assert c.victim((2, 3), {(2, 3)}, 1) == (1, 0)
+
+
+def test_need_counts_demand_loads_and_used_prefetches_per_layer() -> None:
+    c = make(slots=8)
+    c.on_insert((0, 1), 0, True)
+    c.on_access((0, 0), 0, False)  # a demand load
+    c.on_access((0, 1), 1, True)  # a used prefetch
+    c.on_access((0, 2), 2, True)  # a plain hit
+    c.on_access((1, 0), 3, True)  # the next layer closes layer 0: 2 needed
+    assert c.need == pytest.approx(0.2 * 2)
+
+
+def test_fit_sets_popularity_from_store_only() -> None:
+    tr = random_trace(num_layers=3, num_experts=5, num_requests=6, output_len=6, seed=4)
+    c = make(L=3, J=5)
+    with pytest.raises(ConfigError, match="outside the store"):
+        c.fit(tr)
+    store = tr.split("store")
+    c.fit(store)
+    assert c.P.shape == (3, 5) and np.all((c.P > 0) & (c.P < 1))
+    relabelled = dataclasses.replace(store, requests=[
+        dataclasses.replace(store.requests[0], split="test"), *store.requests[1:]])
+    with pytest.raises(ConfigError):
+        c.fit(relabelled)
+    with pytest.raises(ConfigError, match="copy_s"):
+        c.set_link(copy_s=0.0, window_s=None)

@@ -1,0 +1,97 @@
+"""reuse_features: the reuse state, the chained transitions, the calibrated fits, store only."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moeexp.errors import ConfigError
+from moeexp.predictors import reuse_features as rf
+from moeexp.predictors.layer_transition import transition_counts
+from moeexp.traces.synthetic import random_trace
+
+
+def _trans(tr):
+    C = transition_counts(tr) + 1.0
+    return C / C.sum(axis=-1, keepdims=True)
+
+
+def test_state_update_keeps_last_use_and_two_averages() -> None:
+    st = rf.ReuseState.zeros(2, 3)
+    st.update(1, np.array([1.0, 0.0, 1.0]))
+    st.update(1, np.array([0.0, 0.0, 1.0]))
+    np.testing.assert_allclose(st.last[1], [0, 0, 1])
+    np.testing.assert_allclose(st.fast[1], [rf.FAST * (1 - rf.FAST), 0, 1 - rf.FAST ** 2])
+    np.testing.assert_allclose(st.slow[1], [rf.SLOW * (1 - rf.SLOW), 0, 1 - rf.SLOW ** 2])
+    assert not st.last[0].any()
+    both = rf.ReuseState.zeros(2, 3)
+    both.update_all(np.array([[1.0, 0, 0], [0, 1.0, 0]]))
+    np.testing.assert_allclose(both.fast, [[0.5, 0, 0], [0, 0.5, 0]])
+
+
+def test_chain_matrices_multiply_consecutive_layers() -> None:
+    rng = np.random.default_rng(0)
+    T = rng.random((3, 4, 4))
+    T /= T.sum(axis=-1, keepdims=True)
+    M = rf.chain_matrices(T, 2)
+    assert M[0].shape == (3, 4, 4) and M[1].shape == (2, 4, 4)
+    np.testing.assert_allclose(M[1][1], T[1] @ T[2])
+    np.testing.assert_allclose(M[1].sum(axis=-1), 1.0)
+
+
+def test_fit_is_calibrated_in_the_large_and_learns_a_sure_expert() -> None:
+    """Expert 0 of every layer is used by every token: its next-pass probability is near 1 (> 0.9: the fit is regularised);
+    the mean predicted probability over the training rows equals the use rate (a logistic
+    regression with an intercept)."""
+    tr = random_trace(num_layers=3, num_experts=6, top_k=2, num_requests=12, output_len=12,
+                      store_fraction=1.0, seed=1)
+    tr.topk_idx[:, :, 0] = 0
+    tr.topk_idx[:, :, 1] = np.where(tr.topk_idx[:, :, 1] == 0, 1, tr.topk_idx[:, :, 1])
+    m = rf.fit_models(tr, _trans(tr), 2)
+    assert set(m.ahead) >= {(0, 1), (0, 2), (1, 1), (1, 2)}
+    st = rf.ReuseState.zeros(3, 6)
+    for _ in range(30):  # a used-every-pass history, as in the fit
+        st.update_all(np.eye(6)[[0, 0, 0]] + 0.0)
+    p_sure = m.next(rf.state_features(st, m.logpop, 1))
+    assert p_sure[0] > 0.9 and p_sure[0] > p_sure[1:].max()
+    X, y = [], []
+    state = rf.ReuseState.zeros(3, 6)
+    for it in rf.store_iterations(tr):
+        used, _, T = rf._pass_used(tr, it)
+        if T == 1:
+            X.append(rf.state_features(state, m.logpop).reshape(-1, 4))
+            y.append(used.reshape(-1))
+        state.update_all(used)
+    p = m.next(np.concatenate(X))
+    assert abs(p.mean() - np.concatenate(y).mean()) < 0.01
+
+
+def test_a_test_request_never_reaches_a_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store/test separation: a trace holding test requests is refused, and fitting
+    the store split reads only store requests' iterations."""
+    tr = random_trace(num_layers=3, num_experts=6, num_requests=10, output_len=6, seed=2)
+    with pytest.raises(ConfigError, match="outside the store"):
+        rf.fit_models(tr, _trans(tr), 1)
+    store = tr.split("store")
+    store_ids = {r.request_id for r in tr.requests if r.split == "store"}
+    assert 0 < len(store_ids) < len(tr.requests)
+    seen: list[int] = []
+    real = rf._pass_used
+
+    def spy(trace, it):
+        seen.append(int(trace.iter_request[it]))
+        return real(trace, it)
+
+    monkeypatch.setattr(rf, "_pass_used", spy)
+    rf.fit_models(store, _trans(store), 1)
+    assert seen and set(seen) <= store_ids
+
+
+def test_a_relabelled_test_request_is_refused() -> None:
+    tr = random_trace(num_layers=3, num_experts=6, num_requests=4, store_fraction=1.0, seed=3)
+    bad = dataclasses.replace(tr, requests=[dataclasses.replace(tr.requests[0], split="test"),
+                                            *tr.requests[1:]])
+    with pytest.raises(ConfigError, match="store split"):
+        rf.store_iterations(bad)

@@ -1,0 +1,99 @@
+"""reuse_prob: calibrated probabilities for eviction and prefetch; the cost model it binds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from moeexp.cache import CACHES
+from moeexp.costmodel import CostModel, load_profile
+from moeexp.errors import ConfigError
+from moeexp.predictors import PREDICTORS
+from moeexp.predictors.base import IterationStart, LayerObservation
+from moeexp.simulator import simulate
+from moeexp.traces.synthetic import random_trace
+
+
+def trace():
+    return random_trace(num_layers=4, num_experts=8, top_k=2, num_requests=12, output_len=10,
+                        seed=5)
+
+
+def observation(tr, it: int, layer: int) -> LayerObservation:
+    sl = tr.token_slice(it)
+    idx = tr.topk_idx[sl, layer].astype(np.int64).reshape(-1)
+    counts = np.bincount(idx, minlength=tr.dims.num_experts)
+    return LayerObservation(layer=layer, probs=np.zeros((1, 8), np.float32),
+                            experts=np.flatnonzero(counts), counts=counts)
+
+
+def test_scores_cover_the_layer_and_the_layers_ahead_and_offers_respect_the_floor() -> None:
+    tr = trace()
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, min_prob=0.3)
+    p.fit(tr.split("store"))
+    p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                     token_request=np.array([0])))
+    out = p.observe_layer(observation(tr, 1, 1))
+    assert sorted(out.scores) == [1, 2, 3]
+    for row in out.scores.values():
+        assert row.shape == (8,) and np.all((row >= 0) & (row <= 1))
+    assert all(pf.layer in (2, 3) and out.scores[pf.layer][pf.expert] >= 0.3
+               for pf in out.prefetch)
+    offered = {(pf.layer, pf.expert) for pf in out.prefetch}
+    assert offered == {(t, e) for t in (2, 3) for e in range(8) if out.scores[t][e] >= 0.3}
+    near = [pf.priority for pf in out.prefetch if pf.layer == 2]
+    far = [pf.priority for pf in out.prefetch if pf.layer == 3]
+    assert not near or not far or min(near) > max(far)  # nearer layers first
+    assert sorted(p.observe_layer(observation(tr, 1, 3)).scores) == [3]
+    deep = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=9)  # capped at L - 1 = 3
+    deep.fit(tr.split("store"))
+    assert sorted(deep.observe_layer(observation(tr, 1, 0)).scores) == [0, 1, 2, 3]
+    capped = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, min_prob=0.0,
+                              max_per_layer=1)
+    capped.fit(tr.split("store"))
+    got = capped.observe_layer(observation(tr, 1, 0)).prefetch
+    assert sorted(pf.layer for pf in got) == [1, 2]
+
+
+def test_fit_refuses_test_requests_and_bad_settings() -> None:
+    tr = trace()
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims)
+    with pytest.raises(ConfigError, match="outside the store"):
+        p.fit(tr)
+    with pytest.raises(ConfigError, match="before fit"):
+        p.observe_layer(observation(tr, 0, 0))
+    for bad in ({"depth": 0}, {"min_prob": 1.5}, {"alpha": 0.0}, {"max_per_layer": -1}):
+        with pytest.raises(ConfigError):
+            PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
+
+
+def cost(tr, gbps: float) -> CostModel:
+    prof = dataclasses.replace(load_profile("rtx3090_pcie4"), h2d_gbps=gbps)
+    return CostModel.from_profile(prof, tr.dims)
+
+
+def replay(tr, gbps: float, gate: bool = True):
+    pred = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
+    cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8, gate=gate)
+    pred.fit(tr.split("store"))
+    cache.fit(tr.split("store"))
+    m = simulate(tr.split("test"), pred, cache, cost(tr, gbps), progress=False).metrics
+    return m, cache
+
+
+def test_bind_hands_the_cost_model_to_the_cache_and_the_gate_follows_the_link() -> None:
+    """The simulator binds the cost model: the cache knows the copy time and each pass's
+    compute window. On a very slow link the gate takes fewer prefetches than on a fast one,
+    and fewer than without the gate at the same link."""
+    tr = trace()
+    fast, c_fast = replay(tr, 1000.0)
+    slow, c_slow = replay(tr, 0.01)
+    open_gate, _ = replay(tr, 0.01, gate=False)
+    assert c_slow.copy_s == pytest.approx(cost(tr, 0.01).copy_s)
+    assert c_slow.window_s is not None and c_slow.window_s > 0
+    assert c_slow.copy_s > c_slow.window_s > c_fast.copy_s
+    assert slow["prefetches_issued"] < fast["prefetches_issued"]
+    assert slow["prefetches_issued"] < open_gate["prefetches_issued"]
+    assert fast["hit_rate"] > 0 and np.isfinite(fast["predictor_query_us_mean"])
