@@ -266,15 +266,7 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     if dev != here:
         raise ConfigError(f"the model is on {here}; move it to {dev} first (model.to(device)) "
                           f"or pass device=None")
-    if execution is not None and execution.name != "copy":
-        if topology is not None and topology.devices > 1:
-            raise ConfigError(f"execution={execution.name} runs on one device; got "
-                              f"hardware.devices={topology.devices}")
-        if settings.expert_format != "dense":
-            raise ConfigError(f"execution={execution.name}: the engine's CPU path computes "
-                              f"dense experts only; got expert_format="
-                              f"{settings.expert_format} (use expert_format=dense, or "
-                              f"execution=copy with a quantised format)")
+    _check_cpu_path(execution, topology, settings)
     pinned = _host_experts(execution, cost, cache, settings)
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:
@@ -299,6 +291,22 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
         om.close()
         raise
     return om
+
+
+def _check_cpu_path(execution: ExecutionPolicy | None, topology: Topology | None,
+                    settings: EngineSettings) -> None:
+    """A CPU execution policy runs on one device with dense experts (the host store's
+    tensors are what its CPU kernel reads); ConfigError otherwise, before any work."""
+    if execution is None or execution.name == "copy":
+        return
+    if topology is not None and topology.devices > 1:
+        raise ConfigError(f"execution={execution.name} runs on one device; got "
+                          f"hardware.devices={topology.devices}")
+    if settings.expert_format != "dense":
+        raise ConfigError(f"execution={execution.name}: the engine's CPU path computes "
+                          f"dense experts only; got expert_format={settings.expert_format} "
+                          f"(use expert_format=dense, or execution=copy with a quantised "
+                          f"format)")
 
 
 def _device_caches(cache: Any, topology: Topology | None, adapter: MoEAdapter) -> Any:

@@ -157,8 +157,8 @@ def test_emulated_link_paces_hidden_states_and_streams(mixtral) -> None:
 
 def test_bad_execution_settings_fail_before_weights_move(mixtral, store_of) -> None:
     """A CPU policy without a profile, on a profile without a cpu: block, pinning more than
-    the budget, with restricted routing, or hot_pinned without a store: ConfigError, model
-    untouched."""
+    the budget, with restricted routing, hot_pinned without a store, or with a quantised store: ConfigError,
+    model untouched."""
     before = {n: p.data_ptr() for n, p in mixtral.named_parameters()}
     cases = [
         (dict(execution="cpu_on_miss"), "hardware="),
@@ -170,6 +170,8 @@ def test_bad_execution_settings_fail_before_weights_move(mixtral, store_of) -> N
          "restricted routing"),
         (dict(execution="hot_pinned", hardware=CPU_HW), "store"),
         (dict(execution="nope", hardware=CPU_HW), "copy"),
+        (dict(execution="cpu_on_miss", hardware=CPU_HW, expert_format="int8"),
+         "dense experts only"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):
