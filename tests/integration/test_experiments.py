@@ -186,10 +186,13 @@ def test_sweep_points_vary_what_the_experiment_says() -> None:
     assert (on.predictor.mode, on.backend.arrival_rate, on.backend.num_online_requests) == \
         ("online", 2.91, 256)
     fvm = sweep_axes("finemoe_vs_moeinfinity")["system"]
-    # every system but the routing-only variant of FineMoE (Map(T+δ): the predictor ablation)
-    # and FineMoE and MoE-Infinity as the artifact ran them (the paper-testbed ladder's)
+    # every system but the routing-only variant of FineMoE (Map(T+δ): the predictor ablation),
+    # FineMoE and MoE-Infinity as the artifact ran them (the paper-testbed ladder's) and the
+    # systems computing misses on the CPU (regime_map_cpu: profiles with a cpu: block)
+    cpu = {"fiddler", "llamacpp_cpu_moe", "ktransformers", "hybrimoe", "finemoe_cpu",
+           "finemoe_cpu_no_semantic"}
     assert sorted(fvm) == sorted(set(SYSTEMS) - {"finemoe_no_semantic", "finemoe_artifact",
-                                                 "moe_infinity_artifact"})
+                                                 "moe_infinity_artifact"} - cpu)
 
 
 def test_invalid_combinations_fail_clearly() -> None:
@@ -212,7 +215,7 @@ def test_invalid_combinations_fail_clearly() -> None:
 
 # ------------------------------------------------------------------------ end to end
 def test_cache_ablation_end_to_end(tmp_path: Path, small: list[str], run_app) -> None:
-    """The cache ablation with tiny overrides: seven runs (one per policy) in the sweep dir,
+    """The cache ablation with tiny overrides: eight runs (one per policy) in the sweep dir,
     a summary the figures can draw, and a trace whose store and test prompts are disjoint."""
     sweep = tmp_path / "exp"
     out = run_app("+experiment=cache_ablation", *small, "logger=none", "dataset.seed=0",
@@ -220,7 +223,7 @@ def test_cache_ablation_end_to_end(tmp_path: Path, small: list[str], run_app) ->
     assert out.returncode == 0, f"{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
     df = pd.read_csv(sweep / "summary.csv")
     assert list(df["cache"]) == ["lru", "lfu", "finemoe", "finemoe_v2", "moe_infinity", "lirs",
-                                 "belady"]
+                                 "next_use", "belady"]
     assert (df["predictor"] == "expert_map").all() and (df["system"] == "finemoe").all()
     assert df["hit_rate"].between(0, 1).all() and (df["prediction_recall"] > 0).all()
     from moeexp.figures.load import read_summary

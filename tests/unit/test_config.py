@@ -308,8 +308,8 @@ def test_every_execution_option_validates_on_a_cpu_profile(option):
     (["execution=cpu_on_miss", CPU_HW, "~hardware.cpu.efficiency.int4",
       "+model.expert_format=int4", "cost.as_model=mixtral_8x7b"],
      "no kernel efficiency for expert_format=int4; it has: dense, hqq2, hqq3, int8, mxfp4"),
-    (["execution=cpu_on_miss", CPU_HW, "+model.expert_format=int4"],
-     "expert_format=int4 with a recorded trace"),
+    (["execution=cpu_on_miss", CPU_HW, "+model.expert_format=int3"],
+     "expert_format='int3'; valid: dense"),
 ])
 def test_bad_execution_settings_fail_in_validate(overrides, pattern):
     """A CPU policy on a profile with no cpu: block, a misspelled option or key, a backend
