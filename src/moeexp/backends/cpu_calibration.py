@@ -8,16 +8,14 @@ profile, so the calibrated cost model prices CPU experts with this machine's ker
 :func:`execution_policies` builds a systems entry's ``execution`` (a conf/execution
 option) for both backends, priced by that cost model and fitted on the store split.
 
-The simulator half needs :func:`moeexp.simulator.simulate` to take the policy
-(``execution=``, issue 26 part A); :func:`simulator_takes_execution` says whether this
-build's does. Where it does not, an entry with an ``execution`` runs on the engine only
-and its simulator columns are NaN (``sim_status`` says why).
+Both halves serve with the entry's policy: the engine computes its CPU experts for real,
+the simulator (:func:`moeexp.simulator.simulate`, ``execution=``) prices them with the
+calibrated ``cpu:`` block, so the TTFT/TPOT errors cover the CPU systems.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -27,14 +25,8 @@ from moeexp.costmodel.cpu_fit import fit_cpu_block
 from moeexp.errors import ConfigError
 from moeexp.execution import ExecutionPolicy, build_execution
 from moeexp.paths import group_options, load_group_yaml
-from moeexp.simulator import simulate
 
 log = logging.getLogger(__name__)
-
-
-def simulator_takes_execution() -> bool:
-    """Whether this build's simulator accepts an execution policy (``execution=``)."""
-    return "execution" in inspect.signature(simulate).parameters
 
 
 def check_execution_names(names: Sequence[str]) -> None:
@@ -84,26 +76,23 @@ def execution_policies(name: str, cost: Any, store: Any) -> tuple[ExecutionPolic
     return out[0], out[1]
 
 
-def entry_executions(name: str | None, cost: Any, store: Any
-                     ) -> tuple[tuple[Any, Any], str]:
-    """A systems entry's execution policies (one per backend; None, None for ``copy``) and
-    whether the simulator can run it (``ok``, or why not)."""
+def entry_executions(name: str | None, cost: Any, store: Any) -> tuple[Any, Any]:
+    """A systems entry's execution policies, one per backend (simulator, engine); None, None
+    for ``copy``."""
     if not name:
-        return (None, None), "ok"
-    execs = execution_policies(name, cost, store)
-    ok = simulator_takes_execution()
-    return execs, "ok" if ok else "no execution in this build's simulator (issue 26 part A)"
+        return None, None
+    return execution_policies(name, cost, store)
 
 
-def cpu_columns(execution: str | None, sim_status: str, engine: Mapping[str, Any],
+def cpu_columns(execution: str | None, engine: Mapping[str, Any],
                 sim: Mapping[str, Any]) -> dict[str, Any]:
-    """summary.csv's CPU columns: the execution, the simulator's status, both backends'
+    """summary.csv's CPU columns: the execution, both backends'
     CPU calls, CPU ms and streamed bytes, and the calibrated CPU block's prediction for the
     engine's own CPU calls (``engine_cpu_model_ms_total``) with its error against the
     measured CPU ms (``cpu_ms_err_pct``: the test split, the block being fitted on the
     store split)."""
     nan = float("nan")
-    out: dict[str, Any] = {"execution": execution or "copy", "sim_status": sim_status}
+    out: dict[str, Any] = {"execution": execution or "copy"}
     for side, m in (("engine", engine), ("sim", sim)):
         for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total"):
             out[f"{side}_{k}"] = m.get(k, nan)

@@ -415,17 +415,13 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                               warmup=s.warmup)
     from moeexp.backends.cpu_calibration import cpu_columns, entry_executions
 
-    execs, sim_status = entry_executions(entry.execution, cost, ctx.store)
+    execs = entry_executions(entry.execution, cost, ctx.store)
     settings = {**s.engine, "restricted_routing": restricted, "renormalize": renorm,
                 "replay_tokens": True, "reference": False, "seed": ctx.seed, "progress": False}
     eng = serve_engine(ctx.loaded, ctx.prompts, objs[1][0], objs[1][1], settings, trace=ctx.trace,
                        execution=execs[1], cost=cost)
-    if sim_status == "ok":
-        sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
-                       seed=ctx.seed, progress=False, predictor_feed_s=feed_s,
-                       **({"execution": execs[0]} if entry.execution else {}))
-    else:
-        sim = _no_simulation(eng.series["request_id"])
+    sim = simulate(ctx.trace, objs[0][0], objs[0][1], cost, restricted_routing=restricted,
+                   seed=ctx.seed, progress=False, predictor_feed_s=feed_s, execution=execs[0])
     sm, em = sim.metrics, eng.metrics
     by_id = {rid: i for i, rid in enumerate(sim.series["request_id"])}
     order = [by_id[rid] for rid in eng.series["request_id"]]
@@ -446,7 +442,7 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         "engine_accesses_total": em["accesses_total"], "sim_accesses_total": sm["accesses_total"],
         "predictor": pcfg["name"], "cache": ccfg["name"],
         "sim_predictor_feed_us": feed_s * 1e6,
-        **cpu_columns(entry.execution, sim_status, em, sm),
+        **cpu_columns(entry.execution, em, sm),
     }
     reqs = [{"system": entry.name, "request_id": rid, "engine_ttft_ms": et, "sim_ttft_ms": st,
              "engine_tpot_ms": ep, "sim_tpot_ms": sp}
@@ -458,23 +454,6 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
              row["engine_tpot_ms_mean"], row["sim_tpot_ms_mean"], row["tpot_mape_pct"],
              row["engine_hit_rate"], row["sim_hit_rate"], feed_s * 1e6)
     return row, reqs
-
-
-@dataclasses.dataclass
-class _NoSimulation:
-    """The simulator columns of an entry this build's simulator cannot run: NaN."""
-
-    metrics: dict[str, float]
-    series: dict[str, list[Any]]
-
-
-def _no_simulation(request_ids: list[Any]) -> _NoSimulation:
-    nan = float("nan")
-    keys = ("ttft_ms_mean", "tpot_ms_mean", "hit_rate", "h2d_bytes_total", "stall_ms_total",
-            "prediction_recall", "accesses_total")
-    return _NoSimulation({k: nan for k in keys},
-                         {"request_id": list(request_ids), "ttft_ms": [nan] * len(request_ids),
-                          "tpot_ms": [nan] * len(request_ids)})
 
 
 def run_sim_vs_engine(ctx: Any, s: SimVsEngineSettings) -> tuple[dict[str, Any], dict[str, list]]:
