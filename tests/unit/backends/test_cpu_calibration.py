@@ -23,7 +23,9 @@ from moeexp.traces.synthetic import random_trace
 def test_entries_build_one_fresh_policy_per_backend() -> None:
     tr = random_trace(num_requests=3, num_layers=4, num_experts=8, top_k=2, output_len=4)
     cost = CostModel.from_profile(load_profile("rtx3090_pcie4_xeon_e5v4"), tr.dims)
-    assert entry_executions(None, cost, tr) == ((None, None), "ok")
+    assert entry_executions(None, cost, tr) == (None, None)
+    sim, eng = entry_executions("cpu_on_miss", cost, tr)
+    assert sim is not eng and sim.name == eng.name == "cpu_on_miss"
     a, b = execution_policies("hot_pinned", cost, tr)  # fitted on the store: pins known
     assert a is not b and a.gpu_resident() == b.gpu_resident() and a.gpu_resident()
     with pytest.raises(ConfigError, match="no cpu: block"):
@@ -36,10 +38,10 @@ def test_entries_build_one_fresh_policy_per_backend() -> None:
 def test_cpu_columns_compare_the_block_with_the_engine() -> None:
     eng = {"cpu_expert_calls": 10.0, "cpu_ms_total": 4.0, "stream_h2d_bytes_total": 0.0,
            "cpu_model_ms_total": 5.0}
-    row = cpu_columns("cpu_on_miss", "ok", eng, {"cpu_ms_total": 4.5})
+    row = cpu_columns("cpu_on_miss", eng, {"cpu_ms_total": 4.5})
     assert row["execution"] == "cpu_on_miss" and row["cpu_ms_err_pct"] == pytest.approx(25.0)
     assert row["sim_cpu_ms_total"] == 4.5 and math.isnan(row["sim_cpu_expert_calls"])
-    assert math.isnan(cpu_columns(None, "ok", {"cpu_ms_total": 0.0}, {})["cpu_ms_err_pct"])
+    assert math.isnan(cpu_columns(None, {"cpu_ms_total": 0.0}, {})["cpu_ms_err_pct"])
 
 
 def test_calibration_cpu_metrics_only_with_a_block() -> None:
