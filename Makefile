@@ -19,6 +19,10 @@ THREADS ?= 1
 # `make test` runs the suite across this many processes (pytest-xdist): `auto` = one per core
 # (1167 tests: ~12 min in one process on 2 cores). TEST_WORKERS=0 runs it in one process.
 TEST_WORKERS ?= auto
+# `make run` runs its sweep's jobs across this many processes (hydra/launcher=local: joblib,
+# one torch thread each; the trace cache is shared and locked, so concurrent jobs record
+# each prompt sample once). RUN_JOBS=1 runs them one after another in one process.
+RUN_JOBS ?= 2
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test bench bench-gpu lint tiny-model figures clean
@@ -41,7 +45,8 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 install: $(STAMP) ## create .venv and install the pinned stack + moeexp (editable); TORCH=keep keeps your torch
 
 run: $(STAMP) ## the default comparison on the embedded defaults (tiny model, ShareGPT)
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp +experiment=finemoe_vs_moeinfinity
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp +experiment=finemoe_vs_moeinfinity \
+	  $(if $(filter-out 1,$(RUN_JOBS)),hydra/launcher=local hydra.launcher.n_jobs=$(RUN_JOBS))
 
 test: $(STAMP) ## the default test suite (CPU, offline), across TEST_WORKERS processes (pytest-xdist; default: one per core)
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10

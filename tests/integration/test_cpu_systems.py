@@ -15,7 +15,7 @@ CPU_SYSTEMS = ("fiddler", "llamacpp_cpu_moe", "ktransformers", "hybrimoe", "fine
 #: on a routing-only trace FineMoE runs without its semantic search
 REAL_SYSTEMS = (*CPU_SYSTEMS[:-1], "finemoe_cpu_no_semantic")
 REAL = ["model=gpt_oss_20b", "trace.source=gpt_oss_20b", "logger=none", "trace.progress=false",
-        "backend.progress=false", "dataset.store_fraction=0.98"]
+        "backend.progress=false", "dataset.store_fraction=0.995"]
 
 
 def _cfg(*overrides: str):  # type: ignore[no-untyped-def]
