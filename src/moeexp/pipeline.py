@@ -199,12 +199,14 @@ def _model_and_prompts(spec: RunSpec, times: dict[str, float]) -> tuple[Any, lis
                                   label_cache=results_dir() / "cache" / "task_labels")
 
 
-def _check_with_dims(spec: RunSpec, dims: TraceDims) -> None:
+def _check_with_dims(spec: RunSpec, dims: TraceDims, adapter: Any = None) -> None:
     """Build predictor, cache and execution policy once with ``dims``: a capacity below K
     experts, a layer split beyond the layers, pinned experts beyond the budget, or a
-    setting the model's shape refuses, fails here, before any long work."""
+    setting the model's shape refuses, fails here, before any long work. ``adapter``: the
+    model's, when known (a byte capacity then counts its experts in ``model.expert_format``,
+    as the run will: :func:`_cache_dims`)."""
     build_predictor(spec.predictor, dims)
-    cache = _build_caches(spec, dims)
+    cache = _build_caches(spec, _cache_dims(spec, dims, adapter))
     cost = CostModel.from_profile(spec.hardware, dims, expert_format=spec.model.expert_format)
     _build_execution(spec, cost, cache)
 
@@ -227,14 +229,14 @@ def _load_checked(spec: RunSpec, times: dict[str, float]) -> Any:
     model_cfg = dataclasses.asdict(spec.model)
     probe = probe_adapter(model_cfg)
     if probe is not None:
-        _check_with_dims(spec, trace_dims(probe, spec.trace.spec_depth))
         check_model_format(spec, probe)
+        _check_with_dims(spec, trace_dims(probe, spec.trace.spec_depth), probe)
     t = time.perf_counter()
     loaded = load_model(model_cfg)
     times["load_time_s"] = time.perf_counter() - t
     if probe is None:
-        _check_with_dims(spec, trace_dims(loaded.adapter, spec.trace.spec_depth))
         check_model_format(spec, loaded.adapter)
+        _check_with_dims(spec, trace_dims(loaded.adapter, spec.trace.spec_depth), loaded.adapter)
     return loaded
 
 
@@ -275,7 +277,8 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
         raise ConfigError(f"the test split is empty ({len(trace.requests)} requests, "
                           f"store_fraction {spec.dataset.store_fraction}): raise "
                           "dataset.num_prompts or lower dataset.store_fraction")
-    cache = _build_caches(spec, trace.dims)
+    cache = _build_caches(spec, _cache_dims(spec, trace.dims,
+                                            None if loaded is None else loaded.adapter))
     lacks = missing_for(predictor.needs, trace.capabilities)
     if lacks:
         reason = f"not applicable: the trace lacks {', and '.join(lacks)}"
@@ -323,6 +326,18 @@ def _execute(spec: RunSpec, loaded: Any, prompts: list[Any], times: dict[str, fl
             backend=_backend_kwargs(spec), dataset=spec.dataset.to_mapping(),
             predictor=unused[0], cache=unused[1])))
     return metrics, dict(result.series)
+
+
+def _cache_dims(spec: RunSpec, dims: TraceDims, adapter: Any) -> TraceDims:
+    """The dims a cache capacity is counted in: a recorded model's experts held in
+    ``model.expert_format`` (a capacity in bytes buys slots of the format's bytes, as the
+    cost model's copies move them); ``dims`` as they are for dense experts, an imported trace
+    (its dims are in the format already) or a projection (``cost.as_model``)."""
+    if spec.model.expert_format == "dense" or adapter is None or spec.cost.as_model is not None:
+        return dims
+    from moeexp.models.arch import held_dims  # torch, transformers (meta device only)
+
+    return held_dims(adapter, dims, spec.model.expert_format, f"model={spec.model.name}")
 
 
 def _build_caches(spec: RunSpec, dims: TraceDims) -> Any:

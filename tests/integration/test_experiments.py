@@ -191,7 +191,8 @@ def test_sweep_points_vary_what_the_experiment_says() -> None:
     # every system but the routing-only variant of FineMoE (Map(T+δ): the predictor ablation),
     # FineMoE and MoE-Infinity as the artifact ran them (the paper-testbed ladder's) and the
     # systems computing misses on the CPU (regime_map_cpu: profiles with a cpu: block)
-    cpu = {"fiddler", "llamacpp_cpu_moe", "ktransformers", "hybrimoe", "finemoe_cpu",
+    cpu = {"fiddler", "llamacpp_cpu_moe", "ktransformers", "hybrimoe", "hybrimoe_split_only",
+           "finemoe_cpu",
            "finemoe_cpu_no_semantic"}
     assert sorted(fvm) == sorted(set(SYSTEMS) - {"finemoe_no_semantic", "finemoe_artifact",
                                                  "moe_infinity_artifact"} - cpu)

@@ -25,9 +25,11 @@ from moeexp.engine.devices import DeviceCaches
 from moeexp.engine.host_experts import HostExperts
 from moeexp.engine.offload import OffloadedModel
 from moeexp.engine.predict import PredictorRunner
+from moeexp.engine.quant import check_engine_format
 from moeexp.engine.runtime import Engine, EngineSettings
 from moeexp.errors import ConfigError
 from moeexp.execution import ExecutionPolicy, build_execution, check_execution
+from moeexp.models.arch import held_dims
 from moeexp.models.base import MoEAdapter
 from moeexp.predictors import PREDICTORS
 from moeexp.registry import group_choice, unknown_keys
@@ -137,7 +139,13 @@ def offload(model: nn.Module, *, system: str = "deepspeed",
     settings = engine_settings(settings_d)
     dims = trace_dims(adapter, settings.spec_depth)
     trace = _load_store(store, dims)
-    budget = make_budget(cache_cfg.pop("capacity", 1.0), dims)
+    if settings.expert_format != "dense":  # the engine's own refusal first, then its bytes
+        experts = adapter.moe_layers()[0].experts
+        check_engine_format(settings.expert_format, {
+            n: tuple(getattr(experts, n).shape[1:]) for n in adapter.expert_tensor_names}, "engine")
+    # a capacity in bytes buys slots of the experts as held (quantised: the format's bytes)
+    budget = make_budget(cache_cfg.pop("capacity", 1.0),
+                         held_dims(adapter, dims, settings.expert_format, "offload()"))
     pred_name = pred_cfg.pop("name")
     pred = PREDICTORS.build(pred_name, dims=dims, **pred_cfg)
     pol = CACHES.build(cache_cfg.pop("name"), capacity_slots=budget.slots,

@@ -16,13 +16,20 @@ With a lossy ``expert_format`` (:mod:`moeexp.engine.quant`) the store holds the 
 experts instead, under the packed names (``gate_up_proj``, ``gate_up_proj.scale``, ...),
 and the slots are packed the same way: a copy moves the quantised bytes
 (:attr:`ExpertSpec.nbytes`), and the kernel dequantises the slots it computes with. The
-model's own (dense) tensors stay on the host, untouched, for :meth:`HostStore.restore`.
+model's own (dense) fused tensors do not stay in host memory beside them (that doubled the
+host footprint at real size): once quantised they are written to a temporary directory on
+disk and each parameter holds a placeholder of its shape and dtype backed by one element
+(``torch.zeros(()).expand(shape)``: shapes and byte counts read from the model stay true,
+nothing computes with it); :meth:`HostStore.restore` reads them back, bit for bit, and
+removes the directory.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -95,10 +102,26 @@ class HostStore:
         self.fmt = fmt
         self.tensors: list[dict[str, torch.Tensor]] = []
         self._moved: list[tuple[nn.Parameter, torch.device]] = []
+        #: quantised stores: the dense originals spilled to disk (param, its file)
+        self._spilled: list[tuple[nn.Parameter, Path]] = []
+        self._spill_dir: tempfile.TemporaryDirectory[str] | None = None
         with torch.inference_mode(False), torch.no_grad():
             self._take(experts, names, pin and fmt == "dense")
             if fmt != "dense":
                 self.tensors = [self._quantised(layer, pin) for layer in self.tensors]
+                self._spill(experts, names)
+
+    def _spill(self, experts: list[nn.Module], names: tuple[str, ...]) -> None:
+        """Write each dense fused parameter to disk and leave a one-element placeholder of
+        its shape in the model (the quantised store is all the run reads)."""
+        self._spill_dir = tempfile.TemporaryDirectory(prefix="moeexp-dense-experts-")
+        for i, module in enumerate(experts):
+            for n in names:
+                p = getattr(module, n)
+                path = Path(self._spill_dir.name) / f"{i}.{n}.pt"
+                torch.save(p.data, path)
+                self._spilled.append((p, path))
+                p.data = torch.zeros((), dtype=p.dtype).expand(p.shape)
 
     def _quantised(self, layer: dict[str, torch.Tensor], pin: bool) -> dict[str, torch.Tensor]:
         """One layer's tensors held in ``self.fmt`` (vectors as they are)."""
@@ -144,8 +167,15 @@ class HostStore:
         return {n: t[expert] for n, t in self.tensors[layer].items()}
 
     def restore(self) -> None:
-        """Move the fused parameters back to where they were before (idempotent)."""
+        """Move the fused parameters back to where they were before, dense originals read
+        back from disk for a quantised store (idempotent)."""
         with torch.inference_mode(False), torch.no_grad():
+            for p, path in self._spilled:
+                p.data = torch.load(path, map_location="cpu", weights_only=True)
+            self._spilled.clear()
+            if self._spill_dir is not None:
+                self._spill_dir.cleanup()
+                self._spill_dir = None
             for p, device in self._moved:
                 p.data = p.data.to(device)
         self._moved.clear()

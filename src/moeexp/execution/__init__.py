@@ -14,7 +14,10 @@ at every layer with misses (:mod:`moeexp.simulator.exec_device`) and so does the
 (:mod:`moeexp.engine.host_experts`; also ``offload(..., execution=...)``). Every option also
 takes ``share_host_memory`` (default false): the simulator then charges the CPU's reads and
 the link's copies their shared host-memory bandwidth in layers where both work
-(``balanced``'s own ``contended`` prices its split so).
+(``balanced``'s own ``contended`` prices its split so), and ``hidden_on_link`` (default
+false; ``up`` or ``both``): the simulator then queues a CPU layer's outputs (``up``: the
+copies' direction) or its hidden states both ways (``both``: one copy stream) on the link
+behind the copies booked before them (:mod:`moeexp.simulator.exec_device`).
 :func:`check_execution` validates a group before any work;
 :func:`build_execution` builds it for a cost model and refuses settings it cannot price
 (a CPU policy on a profile without a ``cpu:`` block, a format the CPU has no kernel
@@ -32,6 +35,7 @@ from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
 from moeexp.execution.base import (
     EXECUTIONS,
+    HIDDEN_ON_LINK,
     ExecutionPolicy,
     Key,
     LayerMisses,
@@ -44,7 +48,7 @@ import_submodules(sys.modules[__name__])
 #: Keywords the builder fills from the cost model, never from the config.
 _INJECTED = frozenset({"num_layers", "num_experts"})
 #: Keys of every option that the mechanism reads, not the policy's constructor.
-_MECHANISM_KEYS = frozenset({"share_host_memory"})
+_MECHANISM_KEYS = frozenset({"share_host_memory", "hidden_on_link"})
 
 
 def check_execution(choice: GroupChoice) -> None:
@@ -55,6 +59,10 @@ def check_execution(choice: GroupChoice) -> None:
     if not isinstance(share, bool):
         raise ConfigError(f"execution={choice.name}: share_host_memory={share!r} must be true "
                           "or false")
+    hidden = choice.kwargs.get("hidden_on_link", False)
+    if not (hidden is False or hidden in HIDDEN_ON_LINK):
+        raise ConfigError(f"execution={choice.name}: hidden_on_link={hidden!r}; valid: false, "
+                          f"{', '.join(HIDDEN_ON_LINK)}")
 
 
 def build_execution(choice: GroupChoice | Mapping[str, Any], cost: CostModel) -> ExecutionPolicy:
@@ -67,6 +75,7 @@ def build_execution(choice: GroupChoice | Mapping[str, Any], cost: CostModel) ->
     policy = EXECUTIONS.build(choice.name, num_layers=cost.num_layers,
                               num_experts=cost.num_experts, **kwargs)
     policy.share_host_memory = bool(choice.kwargs.get("share_host_memory", False))
+    policy.hidden_on_link = choice.kwargs.get("hidden_on_link", False)
     policy.check(cost)
     return policy
 

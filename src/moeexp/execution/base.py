@@ -35,6 +35,10 @@ from moeexp.registry import Registry
 from moeexp.traces.schema import Trace
 
 Key = tuple[int, int]
+#: ``execution.hidden_on_link`` values besides false: which hidden-state transfers of a CPU
+#: layer queue on the link (``up``: the outputs, the copies' direction; ``both``: also the
+#: hidden states going down, as one copy stream for both directions)
+HIDDEN_ON_LINK = ("up", "both")
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,10 @@ class ExecutionPolicy:
         #: the mechanism charges shared host-memory bandwidth (the group's
         #: ``share_host_memory`` key, set by :func:`moeexp.execution.build_execution`)
         self.share_host_memory = False
+        #: which hidden-state transfers the mechanism queues on the link: False, ``up``
+        #: or ``both`` (the group's ``hidden_on_link`` key, set by
+        #: :func:`moeexp.execution.build_execution`)
+        self.hidden_on_link: bool | str = False
 
     def check(self, cost: CostModel) -> None:
         """ConfigError when ``cost`` cannot price this policy (CPU block, format, dims)."""

@@ -11,6 +11,20 @@ and takes the CPU when it is strictly faster. Decode (n = 1) of a large bf16 exp
 the CPU, a prefill expert serving hundreds of tokens to the GPU: CPU time grows with the
 tokens, the copy does not. Each expert is decided alone, on an idle link (Fiddler's model
 has no link queue); copies stay in the cache.
+
+Per expert, checked against Fiddler's source (github efeslab/fiddler at 227715b,
+``src/fiddler/mixtral.py``, ``FiddlerMixtral.mixtral_forward``, the ``cpu_offload`` branch):
+at every layer it prices each expert as CPU ``n_tokens * latency_cpu`` and GPU
+``latency_gpu`` (0 when resident; constants 7 and 70 there) and enumerates the 2^8 CPU/GPU
+assignments for the one with the lowest **sum** of the costs. Its comment speaks of
+minimising ``max(sum at CPU, sum at GPU)`` (a per-layer balance), but a sum of per-expert
+terms is minimised by taking each expert's cheaper side on its own (ties: the GPU, the
+first assignment found), so the released code decides per expert, as here. The per-layer
+balance Fiddler's comment names is what ``balanced`` (HybriMoE) does. Two differences, by
+design: the times here come from the run's cost model instead of two hand-set constants,
+and a copied expert is kept in the cache (Fiddler's GPU path loads it into a scratch
+placeholder; ``fiddler`` pairs this with ``cache=static``, whose pinned experts are its
+offline popularity placement and whose scratch slots play the placeholder).
 """
 
 from __future__ import annotations

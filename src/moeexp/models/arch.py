@@ -84,3 +84,14 @@ def format_expert_bytes(adapter: Any, fmt: str, dense_bits: int, where: str) -> 
         total += (matrix_bytes(fmt, tuple(p.shape[1:]), dense_bits) if p.dim() >= 3
                   else n * dense_bits / 8)
     return int(round(total))
+
+
+def held_dims(adapter: Any, dims: TraceDims, fmt: str, where: str) -> TraceDims:
+    """``dims`` with ``expert_bytes`` of one of ``adapter``'s experts held in ``fmt`` (at the
+    expert tensors' own element size): what a cache capacity given in bytes buys slots of.
+    ``dense``: ``dims`` unchanged. Raises ConfigError if the model cannot take ``fmt``."""
+    if fmt == "dense":
+        return dims
+    experts = adapter.moe_layers()[0].experts
+    bits = 8 * getattr(experts, adapter.expert_tensor_names[0]).element_size()
+    return replace(dims, expert_bytes=format_expert_bytes(adapter, fmt, bits, where))

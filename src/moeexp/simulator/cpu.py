@@ -7,10 +7,12 @@ host's compute chain. Its experts run one after another, each using every core
 (llama.cpp's and kt-kernel's thread pools split one expert's rows, not the experts); the
 weights are read where they live, so no expert crosses the link, only the hidden states
 of the tokens routed to them: down before the first CPU expert, the partial outputs up
-after the last (:meth:`moeexp.costmodel.roofline.CostModel.hidden_transfer_s`). The
-hidden-state transfers are not queued behind expert copies on the link: they are ~H x 2
-bytes per token (8 KB for Mixtral), a share of a copy's time below the profile's
-precision.
+after the last (:meth:`moeexp.costmodel.roofline.CostModel.hidden_transfer_s`). By
+default the hidden-state transfers are not queued behind expert copies on the link (they
+are ~H x 2 bytes per token, 8 KB for Mixtral): they are part of this chain's work. With
+``execution.hidden_on_link`` the :class:`~moeexp.simulator.exec_device.ExecDevice` books
+on the link the ways it names (``up``: the outputs; ``both``: also the way down) and
+asks this chain for the rest (``ways``).
 
 Seconds of one expert on n tokens: ``max(B / (eta_f BW_dram), 6 H I n / F_cpu) + t_call``
 (:meth:`~moeexp.costmodel.roofline.CostModel.cpu_expert_s`, the profile's ``cpu:``
@@ -50,15 +52,20 @@ class HostCpu:
         self.hidden_tokens = 0
 
     def run(self, start: float, tokens: Sequence[int], hidden_tokens: int,
-            read_bytes_per_s: float | None = None) -> float:
+            read_bytes_per_s: float | None = None, ways: int = 2) -> float:
         """Compute experts with ``tokens`` tokens each (one entry per expert, in order) from
         ``start`` (or when the chain is free, if later), after sending ``hidden_tokens``
         hidden states down; returns when the outputs are back on the GPU.
 
         ``read_bytes_per_s``: the kernel's read bandwidth (None: the profile's own,
-        uncontended)."""
+        uncontended). ``ways``: hidden-state transfers in this chain's work (2: down and
+        up; 1: down only, the caller books the outputs on the link; 0: both booked on the
+        link by the caller, ``start`` is when they arrived): the return value is then when
+        the last expert ended; the caller counts the booked ways in ``busy_s``."""
         cost = self.cost
         work = cost.hidden_transfer_s(hidden_tokens)
+        if ways != 2:
+            work *= 0.5 * ways
         for n in tokens:
             work += cost.cpu_expert_s(n, read_bytes_per_s)
         begin = max(start, self.free)

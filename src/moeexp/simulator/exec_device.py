@@ -34,6 +34,21 @@ computes while the link copies, both draw on host DRAM
 read at the CPU's share and its copies move at the link's share; an upper bound on the
 slowdown (the whole layer is priced as overlapped), the link's extra seconds counted in
 its busy time.
+
+**Hidden states on the link** (``hidden_on_link``: false by default, ``up`` or ``both``):
+a CPU layer's hidden-state transfers are booked on the link as copies are, one per way
+(:meth:`~moeexp.costmodel.roofline.CostModel.hidden_transfer_s`, halved). ``up``: the
+outputs (host to device, the copies' direction) leave when the last CPU expert ended and
+the link is free of everything booked by then (the layer's own copies and the prefetches
+started before it); the way down (device to host) stays in the CPU chain: PCIe is full
+duplex and a GPU has a copy engine per direction. ``both``: also the way down, when the
+link is free of the copies already booked and before the layer's own demand and stream
+copies (the CPU's work is submitted first, as HybriMoE's and Fiddler's code do): one queue
+for both directions, what one copy stream does (Fiddler moves weights and hidden states on
+the default stream). Like a demand load, a transfer is booked ahead of prefetches still
+waiting in the queue. The booked seconds count in the link's busy time and in
+``hidden_link_ms_total``. False: both ways are part of the CPU chain and the link never
+sees them.
 """
 
 from __future__ import annotations
@@ -74,12 +89,18 @@ class ExecDevice(Device):
         cache, cost, num_layers, num_experts: as :class:`Device`.
         policy: the execution policy, fitted and bound to the budget.
         share_host_memory: CPU reads and link copies share host memory (module docstring).
+        hidden_on_link: hidden-state transfers queue on the link (module docstring).
     """
 
     def __init__(self, cache: CachePolicy, cost: CostModel, num_layers: int, num_experts: int,
-                 policy: ExecutionPolicy, *, share_host_memory: bool = False) -> None:
+                 policy: ExecutionPolicy, *, share_host_memory: bool = False,
+                 hidden_on_link: bool | str = False) -> None:
         super().__init__(cache, cost, num_layers, num_experts)
         self.cost, self.policy, self.share = cost, policy, bool(share_host_memory)
+        #: hidden-state ways the link carries: 0 (off), 1 (``up``), 2 (``both``)
+        self.link_ways = {False: 0, "up": 1, "both": 2}[hidden_on_link]
+        self.hidden_on_link = self.link_ways > 0
+        self.hidden_link_s = 0.0  # link seconds of hidden-state transfers (hidden_on_link)
         self.cpu = HostCpu(cost)
         self.pinned: frozenset[Key] = frozenset(policy.gpu_resident())
         self.protected = set(self.pinned)
@@ -106,8 +127,12 @@ class ExecDevice(Device):
         ``stream_h2d_bytes_total`` (copies made without caching; part of
         ``h2d_demand_bytes_total``), ``gpu_pinned_experts``, ``share_host_memory`` (0/1)
         and ``link_shared_extra_ms_total`` (copy seconds added by host-memory sharing,
-        added to ``base``'s link busy times: ``base`` holds the replay's other metrics)."""
+        added to ``base``'s link busy times: ``base`` holds the replay's other metrics);
+        with ``hidden_on_link``, ``hidden_link_ms_total`` (the hidden-state transfers' link
+        seconds, added to the busy times too)."""
         cpu, extra_ms = self.cpu, self.extra_link_s * 1e3
+        if self.hidden_on_link:
+            extra_ms += self.hidden_link_s * 1e3
         makespan_s = float(base["makespan_ms"]) * 1e-3
         busy_ms = float(base["dev0_link_busy_ms_total"]) + extra_ms
         return {
@@ -123,8 +148,8 @@ class ExecDevice(Device):
             "stream_h2d_bytes_total": float(self.stream_copies * self.expert_bytes),
             "gpu_pinned_experts": float(len(self.pinned)),
             "share_host_memory": float(self.share),
-            "link_shared_extra_ms_total": extra_ms,
-        }
+            "link_shared_extra_ms_total": self.extra_link_s * 1e3,
+        } | ({"hidden_link_ms_total": self.hidden_link_s * 1e3} if self.hidden_on_link else {})
 
     def begin_pass(self, counts: np.ndarray, topk: np.ndarray) -> None:
         """The pass's tokens per expert (int64[L, J]) and router choices (int[T, L, K])."""
@@ -152,6 +177,9 @@ class ExecDevice(Device):
         if contended:
             read_bps, link_bps = self.cost.contended_rates()
             self.link.copy_s = copy_s_at(self.cost, link_bps)
+        moved = self._hidden_tokens(layer, place.cpu) if cpu_tok else 0
+        ways = self.link_ways if moved > 0 else 0
+        cpu_start = self._book_hidden(t, moved) if ways == 2 else t
         try:
             if copy_idx:
                 comp, stall = self._demand(keys, copy_idx, ce, pos0, t, comp, stall, finished)
@@ -163,13 +191,26 @@ class ExecDevice(Device):
                 self.link.copy_s = base_copy_s
         end = comp
         if cpu_tok:
-            moved = self._hidden_tokens(layer, place.cpu)
-            cpu_end = self.cpu.run(t, cpu_tok, moved, read_bps)
+            cpu_end = self.cpu.run(cpu_start, cpu_tok, moved, read_bps, ways=2 - ways)
+            if ways:
+                cpu_end = self._book_hidden(cpu_end, moved)
             end = max(comp, cpu_end) + merge_s(self.cost, moved)
             self.cpu_wait_s += end - comp
         if (absent or waits) and self.cache.pause_prefetch_on_miss:
             self.link.pause_until = end
         return end, hits, waits + len(absent), stall
+
+    def _book_hidden(self, t: float, tokens: int) -> float:
+        """Book one way of ``tokens`` hidden states on the link from ``t`` (after the
+        copies booked so far); returns when it arrives. Counted in the CPU chain's busy
+        time as without ``hidden_on_link``."""
+        link = self.link
+        way_s = 0.5 * self.cost.hidden_transfer_s(tokens)
+        start = link.free if link.free > t else t
+        link.free = start + way_s
+        self.hidden_link_s += way_s
+        self.cpu.busy_s += way_s
+        return link.free
 
     def _tokens(self) -> np.ndarray:
         if self._counts is None:

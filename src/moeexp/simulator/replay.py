@@ -255,7 +255,8 @@ class Replay:
         self.exec_dev: ExecDevice | None = None
         if execution is not None:  # missed experts placed by the policy (one device)
             self.exec_dev = ExecDevice(caches[0], cost, self.L, J, execution,
-                                       share_host_memory=execution.share_host_memory)
+                                       share_host_memory=execution.share_host_memory,
+                                       hidden_on_link=execution.hidden_on_link)
             self.dev: Device | DeviceGroup = self.exec_dev
         elif topology is None or topology.devices == 1:
             if len(caches) != 1:

@@ -154,3 +154,16 @@ def test_formats_the_model_cannot_take_are_refused_before_any_work() -> None:
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     with pytest.raises(ConfigError, match=r"engine can hold for these experts .*: dense, int8 "):
         check_engine_format("hqq3", {"w": (96, 32), "v": (32, 48)})
+
+
+def test_a_byte_capacity_buys_slots_of_the_quantised_experts() -> None:
+    """offload(capacity=<bytes>, expert_format=int8): slots = bytes // the int8 expert's
+    bytes (the dense count would give fewer), and the pool holds packed experts."""
+    model = toy_model("mixtral")
+    ad = adapter_for(model)
+    dense = ad.expert_bytes()
+    with offload(model, system="deepspeed", capacity=3 * dense, expert_format="int8") as om:
+        eng = om.engine
+        assert eng.spec.nbytes < dense
+        assert eng.pool.num_slots == min(3 * dense // eng.spec.nbytes,
+                                         ad.num_layers * ad.num_experts) > 3

@@ -28,3 +28,24 @@ def test_expert_bytes_follow_the_format() -> None:
         arch_dims(oss, expert_format="int4", where="model=gpt_oss_20b")
     with pytest.raises(ConfigError, match="valid: dense"):
         arch_dims(oss, expert_format="q4_k")
+
+
+def test_held_dims_count_a_byte_capacity_in_the_format_s_bytes() -> None:
+    """A quantised model's byte capacity buys slots of its int8 experts, not the dense
+    ones: two dense experts' bytes are 2 dense slots but more int8 ones; dense dims pass
+    unchanged."""
+    from moeexp.cache.capacity import capacity_slots
+    from moeexp.models.adapters import adapter_for
+    from moeexp.models.arch import format_expert_bytes, held_dims
+    from moeexp.models.toy_configs import toy_model
+    from moeexp.traces.recorder import trace_dims
+
+    adapter = adapter_for(toy_model("mixtral"))
+    dims = trace_dims(adapter, 0)
+    held = held_dims(adapter, dims, "int8", "test")
+    assert held_dims(adapter, dims, "dense", "test") is dims
+    assert held.expert_bytes == format_expert_bytes(adapter, "int8", 32, "test") < dims.expert_bytes
+    two = 2 * dims.expert_bytes
+    assert capacity_slots(two, held) == min(two // held.expert_bytes,
+                                            dims.num_layers * dims.num_experts) > 2
+    assert capacity_slots(two, dims) == 2

@@ -156,3 +156,33 @@ def test_a_cpu_policy_is_refused_where_the_cpu_is_not_modelled() -> None:
                  progress=False, execution=pol, restricted_routing=True)
     with pytest.raises(ConfigError, match="no cpu: block"):
         build_execution({"name": "cpu_on_miss"}, unit_cost(tr.dims))
+
+
+def test_hidden_on_link_queues_a_cpu_expert_behind_a_copy_in_flight() -> None:
+    """L=2, one token, every miss on the CPU (cpu_on_miss). A wrong prefetch of (1, 2),
+    made at layer 0, starts on the link when layer 0's output transfer leaves it (0.6 s +
+    two transfers) and holds it for the 1.0 s copy. Off: the pass ends at 1.2 s + 4
+    transfers + 2 merges. ``up``: layer 1's outputs wait for that copy (1.6 s + 3 transfers
+    + 1 merge); ``both``: its hidden state waits to go down too (2.1 s + 4 transfers + 1
+    merge). The booked ways count on the link."""
+    tr = hand_trace([[[[[0], [1]]]]], num_experts=4)
+    cost = cpu_cost(tr.dims)
+    runs = {}
+    for mode in (False, "up", "both"):
+        pol = build_execution({"name": "cpu_on_miss", "hidden_on_link": mode}, cost)
+        pred = ScriptedPredictor(dims=tr.dims, at_layer={0: [(1.0, 1, 2)]})
+        runs[mode] = simulate(tr, pred, _lru(tr.dims, 4), cost, progress=False, execution=pol)
+    off = runs[False]
+    h, m = 0.5 * cost.hidden_transfer_s(1), merge_s(cost, 1)
+    base = off.series["iter_ms"][0]
+    assert base == pytest.approx(1e3 * (1.2 + 4 * h + 2 * m))
+    for mode, later_s, ways in (("up", 0.4 - h - m, 2), ("both", 0.9 - m, 4)):
+        got = runs[mode].metrics
+        assert runs[mode].series["iter_ms"][0] == pytest.approx(base + later_s * 1e3)
+        assert got["cpu_expert_calls"] == 2
+        assert got["hidden_link_ms_total"] == pytest.approx(ways * h * 1e3)
+        assert got["link_busy_ms_total"] == pytest.approx(1e3 * (1.0 + ways * h))
+        assert got["cpu_ms_total"] == pytest.approx(off.metrics["cpu_ms_total"])
+    assert "hidden_link_ms_total" not in off.metrics
+    with pytest.raises(ConfigError, match="hidden_on_link=True; valid: false, up, both"):
+        build_execution({"name": "cpu_on_miss", "hidden_on_link": True}, cost)
