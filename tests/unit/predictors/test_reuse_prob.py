@@ -97,3 +97,30 @@ def test_bind_hands_the_cost_model_to_the_cache_and_the_gate_follows_the_link() 
     assert slow["prefetches_issued"] < fast["prefetches_issued"]
     assert slow["prefetches_issued"] < open_gate["prefetches_issued"]
     assert fast["hit_rate"] > 0 and np.isfinite(fast["predictor_query_us_mean"])
+
+
+def test_spec_auto_reads_the_gates_where_the_trace_records_them() -> None:
+    """``spec: auto`` needs the gates after a fit on a store that records them (and its
+    layers-ahead scores move with them); ``off`` or a routing-only store needs nothing."""
+    tr = trace()
+    auto = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
+    auto.fit(tr.split("store"))
+    assert auto.needs == frozenset({"spec_probs"})
+    obs = observation(tr, 1, 0)
+    sure = np.zeros((1, 2, 8), np.float32)
+    sure[0, :, 3] = 1.0
+    other = np.zeros((1, 2, 8), np.float32)
+    other[0, :, 5] = 1.0
+    a = auto.observe_layer(dataclasses.replace(obs, spec_probs=sure)).scores
+    b = auto.observe_layer(dataclasses.replace(obs, spec_probs=other)).scores
+    assert a[1][3] > b[1][3] and b[1][5] > a[1][5]
+    off = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, spec="off")
+    off.fit(tr.split("store"))
+    assert off.needs == frozenset()
+    bare = dataclasses.replace(tr, spec_probs=None,
+                               dims=dataclasses.replace(tr.dims, spec_depth=0))
+    plain = PREDICTORS.build("reuse_prob", dims=bare.dims, depth=2)
+    plain.fit(bare.split("store"))
+    assert plain.needs == frozenset()
+    with pytest.raises(ConfigError, match="spec"):
+        PREDICTORS.build("reuse_prob", dims=tr.dims, spec="on")
