@@ -241,10 +241,14 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     ``topology`` with ``devices > 1`` (CPU only): ``cache`` is one policy per device
     (:func:`moeexp.simulator.topology.build_device_caches`) and the engine runs one copy
     thread per device (:mod:`moeexp.engine.devices`); the slots are the devices' sum.
+    ``cost``: also handed to the predictor with the cache policies (``Predictor.bind``, the
+    call the simulator makes), for a policy that reads the cost model it runs under.
     ``mechanics``: the FineMoE artifact's behaviours (``demand_load``, ``flush_per_token``;
     :meth:`moeexp.engine.runtime.Engine._init_mechanics`); None = the paper's.
     """
     cache = _device_caches(cache, topology, adapter)
+    if cost is not None:  # a policy that reads the cost model it runs under, as in simulate
+        predictor.bind(cost, cache.caches if isinstance(cache, DeviceCaches) else [cache])
     if routing is not None:
         lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
         if lacks:
