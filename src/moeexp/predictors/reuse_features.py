@@ -159,6 +159,31 @@ class ReuseModels:
     spec_depth: int = 0  #: distances d <= this have speculative features (0: none)
 
 
+def carried_steps(counts: np.ndarray, trans: np.ndarray, n: int) -> np.ndarray:
+    """float64[n, J]: :func:`carried` for d = 1..n out of one layer, one matrix at a time
+    (no d-step products stored): ``counts`` int[J] of the layer, ``trans`` float64[>= n, J,
+    J] the transitions out of it and the next layers."""
+    tot = counts.sum()
+    cur = counts / (tot if tot > 0 else 1.0)
+    out = np.empty((n, counts.shape[-1]))
+    for d in range(n):
+        cur = cur @ trans[d]
+        out[d] = np.log(np.maximum(cur, EPS))
+    return out
+
+
+def _carried_all(counts: np.ndarray, trans: np.ndarray, n: int) -> list[np.ndarray]:
+    """[float64[L - d, J] for d = 1..n]: :func:`carried_steps` of every layer of a pass
+    (``counts`` int[L, J]) at once."""
+    tot = counts.sum(axis=-1, keepdims=True)
+    cur = (counts / np.where(tot > 0, tot, 1.0))[:-1]
+    out: list[np.ndarray] = []
+    for d in range(1, n + 1):
+        cur = np.einsum("lj,ljk->lk", cur if d == 1 else cur[:-1], trans[d - 1:])
+        out.append(np.log(np.maximum(cur, EPS)))
+    return out
+
+
 def chain_matrices(trans: np.ndarray, depth: int) -> list[np.ndarray]:
     """``trans`` float64[L-1, J, J] row-stochastic -> [M_1, ..., M_depth], M_d float64[L-d,
     J, J]: M_d[l] = P_l P_{l+1} ... P_{l+d-1}."""
@@ -202,9 +227,12 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
     return spec_features(spec, store.dims.top_k)  # type: ignore[return-value]
 
 
-def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False) -> ReuseModels:
+def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
+               prefill_depth: int = 0) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
-    (with the speculative features when ``use_spec`` and the store records gates)."""
+    (with the speculative features when ``use_spec`` and the store records gates):
+    d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
+    multi-token ones (their evidence carried one matrix at a time: :func:`carried_steps`)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -224,8 +252,13 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
             if kind == 0:
                 xs.setdefault((0, 0), []).append(feats.reshape(-1, 4))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
-            for d, M in enumerate(chains, start=1):
-                extra = carried(counts[:L - d], M)[..., None]  # [L-d, J, 1]
+            deep = (_carried_all(counts, trans, prefill_depth)
+                    if kind and prefill_depth > depth else None)
+            for d in range(1, (len(deep) if deep is not None else len(chains)) + 1):
+                if deep is not None:
+                    extra = deep[d - 1][..., None]  # [L-d, J, 1]
+                else:
+                    extra = carried(counts[:L - d], chains[d - 1])[..., None]
                 parts = [feats[d:], extra]
                 if sd:
                     parts.append(_spec_block(store, its[n], d, sd, L, J))

@@ -128,3 +128,16 @@ def test_spec_fit_reads_store_gates_only_and_refuses_test_requests(
     assert seen and set(seen) <= store_ids
     plain = rf.fit_models(store, _trans(store), 2)
     assert plain.spec_depth == 0 and all(f.coef.shape == (5,) for f in plain.ahead.values())
+
+
+def test_carried_steps_equals_the_chain_products() -> None:
+    """One matrix at a time (prefill's every layer ahead) = the stored d-step products."""
+    tr = random_trace(num_layers=5, num_experts=6, num_requests=6, seed=4)
+    trans = _trans(tr)
+    chains = rf.chain_matrices(trans, 4)
+    counts = np.array([0, 3, 1, 0, 2, 0])
+    got = rf.carried_steps(counts, trans[1:], 3)  # out of layer 1
+    want = np.stack([rf.carried(counts, chains[d][1]) for d in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    every = rf._carried_all(np.tile(counts, (5, 1)), trans, 4)
+    np.testing.assert_allclose(every[2][1], want[2], rtol=1e-12)

@@ -124,3 +124,13 @@ def test_spec_auto_reads_the_gates_where_the_trace_records_them() -> None:
     assert plain.needs == frozenset()
     with pytest.raises(ConfigError, match="spec"):
         PREDICTORS.build("reuse_prob", dims=tr.dims, spec="on")
+
+
+def test_a_prefill_pass_scores_every_layer_ahead_a_decode_pass_its_depth() -> None:
+    tr = trace()
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=1)
+    p.fit(tr.split("store"))
+    for T, want in ((1, [0, 1]), (6, [0, 1, 2, 3])):
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=int(T == 1),
+                                         embed=None, token_request=np.zeros(T, int)))
+        assert sorted(p.observe_layer(observation(tr, 0, 0)).scores) == want
