@@ -197,7 +197,7 @@ class EngineBackend:
             build_scheduler(ctx.scheduler), profile, serving=self.serving, kv_bytes_per_token=kv,
             kv_pool_bytes=kv_pool_bytes(ctx.cost, self.serving, slots),
             arrival_rate=self.settings.get("arrival_rate"), seed=ctx.seed, trace=ctx.trace,
-            slo_s=slo_targets(ctx.trace, ctx.cost, self.serving))
+            slo_s=slo_targets(ctx.trace, ctx.cost, self.serving), cost=ctx.cost)
         return BackendResult(dict(run.metrics), dict(run.series))
 
 

@@ -156,7 +156,8 @@ def sim_vs_engine_serving(loaded: Any, prompts: Sequence[Any], trace: Trace, sto
     eng = serve_engine_continuous(
         loaded, prompts, objs[1][0], objs[1][1], eng_settings, build_scheduler(choice), profile,
         serving=serving, kv_bytes_per_token=kv, kv_pool_bytes=kv_pool_bytes(cost, serving, slots),
-        arrival_rate=arrival_rate, seed=seed, trace=trace, slo_s=slo_targets(trace, cost, serving))
+        arrival_rate=arrival_rate, seed=seed, trace=trace, slo_s=slo_targets(trace, cost, serving),
+        cost=cost)
     return _compare(system, sim.metrics, sim.series, eng.metrics, eng.series, eng.admitted)
 
 

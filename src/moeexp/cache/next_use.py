@@ -28,8 +28,8 @@ x and w come from the cost model the run is priced with, handed over by the ``re
 predictor (:meth:`set_link`): on a saturated link (x >> w) a prefetch pays only when P_k >
 x / (x + w), so the policy degrades to on-demand loading with the eviction above; on a free
 link (x < w, s -> 0) it prefetches whatever is more likely needed than its victim. Without
-a cost model (another predictor, or the engine, which does not bind one) only the first
-condition gates.
+a cost model (another predictor, or an engine built without one) only the first condition
+gates.
 """
 
 from __future__ import annotations

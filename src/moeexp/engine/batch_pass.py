@@ -352,13 +352,15 @@ class PassModel(OffloadedModel):
 
 def build_pass_model(model: nn.Module, adapter: MoEAdapter, predictor: Predictor,
                      cache: CachePolicy, settings: EngineSettings, *, system: str = "custom",
-                     max_members: int = 256, batch_decode: bool = False) -> PassModel:
+                     max_members: int = 256, batch_decode: bool = False,
+                     cost: Any = None) -> PassModel:
     """A :class:`PassModel` with already built (and fitted) policies, on the model's device.
 
     As :func:`moeexp.engine.build.build_offloaded` (the device gets ``cache.capacity_slots``
     slots), except: a cache needing the whole future access stream (Belady) is refused
     (under continuous batching that stream depends on the schedule); a predictor needing
-    the future (oracle) gets each pass's accesses from the caller of ``run_pass``."""
+    the future (oracle) gets each pass's accesses from the caller of ``run_pass``; ``cost``
+    (a :class:`~moeexp.costmodel.roofline.CostModel`, or None) goes to ``Predictor.bind``."""
     if cache.needs_future:
         raise ConfigError(f"not applicable: cache={cache.name} needs the whole future access "
                           "stream, which under continuous batching depends on the schedule "
@@ -367,6 +369,8 @@ def build_pass_model(model: nn.Module, adapter: MoEAdapter, predictor: Predictor
     if impl.startswith("moeexp_offload_"):
         raise ConfigError("this model is offloaded already; close() that OffloadedModel first")
     dev = next(model.parameters()).device
+    if cost is not None:  # a policy that reads the cost model it runs under, as in serve
+        predictor.bind(cost, [cache])
     runner = PredictorRunner(predictor, asynchronous=settings.predictor_async)
     try:
         engine = Engine(adapter, runner, cache, budget_of(cache.capacity_slots,

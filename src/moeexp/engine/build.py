@@ -249,15 +249,12 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     ``topology`` with ``devices > 1`` (CPU only): ``cache`` is one policy per device
     (:func:`moeexp.simulator.topology.build_device_caches`) and the engine runs one copy
     thread per device (:mod:`moeexp.engine.devices`); the slots are the devices' sum.
+    ``cost``: also handed to the predictor (``Predictor.bind``, as the simulator does).
     ``mechanics``: the FineMoE artifact's behaviours (``demand_load``, ``flush_per_token``;
     :meth:`moeexp.engine.runtime.Engine._init_mechanics`); None = the paper's.
     """
     cache = _device_caches(cache, topology, adapter)
-    if routing is not None:
-        lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
-        if lacks:
-            raise ConfigError(f"routing replay: {predictor.name} is not applicable: the trace "
-                              f"lacks {', and '.join(lacks)}")
+    _bind_and_check(predictor, cache, cost, routing)
     budget: Budget = budget_of(cache.capacity_slots, trace_dims(adapter, 0))
     wants_future = "future" in predictor.needs or cache.needs_future
     if wants_future and future is None and routing is not None:
@@ -315,6 +312,20 @@ def _check_cpu_path(execution: ExecutionPolicy | None, topology: Topology | None
                           f"dense experts only; got expert_format={settings.expert_format} "
                           f"(use expert_format=dense, or execution=copy with a quantised "
                           f"format)")
+
+
+def _bind_and_check(predictor: Any, cache: Any, cost: CostModel | None,
+                    routing: RoutingReplay | None) -> None:
+    """Hand ``cost`` to the predictor with the cache policies (``Predictor.bind``, as
+    ``simulate`` does; nothing without a cost model); under routing replay, ConfigError if
+    the predictor needs what the replayed trace lacks."""
+    if cost is not None:
+        predictor.bind(cost, cache.caches if isinstance(cache, DeviceCaches) else [cache])
+    if routing is not None:
+        lacks = missing_for(frozenset(predictor.needs), routing.trace.capabilities)
+        if lacks:
+            raise ConfigError(f"routing replay: {predictor.name} is not applicable: the trace "
+                              f"lacks {', and '.join(lacks)}")
 
 
 def _device_caches(cache: Any, topology: Topology | None, adapter: MoEAdapter) -> Any:

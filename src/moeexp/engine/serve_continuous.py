@@ -52,8 +52,8 @@ def serve_engine_continuous(loaded: Any, prompts: Sequence[Any], predictor: Any,
                             profile: ServingProfile, *, serving: ServingSettings,
                             kv_bytes_per_token: int, kv_pool_bytes: int | None,
                             arrival_rate: float | None, seed: int, trace: Trace | None,
-                            slo_s: Mapping[int, tuple[float, float]] | None = None
-                            ) -> ContinuousRun:
+                            slo_s: Mapping[int, tuple[float, float]] | None = None,
+                            cost: Any = None) -> ContinuousRun:
     """Serve ``prompts`` (test split, arrival order) with continuous batching.
 
     Args:
@@ -67,6 +67,7 @@ def serve_engine_continuous(loaded: Any, prompts: Sequence[Any], predictor: Any,
             None: offline, every request at 0.
         trace: the recorded test trace (token replay, the oracle's future).
         slo_s: request id -> (TTFT, e2e) targets in s, or None.
+        cost: the run's cost model for ``Predictor.bind`` (None: not bound).
     """
     eng = engine_settings(settings)
     replay = bool(settings.get("replay_tokens", False)) and trace is not None
@@ -92,7 +93,8 @@ def serve_engine_continuous(loaded: Any, prompts: Sequence[Any], predictor: Any,
         _warmup(loaded, prompts, cache.capacity_slots, eng, settings)
         pm = build_pass_model(loaded.model, loaded.adapter, predictor, cache, eng,
                               system="engine", max_members=serving.max_running,
-                              batch_decode=bool(settings.get("batch_decode", False)))
+                              batch_decode=bool(settings.get("batch_decode", False)),
+                              cost=cost)
         try:
             run = serve_continuous(
                 pm, prompts, scheduler, profile, settings=serving,

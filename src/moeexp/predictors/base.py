@@ -168,9 +168,9 @@ class Predictor:
 
     def bind(self, cost: object, caches: Sequence[object]) -> None:
         """The run's cost model and cache policies, before the first request (the simulator
-        calls it; the engine does not). A policy that owns both decisions (``reuse_prob``
-        with the ``next_use`` cache) reads the copy and compute times here. Default:
-        nothing."""
+        calls it, and the engine when it is given a cost model). A policy that owns both
+        decisions (``reuse_prob`` with the ``next_use`` cache) reads the copy and compute
+        times here. Default: nothing."""
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         return Prediction()

@@ -16,7 +16,11 @@ split only (Platt's calibration, with the features as the score):
   passes): P(used at layer l + d of this pass | state of l + d, the pass's observed routing at
   layer l), the router's evidence entering through ``log(v_l P_l ... P_{l+d-1})``: layer
   l's token distribution carried d layers by the store's layer transition matrices
-  (:func:`moeexp.predictors.layer_transition.transition_counts`).
+  (:func:`moeexp.predictors.layer_transition.transition_counts`), and, where the trace
+  records speculative gates (``spec_probs``, d <= its ``spec_depth``), the hidden state's
+  evidence too: the share of the pass's tokens whose speculative top-K at distance d holds
+  the expert, and the log of its mean speculative probability (:func:`spec_features`; the
+  same gates ``speculative_gate``/``promoe`` read). Without gates those two columns are 0.
 
 The fit walks the store requests in their order through the same state updates the replay
 makes, so a feature means the same at fit and at query time. Shapes: L layers, J experts,
@@ -124,6 +128,23 @@ def carried(counts: np.ndarray, chain: np.ndarray) -> np.ndarray:
     return np.log(np.maximum(np.einsum("...j,...jk->...k", v, chain), EPS))
 
 
+N_AHEAD = 7  #: features of an ``ahead`` model: 4 state + carried + 2 speculative
+
+
+def spec_features(spec: np.ndarray | None, top_k: int) -> np.ndarray | None:
+    """float64[..., J, 2] from speculative gate probabilities ``spec`` float[T, ..., J]
+    (T tokens): (share of the tokens whose top-``top_k`` holds the expert, log(max(mean
+    probability over the tokens, EPS))); None when ``spec`` is None."""
+    if spec is None:
+        return None
+    s = np.asarray(spec, dtype=np.float64)
+    J = s.shape[-1]
+    k = min(max(int(top_k), 1), J)
+    kth = np.partition(s, J - k, axis=-1)[..., J - k:J - k + 1]
+    share = (s >= kth).mean(axis=0)
+    return np.stack([share, np.log(np.maximum(s.mean(axis=0), EPS))], axis=-1)
+
+
 @dataclass
 class ReuseModels:
     """The fitted models: ``next`` (decode passes) and ``ahead[(kind, d)]``, kind 0 =
@@ -135,6 +156,32 @@ class ReuseModels:
     chains: list[np.ndarray] = field(default_factory=list)
     logpop: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     rows: int = 0  #: training rows over all models
+    spec_depth: int = 0  #: distances d <= this have speculative features (0: none)
+
+
+def carried_steps(counts: np.ndarray, trans: np.ndarray, n: int) -> np.ndarray:
+    """float64[n, J]: :func:`carried` for d = 1..n out of one layer, one matrix at a time
+    (no d-step products stored): ``counts`` int[J] of the layer, ``trans`` float64[>= n, J,
+    J] the transitions out of it and the next layers."""
+    tot = counts.sum()
+    cur = counts / (tot if tot > 0 else 1.0)
+    out = np.empty((n, counts.shape[-1]))
+    for d in range(n):
+        cur = cur @ trans[d]
+        out[d] = np.log(np.maximum(cur, EPS))
+    return out
+
+
+def _carried_all(counts: np.ndarray, trans: np.ndarray, n: int) -> list[np.ndarray]:
+    """[float64[L - d, J] for d = 1..n]: :func:`carried_steps` of every layer of a pass
+    (``counts`` int[L, J]) at once."""
+    tot = counts.sum(axis=-1, keepdims=True)
+    cur = (counts / np.where(tot > 0, tot, 1.0))[:-1]
+    out: list[np.ndarray] = []
+    for d in range(1, n + 1):
+        cur = np.einsum("lj,ljk->lk", cur if d == 1 else cur[:-1], trans[d - 1:])
+        out.append(np.log(np.maximum(cur, EPS)))
+    return out
 
 
 def chain_matrices(trans: np.ndarray, depth: int) -> list[np.ndarray]:
@@ -170,10 +217,25 @@ def store_iterations(store: Trace) -> list[int]:
     return [int(i) for r in store.requests for i in store.request_iterations(r.request_id)]
 
 
-def fit_models(store: Trace, trans: np.ndarray, depth: int) -> ReuseModels:
-    """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``."""
+def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
+                J: int) -> np.ndarray:
+    """float64[L - d, J, 2]: the speculative features of iteration ``it`` for every layer l
+    predicting l + d (zeros past the recorded ``spec_depth``)."""
+    if d > spec_depth:
+        return np.zeros((L - d, J, 2))
+    spec = store.spec_probs[store.token_slice(it), :L - d, d - 1]  # type: ignore[index]
+    return spec_features(spec, store.dims.top_k)  # type: ignore[return-value]
+
+
+def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
+               prefill_depth: int = 0) -> ReuseModels:
+    """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
+    (with the speculative features when ``use_spec`` and the store records gates):
+    d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
+    multi-token ones (their evidence carried one matrix at a time: :func:`carried_steps`)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
+    sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
     passes = [_pass_used(store, it) for it in its]
     decode = [p for p in passes if p[2] == 1]
     pop = (sum((p[0] for p in decode), np.zeros((L, J))) + 1.0) / (len(decode) + 2.0)
@@ -190,14 +252,22 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int) -> ReuseModels:
             if kind == 0:
                 xs.setdefault((0, 0), []).append(feats.reshape(-1, 4))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
-            for d, M in enumerate(chains, start=1):
-                extra = carried(counts[:L - d], M)[..., None]  # [L-d, J, 1]
-                x = np.concatenate([feats[d:], extra], axis=-1).reshape(-1, 5)
+            deep = (_carried_all(counts, trans, prefill_depth)
+                    if kind and prefill_depth > depth else None)
+            for d in range(1, (len(deep) if deep is not None else len(chains)) + 1):
+                if deep is not None:
+                    extra = deep[d - 1][..., None]  # [L-d, J, 1]
+                else:
+                    extra = carried(counts[:L - d], chains[d - 1])[..., None]
+                parts = [feats[d:], extra]
+                if sd:
+                    parts.append(_spec_block(store, its[n], d, sd, L, J))
+                x = np.concatenate(parts, axis=-1).reshape(-1, N_AHEAD if sd else 5)
                 xs.setdefault((kind, d), []).append(x)
                 ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
     nxt = fit_logistic(*stack.get((0, 0), (np.zeros((0, 4)), np.zeros(0))), 4)
-    ahead = {k: fit_logistic(X, y, 5) for k, (X, y) in stack.items() if k[1] > 0}
+    ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop,
-                       rows=sum(len(y) for _, y in stack.values()))
+                       rows=sum(len(y) for _, y in stack.values()), spec_depth=sd)

@@ -12,7 +12,10 @@ the victim is known: by the ``next_use`` cache, with the cost model this predict
 the pass's tokens and context, plus its experts' compute for the observed counts).
 
 Every probability is a logistic regression fitted on the store split only
-(:func:`moeexp.predictors.reuse_features.fit_models`); the transition matrices too.
+(:func:`moeexp.predictors.reuse_features.fit_models`); the transition matrices too. With
+``spec: auto`` (the default) and a store split that records speculative gates, the models of
+the layers ahead also read the gates' evidence from the running layer's hidden state (the
+predictor then needs ``spec_probs``); on a routing-only trace they do without.
 """
 
 from __future__ import annotations
@@ -34,7 +37,15 @@ from moeexp.predictors.base import (
     RequestStart,
 )
 from moeexp.predictors.layer_transition import transition_counts
-from moeexp.predictors.reuse_features import ReuseModels, ReuseState, carried, fit_models, sigmoid
+from moeexp.predictors.reuse_features import (
+    ReuseModels,
+    ReuseState,
+    carried,
+    carried_steps,
+    fit_models,
+    sigmoid,
+    spec_features,
+)
 from moeexp.traces.schema import Trace, TraceDims
 
 
@@ -50,10 +61,12 @@ class ReuseProbability(Predictor):
             refuses the ones that do not pay; this only bounds the work).
         max_per_layer: most prefetches offered per layer ahead (0: J).
         alpha: Laplace smoothing of the transition counts.
+        spec: ``auto``: the layers-ahead models also read the speculative gates when the
+            store split records them (decided at :meth:`fit`); ``off``: never.
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
-                 max_per_layer: int = 0, alpha: float = 1.0) -> None:
+                 max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto") -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -63,12 +76,17 @@ class ReuseProbability(Predictor):
         if max_per_layer < 0 or alpha <= 0:
             raise ConfigError(f"reuse_prob: max_per_layer must be >= 0 and alpha > 0, got "
                               f"{max_per_layer}, {alpha}")
+        if spec not in ("auto", "off"):
+            raise ConfigError(f"reuse_prob: spec must be 'auto' or 'off', got {spec!r}")
+        self.spec = spec
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
         self.max_per_layer = int(max_per_layer) or J
         self.models: ReuseModels | None = None
         self._coef: dict[int, np.ndarray] = {}
         self._icpt: dict[int, np.ndarray] = {}
         self._from: list[np.ndarray] = [np.zeros((0, 0, 0))] * L
+        self._reach = {0: 0, 1: 0}
+        self._trans = np.zeros((0, 0, 0))
         self.state = ReuseState.zeros(L, J)
         self._caches: list[Any] = []
         self._cost: Any = None
@@ -83,12 +101,19 @@ class ReuseProbability(Predictor):
         C = transition_counts(store) + self.alpha
         trans = C / C.sum(axis=-1, keepdims=True)
         L = self.dims.num_layers
-        m = fit_models(store, trans, min(self.depth, L - 1))
+        m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
+                       prefill_depth=L - 1)
+        self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
-        # per pass kind (0: one token, 1: more): coefficients float64[D, 5], intercepts [D]
+        # layers ahead per pass kind (0: one token, 1: more): a multi-token pass (prefill)
+        # uses nearly every expert of every layer, so every layer ahead is worth predicting
+        self._reach = {0: D, 1: max([D] + [d for k, d in m.ahead if k == 1])}
+        self._trans = trans
+        # per pass kind: coefficients float64[D_kind, F], intercepts [D_kind]
         for kind in (0, 1):
-            fits = [m.ahead.get((kind, d)) or m.ahead[(0, d)] for d in range(1, D + 1)]
-            self._coef[kind] = np.array([f.coef for f in fits]).reshape(D, 5)
+            fits = [m.ahead.get((kind, d)) or m.ahead[(0, d)]
+                    for d in range(1, self._reach[kind] + 1)]
+            self._coef[kind] = np.array([f.coef for f in fits]).reshape(len(fits), -1)
             self._icpt[kind] = np.array([f.intercept for f in fits])
         # per layer: the d-step chains out of it, float64[min(D, L-1-l), J, J]
         self._from = [np.stack([m.chains[d][layer] for d in range(min(D, L - 1 - layer))])
@@ -159,10 +184,14 @@ class ReuseProbability(Predictor):
         c = nxt.coef
         scores = {layer: sigmoid(c[:3] @ feat[:, layer] + c[3] * logpop[layer] + nxt.intercept)}
         out = Prediction(scores=scores)
-        chains = self._from[layer]
-        n = len(chains)
+        counts = np.asarray(obs.counts, dtype=np.float64)
+        n = min(self._reach[self._kind], self.dims.num_layers - 1 - layer)
         if n:
-            p = self._ahead(layer, n, np.asarray(obs.counts, dtype=np.float64), chains)
+            if self._reach[self._kind] > len(self.models.chains):  # prefill, every layer ahead
+                extra = carried_steps(counts, self._trans[layer:], n)
+            else:
+                extra = carried(counts, self._from[layer])  # [n, J]
+            p = self._ahead(layer, n, extra, obs.spec_probs)
             for d in range(n):
                 scores[layer + 1 + d] = p[d]
             floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
@@ -171,11 +200,12 @@ class ReuseProbability(Predictor):
         self._queries += 1
         return out
 
-    def _ahead(self, layer: int, n: int, counts: np.ndarray, chains: np.ndarray) -> np.ndarray:
-        """float64[n, J]: P(used at layer + d in this pass), d = 1..n, in one product:
-        ``chains`` float64[n, J, J] carries layer's token distribution d layers."""
+    def _ahead(self, layer: int, n: int, extra: np.ndarray,
+               spec: np.ndarray | None = None) -> np.ndarray:
+        """float64[n, J]: P(used at layer + d in this pass), d = 1..n: ``extra`` float64[n,
+        J], layer's token distribution carried d layers (:func:`carried`); ``spec``
+        float32[T, D, J], the layer's speculative gates (read when the models have them)."""
         coef, icpt = self._coef[self._kind], self._icpt[self._kind]
-        extra = carried(counts, chains)  # [n, J]
         rows = slice(layer + 1, layer + 1 + n)
         feat = self.state.feat
         z = coef[:n, 0, None] * feat[0, rows]
@@ -184,6 +214,10 @@ class ReuseProbability(Predictor):
         z += coef[:n, 3, None] * self.models.logpop[rows]  # type: ignore[union-attr]
         z += coef[:n, 4, None] * extra
         z += icpt[:n, None]
+        m = min(n, self.models.spec_depth)  # type: ignore[union-attr]
+        if m and spec is not None:
+            sf = spec_features(spec[:, :m], self.dims.top_k)  # [m, J, 2]
+            z[:m] += coef[:m, 5, None] * sf[..., 0] + coef[:m, 6, None] * sf[..., 1]
         return sigmoid(z)
 
     def _offers(self, layer: int, p: np.ndarray, floor: float) -> list[Prefetch]:
@@ -197,7 +231,7 @@ class ReuseProbability(Predictor):
         ds, es = np.nonzero(keep)
         if not len(ds):
             return []
-        pri = (self.depth - 1 - ds) + p[ds, es]
+        pri = (max(self.depth, p.shape[0]) - 1 - ds) + p[ds, es]
         return [Prefetch(q, layer + 1 + d, e)
                 for q, d, e in zip(pri.tolist(), ds.tolist(), es.tolist(), strict=True)]
 

@@ -250,6 +250,7 @@ def serve(trace_test: Trace, predictor: Predictor, cache: CachePolicy, cost: Cos
     if record_usable and not restricted_routing:
         raise ConfigError("record_usable needs restricted_routing (only restricted layers "
                           "read residency without loading)")
+    predictor.bind(cost, [cache])  # a policy that reads the cost model it runs under
     replay = Replay(trace_test, predictor, cache, cost, plan, restricted=restricted_routing,
                      feed_s=predictor_feed_s)
     if record_usable:

@@ -49,6 +49,8 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     "cache_size_sweep": ("fig12",), "cache_ablation": ("cache",),
     "predictor_ablation": ("predictor",), "store_capacity_sweep": ("store",),
     "paper_testbed": ("fig10",),
+    # beyond the paper: issue 27's system on the regime maps (moeexp.tracking.repro_beyond)
+    "regime_map": ("beyond",), "regime_map_real": ("beyond",),
 }
 
 #: The budget (fraction of expert memory) of the Fig. 10 comparison.

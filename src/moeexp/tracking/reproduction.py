@@ -11,6 +11,8 @@ one markdown table: a row per claim of FineMoE (algorithms.md §9), a column per
     testbed    rung (a) of the paper-testbed ladder (+experiment=paper_testbed, Mixtral
                projection): FineMoE as finemoe_artifact, MoE-Infinity as moe_infinity_artifact
 
+After the paper's claims, the rows beyond the paper (:mod:`moeexp.tracking.repro_beyond`:
+issue 27's ``prefetch_if_pays`` on the regime-map sweeps).
 A sweep's claim comes from its ``experiment`` column, its setting from the ``model`` and
 ``cost_as_model`` columns; several sweeps of one claim and
 setting are pooled (reading, pooling and the statistics: :mod:`moeexp.tracking.repro_data`). Every number is a mean
@@ -45,6 +47,7 @@ import pandas as pd
 from moeexp.atomic import write_text
 from moeexp.tracking.compare import PAPER_BASELINES, PAPER_CHANGES
 from moeexp.tracking.intervals import SEED_KEY
+from moeexp.tracking.repro_beyond import beyond_rows
 from moeexp.tracking.repro_data import (
     CLAIMS,
     FIG10_BUDGET,
@@ -276,8 +279,9 @@ def ablation_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
 
 
 def build_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
-    """Every row of the table, in the paper's order."""
-    return fig10_rows(data) + fig12_rows(data) + ablation_rows(data)
+    """Every row of the table, in the paper's order, then the rows beyond the paper."""
+    return (fig10_rows(data) + fig12_rows(data) + ablation_rows(data)
+            + beyond_rows(data, Row))
 
 
 def old_why(text: str) -> dict[str, str]:
@@ -297,8 +301,8 @@ def _regime_line(data: dict[tuple[str, Regime], Setting]) -> str:
     """Each setting's copy_to_compute (one expert copy over one decode layer's compute)."""
     parts = []
     for regime in REGIMES:
-        vals = [s.runs["copy_to_compute"] for (_, r), s in data.items()
-                if r == regime and "copy_to_compute" in s.runs]
+        vals = [s.runs["copy_to_compute"] for (c, r), s in data.items()
+                if r == regime and c != "beyond" and "copy_to_compute" in s.runs]
         ctc = pd.to_numeric(pd.concat(vals, ignore_index=True), errors="coerce").dropna() \
             if vals else pd.Series(dtype=float)
         parts.append(f"{regime}: {ctc.median():.3g}" if len(ctc) else f"{regime}: –")
@@ -310,7 +314,7 @@ def sources(data: dict[tuple[str, Regime], Setting]) -> str:
     """The sweep directories, commits, runs and seeds behind every (claim, setting)."""
     lines = ["| claim | setting | sweep dirs | commits | runs | seeds | test requests |",
              "|---|---|---|---|---|---|---|"]
-    order = ["fig10", "fig12", "cache", "predictor", "store"]
+    order = ["fig10", "fig12", "cache", "predictor", "store", "beyond"]
     for (claim, regime), s in sorted(data.items(), key=lambda kv: (
             order.index(kv[0][0]), list(REGIMES).index(kv[0][1]))):
         seeds = sorted({str(x) for x in s.runs.get(SEED_KEY, [])})
@@ -341,7 +345,9 @@ def render(rows: Sequence[Row], data: dict[tuple[str, Regime], Setting],
         "copy_to_compute (c/c). Chains run worst to best as the paper orders them: `<` the "
         "right one is better with 95 % confidence (paired), `≈` the paired interval holds 0, "
         "`>` it is worse; **holds** = every step `<`, **partly** = some `≈`, **differs** = "
-        f"some `>`. {_regime_line(data)}\n")
+        "some `>`. The `f-*` rows (beyond the paper, `moeexp.tracking.repro_beyond`) are "
+        "`prefetch_if_pays`'s changes against the named system, paired the same way, from "
+        f"the regime-map sweeps at the profile's own link. {_regime_line(data)}\n")
     dirs = " ".join(dict.fromkeys(d for s in data.values() for d in s.dirs))
     return (f"{BEGIN}\n\n" + "\n".join(lines) + "\n" + legend + "\n**Sources** (regenerate "
             f"with `make reproduction SWEEPS=\"{dirs}\"`):\n\n" + sources(data) + f"\n{END}\n")

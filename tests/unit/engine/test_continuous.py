@@ -387,3 +387,22 @@ def test_residency_replay_refused_for_exact_and_too_short(store_of) -> None:
         _serve(model, pred, pol, _prompts(), residency=[[[0], [0]]])
     with pytest.raises(ConfigError, match="residency replay holds 1 passes"):
         _lossy_serve(store_of("mixtral"), [[[0], [0]]])
+
+
+def test_the_pass_model_binds_the_cost_model_it_is_given(store_of) -> None:
+    """build_pass_model hands ``cost`` to the predictor (``Predictor.bind``, as the
+    simulator's serve does): prefetch_if_pays's cache learns the copy time."""
+    from moeexp.cache import CACHES
+    from moeexp.costmodel import CostModel, load_profile
+    from moeexp.predictors import PREDICTORS
+
+    model = toy_model("mixtral")
+    d = store_of("mixtral").dims
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), d)
+    pred = PREDICTORS.build("reuse_prob", dims=d, depth=1)
+    pol = CACHES.build("next_use", capacity_slots=6, num_layers=d.num_layers,
+                       num_experts=d.num_experts)
+    assert pol.copy_s is None
+    build_pass_model(model, adapter_for(model), pred, pol,
+                     EngineSettings(predictor_async=False), cost=cost).close()
+    assert pol.copy_s == cost.copy_s

@@ -255,3 +255,38 @@ def test_lossy_replay_takes_the_simulators_decisions(capacity: float, store_of) 
     for key in (*KEYS, "substitution_rate", "routing_dropped_rate"):
         assert m[key] == pytest.approx(sim[key], abs=1e-12), key
     assert m["substitution_rate"] > 0
+
+
+def test_prefetch_if_pays_gets_the_cost_model_and_takes_the_simulators_decisions(
+        store_of) -> None:
+    """The engine binds the cost model it is given (``Predictor.bind``, as ``simulate``):
+    ``prefetch_if_pays`` (reuse_prob + next_use) learns the copy time and each pass's
+    compute window there, and on the forced routing it takes the simulator's decisions
+    (hits, bytes, loads, prefetches) under the same cost model."""
+    trace = _recorded()
+    store = store_of("mixtral")
+    d = trace.dims
+    link = _instant_link(d)
+
+    def policies():
+        pred = PREDICTORS.build("reuse_prob", dims=d, depth=2, spec="off")  # trace: no gates
+        pol = CACHES.build("next_use", capacity_slots=6, num_layers=d.num_layers,
+                           num_experts=d.num_experts)
+        pred.fit(store)
+        pol.fit(store)
+        return pred, pol
+
+    model = toy_model("mixtral", seed=1)
+    ad = adapter_for(model)
+    pred, pol = policies()
+    replay = RoutingReplay(trace, ad)
+    settings = EngineSettings(predictor_async=False, prefetch_wait=True)
+    with build_offloaded(model, ad, pred, pol, settings, routing=replay, cost=link) as om:
+        replay_requests(om, replay)
+        m = om.metrics()
+    assert pol.copy_s == pytest.approx(link.copy_s) and pol.window_s is not None
+    sim_pred, sim_pol = policies()
+    sim = simulate(trace, sim_pred, sim_pol, link, progress=False).metrics
+    for key in KEYS:
+        assert m[key] == sim[key], key
+    assert m["prefetches_issued"] > 0

@@ -95,3 +95,49 @@ def test_a_relabelled_test_request_is_refused() -> None:
                                             *tr.requests[1:]])
     with pytest.raises(ConfigError, match="store split"):
         rf.store_iterations(bad)
+
+
+def test_spec_features_count_top_k_shares_and_mean_probability() -> None:
+    spec = np.array([[[0.5, 0.3, 0.1, 0.1]], [[0.1, 0.5, 0.3, 0.1]]])  # [T=2, 1, J=4]
+    f = rf.spec_features(spec, top_k=2)
+    assert f.shape == (1, 4, 2)
+    np.testing.assert_allclose(f[0, :, 0], [0.5, 1.0, 0.5, 0.0])
+    np.testing.assert_allclose(f[0, :, 1], np.log([0.3, 0.4, 0.2, 0.1]))
+    assert rf.spec_features(None, 2) is None
+
+
+def test_spec_fit_reads_store_gates_only_and_refuses_test_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the speculative features the ahead models get 7 columns; the gates read are
+    the store requests' (the separation holds for the new columns too)."""
+    tr = random_trace(num_layers=3, num_experts=6, num_requests=10, output_len=6, seed=2)
+    with pytest.raises(ConfigError, match="outside the store"):
+        rf.fit_models(tr, _trans(tr), 2, use_spec=True)
+    store = tr.split("store")
+    store_ids = {r.request_id for r in tr.requests if r.split == "store"}
+    seen: list[int] = []
+    real = rf._spec_block
+
+    def spy(trace, it, *a):
+        seen.append(int(trace.iter_request[it]))
+        return real(trace, it, *a)
+
+    monkeypatch.setattr(rf, "_spec_block", spy)
+    m = rf.fit_models(store, _trans(store), 2, use_spec=True)
+    assert m.spec_depth == 2 and all(f.coef.shape == (7,) for f in m.ahead.values())
+    assert seen and set(seen) <= store_ids
+    plain = rf.fit_models(store, _trans(store), 2)
+    assert plain.spec_depth == 0 and all(f.coef.shape == (5,) for f in plain.ahead.values())
+
+
+def test_carried_steps_equals_the_chain_products() -> None:
+    """One matrix at a time (prefill's every layer ahead) = the stored d-step products."""
+    tr = random_trace(num_layers=5, num_experts=6, num_requests=6, seed=4)
+    trans = _trans(tr)
+    chains = rf.chain_matrices(trans, 4)
+    counts = np.array([0, 3, 1, 0, 2, 0])
+    got = rf.carried_steps(counts, trans[1:], 3)  # out of layer 1
+    want = np.stack([rf.carried(counts, chains[d][1]) for d in range(3)])
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    every = rf._carried_all(np.tile(counts, (5, 1)), trans, 4)
+    np.testing.assert_allclose(every[2][1], want[2], rtol=1e-12)

@@ -97,3 +97,40 @@ def test_bind_hands_the_cost_model_to_the_cache_and_the_gate_follows_the_link() 
     assert slow["prefetches_issued"] < fast["prefetches_issued"]
     assert slow["prefetches_issued"] < open_gate["prefetches_issued"]
     assert fast["hit_rate"] > 0 and np.isfinite(fast["predictor_query_us_mean"])
+
+
+def test_spec_auto_reads_the_gates_where_the_trace_records_them() -> None:
+    """``spec: auto`` needs the gates after a fit on a store that records them (and its
+    layers-ahead scores move with them); ``off`` or a routing-only store needs nothing."""
+    tr = trace()
+    auto = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
+    auto.fit(tr.split("store"))
+    assert auto.needs == frozenset({"spec_probs"})
+    obs = observation(tr, 1, 0)
+    sure = np.zeros((1, 2, 8), np.float32)
+    sure[0, :, 3] = 1.0
+    other = np.zeros((1, 2, 8), np.float32)
+    other[0, :, 5] = 1.0
+    a = auto.observe_layer(dataclasses.replace(obs, spec_probs=sure)).scores
+    b = auto.observe_layer(dataclasses.replace(obs, spec_probs=other)).scores
+    assert a[1][3] > b[1][3] and b[1][5] > a[1][5]
+    off = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, spec="off")
+    off.fit(tr.split("store"))
+    assert off.needs == frozenset()
+    bare = dataclasses.replace(tr, spec_probs=None,
+                               dims=dataclasses.replace(tr.dims, spec_depth=0))
+    plain = PREDICTORS.build("reuse_prob", dims=bare.dims, depth=2)
+    plain.fit(bare.split("store"))
+    assert plain.needs == frozenset()
+    with pytest.raises(ConfigError, match="spec"):
+        PREDICTORS.build("reuse_prob", dims=tr.dims, spec="on")
+
+
+def test_a_prefill_pass_scores_every_layer_ahead_a_decode_pass_its_depth() -> None:
+    tr = trace()
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=1)
+    p.fit(tr.split("store"))
+    for T, want in ((1, [0, 1]), (6, [0, 1, 2, 3])):
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=int(T == 1),
+                                         embed=None, token_request=np.zeros(T, int)))
+        assert sorted(p.observe_layer(observation(tr, 0, 0)).scores) == want

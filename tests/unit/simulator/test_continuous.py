@@ -298,3 +298,26 @@ def test_record_usable_logs_each_pass_and_layer_and_changes_nothing() -> None:
     assert all(s == [] for p in empty for s in p)
     with pytest.raises(ConfigError, match="record_usable needs restricted_routing"):
         _serve(tr, "fcfs", record_usable=True, arrival_rate=50.0, num_requests=10)
+
+
+def test_static_prefetch_if_pays_reproduces_simulate_with_the_cost_model_bound() -> None:
+    """``serve`` binds the cost model as ``simulate`` does: prefetch_if_pays (reuse_prob +
+    next_use, whose gate reads it) gives simulate's metrics under scheduler=static."""
+    tr = _trace()
+    store = tr.split("store")
+
+    def fitted():  # type: ignore[no-untyped-def]
+        pred, pol, cost = _parts(tr, "reuse_prob", "next_use")
+        pred.fit(store)
+        pol.fit(store)
+        return pred, pol, cost
+
+    pred, pol, cost = fitted()
+    old = simulate(tr.split("test"), pred, pol, cost, progress=False).metrics
+    pred, pol, cost = fitted()
+    prof = fit_serving_profile(store, cost, pol.capacity_slots)
+    new = serve(tr.split("test"), pred, pol, cost, build_scheduler({"name": "static"}),
+                prof, progress=False).metrics
+    assert pol.copy_s == cost.copy_s and old["prefetches_issued"] > 0
+    keys = [k for k in old if not k.startswith("bound_") and k not in WALL]
+    assert not _same(old, new, keys)

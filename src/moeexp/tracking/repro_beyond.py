@@ -1,0 +1,107 @@
+"""The reproduction table's "beyond" rows: a system built past the paper, on the same settings.
+
+Issue 27's ``prefetch_if_pays`` against the systems of the table, from the regime-map sweeps
+(``+experiment=regime_map`` and ``regime_map_real``; claim ``beyond`` in
+:data:`moeexp.tracking.repro_data.CLAIMS`). A regime map sweeps the host link; a setting's cell
+reads the runs at the profile's own link (:data:`LINK_GBPS`, where the embedded setting sits at
+copy/compute 0.27 and the real one at 3.6) and at the Fig. 10 budget. Per seed, paired as every
+other cell: TPOT against the best exact non-oracle system at that point (the lowest mean TPOT
+of :data:`EXACT`), TTFT against FineMoE's (where the trace has a prefill), and the share of the
+TPOT gap between on-demand LRU (``deepspeed``) and ``oracle_aggressive`` it closes. Torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+from moeexp.tracking.intervals import SEED_KEY, mean_ci
+from moeexp.tracking.repro_data import (
+    FIG10_BUDGET,
+    REGIMES,
+    Regime,
+    Setting,
+    Stat,
+    at_budget,
+    finemoe_of,
+    level,
+    ok_rows,
+    paired,
+    ratio,
+)
+
+SYSTEM = "prefetch_if_pays"  #: the system the rows are about
+#: The exact, non-oracle systems it is held against ("the best exact system at the point").
+EXACT = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity", "finemoe",
+         "finemoe_no_semantic")
+LINK_GBPS = 32.0  #: ``hardware.h2d_gbps`` of the cells: rtx3090_pcie4's own link
+VERDICT = {-1: "**ahead**", 0: "**≈ 0**", 1: "**behind**"}
+
+
+def at_link(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs at :data:`LINK_GBPS` (all of them when the sweep has no link column)."""
+    col = "hardware.h2d_gbps"
+    if col not in runs:
+        return runs
+    return runs[(pd.to_numeric(runs[col], errors="coerce") - LINK_GBPS).abs() < 1e-9]
+
+
+def best_exact(runs: pd.DataFrame) -> str | None:
+    """The exact non-oracle system of lowest mean TPOT among ``runs`` (None: none ran)."""
+    means = {s: level(runs, "system", s, "tpot_ms_mean").mean for s in EXACT
+             if s != SYSTEM and not ok_rows(runs, "system", s).empty}
+    means = {s: m for s, m in means.items() if math.isfinite(m)}
+    return min(means, key=lambda s: means[s]) if means else None
+
+
+def gap_closed(runs: pd.DataFrame) -> Stat:
+    """Per seed ``(LRU - this) / (LRU - oracle_aggressive)`` of TPOT: mean and interval."""
+    per = []
+    for name in ("deepspeed", "oracle_aggressive", SYSTEM):
+        part = ok_rows(runs, "system", name)
+        if "tpot_ms_mean" not in part or SEED_KEY not in part:
+            return Stat(math.nan, math.nan, 0)
+        per.append(part.groupby(part[SEED_KEY].astype(str))["tpot_ms_mean"].last())
+    lru, oa, me = per
+    seeds = lru.index.intersection(oa.index).intersection(me.index)
+    span = (lru[seeds] - oa[seeds]).astype(float)
+    return Stat(*mean_ci(((lru[seeds] - me[seeds]) / span.where(span > 0)).dropna()))
+
+
+def _cell(runs: pd.DataFrame, q: str) -> str:
+    if ok_rows(runs, "system", SYSTEM).empty:
+        return f"not measured: no run of {SYSTEM} at {LINK_GBPS:g} GB/s"
+    if q == "gap":
+        st = gap_closed(runs)
+        return (f"{st.text(2)} of the gap closed; bytes "
+                f"{ratio(runs, 'system', SYSTEM, 'deepspeed', 'h2d_bytes_total')} LRU's"
+                if st.ok() else "n/a: no deepspeed / oracle_aggressive runs to pair")
+    other = best_exact(runs) if q == "tpot" else finemoe_of(runs)
+    metric = "tpot_ms_mean" if q == "tpot" else "ttft_ms_mean"
+    st = paired(runs, "system", SYSTEM, other, metric) if other else Stat(math.nan, math.nan, 0)
+    if not st.ok():
+        return ("n/a: the trace has no prefill (TTFT not available)" if q == "ttft"
+                else "n/a: no exact system ran")
+    ctc = level(runs, "system", SYSTEM, "copy_to_compute").mean
+    return f"{st.change()} {VERDICT[st.sign()]} vs {other} (c/c {ctc:.2g})"
+
+
+def beyond_rows(data: dict[tuple[str, Regime], Setting], row: type) -> list:
+    """The ``f-*`` rows (``row``: the table's Row class): TPOT vs the best exact system,
+    TTFT vs FineMoE, the LRU→oracle_aggressive gap closed; "not measured" where no
+    regime-map sweep of the setting was given."""
+    spec = (("tpot", "TPOT vs the best exact non-oracle system at the point"),
+            ("ttft", "TTFT vs FineMoE"),
+            ("gap", "share of the TPOT gap on-demand LRU → oracle_aggressive closed"))
+    out = []
+    for q, title in spec:
+        cells: dict[Regime, str] = {}
+        for regime in REGIMES:
+            s = data.get(("beyond", regime))
+            cells[regime] = ("not measured" if s is None
+                             else _cell(at_link(at_budget(s.runs, FIG10_BUDGET)), q))
+        out.append(row(f"f-{q}-{SYSTEM}", f"Beyond the paper (issue 27): {SYSTEM} {title} "
+                       f"(cache {FIG10_BUDGET:.0%}, {LINK_GBPS:g} GB/s)",
+                       "– (not in the paper)", cells))
+    return out
