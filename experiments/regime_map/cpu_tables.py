@@ -37,9 +37,9 @@ from moeexp.tracking.intervals import mean_ci
 #: measurement (torchao's groups of 128 do not divide the tiny model's 64-wide rows)
 ACCURACY = {"dense": ("lossless", "1.000", "0"),
             "int8": ("lossy", "0.993 ± 0.003", "0.0002 ± 0.0001"),
+            "int4": ("lossy", "not measured", "not measured"),
             "hqq3": ("lossy", "0.915 ± 0.017", "0.0070 ± 0.0003"),
-            "hqq2": ("lossy", "0.867 ± 0.007", "0.0157 ± 0.0013"),
-            "int4": ("lossy", "not measured", "not measured")}
+            "hqq2": ("lossy", "0.867 ± 0.007", "0.0157 ± 0.0013")}
 
 
 def _cell(mean: float, ci: float, digits: int = 1) -> str:
@@ -113,21 +113,27 @@ def decomposition(runs: pd.DataFrame, bw: float) -> list[str]:
 
 
 def format_table(runs: pd.DataFrame, metric: str, cap: float, bw: float) -> list[str]:
-    """System x format at one budget and bandwidth: mean ± ci and the paired change
-    against on-demand LRU in the *dense* format (what a format buys over bf16 LRU)."""
+    """System x format at one budget and bandwidth: mean ± ci, and in brackets the paired
+    change against on-demand LRU *in the same format* (the fair comparison); LRU's own row
+    gives its change against dense LRU (what the format alone buys)."""
     at = runs[(runs["cap"] == cap) & (runs["bw"] == bw)]
     fmts = [f for f in ACCURACY if f in set(at["fmt"])]
-    lru = at[(at["system"] == LRU) & (at["fmt"] == "dense")].set_index("seed")[metric]
-    lines = [f"| system | {' | '.join(fmts)} |", "|---|" + "---|" * len(fmts)]
+    lru = at[at["system"] == LRU].set_index(["fmt", "seed"])[metric]
+    head = [f + (" (lossy)" if ACCURACY[f][0] == "lossy" else "") for f in fmts]
+    lines = [f"| system | {' | '.join(head)} |", "|---|" + "---|" * len(fmts)]
     for system, rows in at.groupby("system", sort=False):
         cells = []
         for f in fmts:
             r = rows[rows["fmt"] == f]
+            if r.empty:
+                cells.append("")
+                continue
+            base = "dense" if system == LRU else f
+            pct = [100 * (float(v) / float(lru[(base, s)]) - 1)
+                   for s, v in zip(r["seed"], r[metric], strict=True) if (base, s) in lru]
             m, h, _ = mean_ci(r[metric])
-            pct = [100 * (float(v) / float(lru[s]) - 1) for s, v in zip(r["seed"], r[metric],
-                                                                       strict=True) if s in lru]
             pm, ph, _ = mean_ci(pct)
-            cells.append(f"{_cell(m, h)} ({_pct(pm, ph)})" if len(r) else "")
+            cells.append(f"{_cell(m, h)} ({_pct(pm, ph)})")
         lines.append(f"| {system} | {' | '.join(cells)} |")
     return lines
 
@@ -169,8 +175,9 @@ def format_section(runs: pd.DataFrame, accuracy: bool) -> list[str]:
     out = ["### formats as an axis", ""]
     for cap in sorted(runs["cap"].unique()):
         for bw in sorted(runs[runs["cap"] == cap]["bw"].unique()):
-            out += [f"TPOT (ms) at {cap:.0%}, {bw:g} GB/s (paired % vs on-demand LRU in dense "
-                    "bf16):", "", *format_table(runs, "tpot_ms_mean", cap, bw), ""]
+            out += [f"TPOT (ms) at {cap:.0%}, {bw:g} GB/s (paired % vs on-demand LRU in the same "
+                    "format; LRU's row: vs dense LRU):", "",
+                    *format_table(runs, "tpot_ms_mean", cap, bw), ""]
     if accuracy:
         out += ["| format | lossy | top-1 agreement | KL (nats) |", "|---|---|---|---|"]
         out += [f"| {f} | {a[0]} | {a[1]} | {a[2]} |" for f, a in ACCURACY.items()

@@ -84,12 +84,18 @@ def load_runs_df(df: pd.DataFrame) -> pd.DataFrame:
         return load_runs([_write(Path(d), "x", df)])
 
 
-def test_the_tables_mark_the_supported_winner_and_the_repeated_rows(tmp_path: Path) -> None:
+def _tables():  # type: ignore[no-untyped-def]
+    """experiments/regime_map/cpu_tables.py as a module (it is a script, not a package)."""
     spec = importlib.util.spec_from_file_location(
         "cpu_tables", ROOT / "experiments" / "regime_map" / "cpu_tables.py")
     assert spec is not None and spec.loader is not None
     tables = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(tables)
+    return tables
+
+
+def test_the_tables_mark_the_supported_winner_and_the_repeated_rows(tmp_path: Path) -> None:
+    tables = _tables()
     text = tables.report(load_runs([_write(tmp_path, "a", _runs())]))
     assert "### budget 25%, experts dense, 3 seed(s)" in text
     assert "| deepspeed | **101.0 ± 2.5 =** | 101.0 ± 2.5 |" in text
@@ -113,3 +119,16 @@ def test_the_figure_draws_from_runs_and_from_a_summary() -> None:
     assert len(cpu_map(summary).axes) == 1
     with pytest.raises(ValueError, match="int8"):
         cpu_map(summary, fmt="int8")
+
+
+def test_the_formats_table_pairs_with_lru_in_the_same_format(tmp_path: Path) -> None:
+    """int8 halves every TPOT: LRU's int8 row is -50 % against dense LRU, `cpu`'s int8 row
+    is paired with int8 LRU (-49.5 %), not with dense LRU; int8 is marked lossy."""
+    dense = _runs()
+    int8 = dense.assign(cost_expert_format="int8", tpot_ms_mean=dense["tpot_ms_mean"] / 2)
+    tables = _tables()
+    runs = repeat_copy_only(load_runs([_write(tmp_path, "a", pd.concat([dense, int8]))]))
+    text = "\n".join(tables.format_table(runs, "tpot_ms_mean", 0.25, 60.0))
+    assert "| system | dense | int8 (lossy) |" in text
+    assert "| deepspeed | 101.0 ± 2.5 (+0.0 [+0.0, +0.0]) | 50.5 ± 1.2 (-50.0 [-50.0, -50.0]) |" in text
+    assert "| cpu | 51.0 ± 2.5 (-49.5 [-50.7, -48.3]) | 25.5 ± 1.2 (-49.5 [-50.7, -48.3]) |" in text
