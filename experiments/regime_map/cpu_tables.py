@@ -150,7 +150,8 @@ def report(runs: pd.DataFrame, decomposition_bw: float = 60.0, accuracy: bool = 
             if part.empty:
                 continue
             lossy = " (lossy)" if ACCURACY.get(fmt, ("lossy",))[0] == "lossy" else ""
-            seeds = part["seed"].nunique()
+            n = part[~part["repeated"]].groupby(["system", "bw"])["seed"].nunique()
+            seeds = f"{n.min()}" if n.min() == n.max() else f"{n.min()}-{n.max()} (cells without ± are one)"
             out += [f"### budget {cap:.0%}, experts {fmt}{lossy}, {seeds} seed(s)", ""]
             for metric, name in (("tpot_ms_mean", "TPOT"), ("ttft_ms_mean", "TTFT")):
                 if metric not in part or not pd.to_numeric(part[metric], errors="coerce").notna().any():
