@@ -468,7 +468,8 @@ class CalibratedCostModel(CostModel):
                         "L=%d H=%d expert_bytes=%d: its times do not transfer between models",
                         calib.num_layers, calib.hidden_size, calib.expert_bytes,
                         dims.num_layers, dims.hidden_size, dims.expert_bytes)
-        kw = {f.name: getattr(base, f.name) for f in fields(CostModel) if f.name != "_expert_cache"}
+        kw = {f.name: getattr(base, f.name) for f in fields(CostModel)
+              if not f.name.startswith("_")}
         return cls(**kw, calib=calib)
 
     @property

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -83,6 +84,8 @@ class CostModel:
     dtype_bytes: int
     expert_format: str = "dense"
     _expert_cache: dict[int, float] = field(default_factory=dict, compare=False, repr=False)
+    _cpu_cache: dict[tuple[int, float | None], float] = field(
+        default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         format_spec(self.expert_format, "cost model")
@@ -129,10 +132,11 @@ class CostModel:
         return CopyPlan.build(self.expert_bytes, p.copy_chunk_mb, p.copy_latency_us * 1e-6,
                               p.h2d_bytes_per_s)
 
-    @property
+    @cached_property
     def copy_s(self) -> float:
         """Seconds to copy one expert host->device: latency + bytes / achieved bandwidth,
-        with n chunks n latencies (:mod:`moeexp.costmodel.copies`)."""
+        with n chunks n latencies (:mod:`moeexp.costmodel.copies`). Computed once (the
+        model is frozen)."""
         return self.copy_plan.copy_s
 
     # ------------------------------------------------------------------ compute
@@ -213,10 +217,15 @@ class CostModel:
         """
         if tokens <= 0:
             return 0.0
-        cpu = self.profile.require_cpu("a CPU expert")
-        bw = self.cpu_read_bytes_per_s() if read_bytes_per_s is None else read_bytes_per_s
-        flops = 6.0 * self.hidden_size * self.intermediate_size * tokens
-        return max(self.expert_bytes / bw, flops / cpu.flops_per_s) + cpu.call_overhead_us * 1e-6
+        key = (tokens, read_bytes_per_s)
+        t = self._cpu_cache.get(key)  # memoised: the hot path of the CPU policies' replays
+        if t is None:
+            cpu = self.profile.require_cpu("a CPU expert")
+            bw = self.cpu_read_bytes_per_s() if read_bytes_per_s is None else read_bytes_per_s
+            flops = 6.0 * self.hidden_size * self.intermediate_size * tokens
+            t = max(self.expert_bytes / bw, flops / cpu.flops_per_s) + cpu.call_overhead_us * 1e-6
+            self._cpu_cache[key] = t
+        return t
 
     def hidden_transfer_s(self, tokens: int) -> float:
         """Seconds to move ``tokens`` hidden states to the host and the results back: each

@@ -4,7 +4,8 @@ Reads ``results/experiments/<experiment>/**/summary.csv`` (newest per experiment
 per configuration with its mean and 95 % interval over the seeds, and
 ``summary_paired.csv`` beside it for FineMoE's paired changes) and writes PNG and PDF
 files under ``results/figures/``. For a figure whose experiment has not
-run yet it says which experiment to run instead.
+run yet it says which experiment to run instead. The CPU regime map's experiments
+(:data:`MERGED_SWEEPS`) are drawn from every sweep's ``summary_runs.csv`` merged.
 
 ``make figures SWEEP=DIR`` / ``python -m moeexp.figures --sweep DIR [--out OUT]``: the
 figures of one sweep directory (any ``--multirun``, an experiment's or one's own) into
@@ -23,8 +24,9 @@ from typing import Any
 import pandas as pd
 
 from moeexp.figures import plots
+from moeexp.figures.cpu_map import cpu_map, load_runs
 from moeexp.figures.eviction_landscape import eviction_landscape
-from moeexp.figures.load import latest_summary, read_summary
+from moeexp.figures.load import all_runs, latest_summary, read_summary
 from moeexp.figures.regime_map import regime_map
 from moeexp.figures.sweep import sweep_figures_of
 from moeexp.paths import results_dir
@@ -49,11 +51,18 @@ FIGURES: dict[str, tuple[str, Callable[[pd.DataFrame], object]]] = {
     "sim_vs_engine": ("sim_vs_engine", plots.sim_vs_engine),
     "regime_map": ("regime_map", regime_map),
     "regime_map_real": ("regime_map_real", regime_map),
+    "regime_map_cpu": ("regime_map_cpu", cpu_map),
+    "regime_map_cpu_real": ("regime_map_cpu_real", cpu_map),
     "real_routing_systems": ("real_routing", plots.system_bars),
     "eviction_landscape": ("eviction_landscape", eviction_landscape),
     "emoe_serving_latency": ("emoe_serving", plots.serving_latency),
     "emoe_serving_slo": ("emoe_serving", plots.slo_attainment),
 }
+
+#: experiments run as several sweeps (the CPU map: copy-only systems at one bandwidth, the
+#: CPU systems at every one, re-run rows of one system later): their figures merge every
+#: sweep's runs, oldest first (:func:`moeexp.figures.cpu_map.load_runs`)
+MERGED_SWEEPS = frozenset({"regime_map_cpu", "regime_map_cpu_real"})
 
 
 def make_figures(results: Path, out: Path | None = None) -> tuple[list[Path], list[str]]:
@@ -62,6 +71,12 @@ def make_figures(results: Path, out: Path | None = None) -> tuple[list[Path], li
     written: list[Path] = []
     missing: list[str] = []
     for stem, (experiment, fn) in FIGURES.items():
+        if experiment in MERGED_SWEEPS:
+            files = all_runs(results, experiment)
+            if files:
+                written += _save(fn(load_runs(files)), out, stem)
+                log.info("%s <- %d sweeps of %s merged", stem, len(files), experiment)
+                continue
         summary = latest_summary(results, experiment)
         if summary is None:
             missing.append(f"{stem}: no results yet; run `python -m moeexp +experiment={experiment}`")

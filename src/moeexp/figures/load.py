@@ -14,6 +14,13 @@ def latest_summary(results: Path, experiment: str) -> Path | None:
     return found[-1] if found else None
 
 
+def all_runs(results: Path, experiment: str) -> list[Path]:
+    """Every ``summary_runs.csv`` of ``experiment`` under ``results/``, oldest first."""
+    base = results / "experiments" / experiment
+    found = base.glob("**/summary_runs.csv") if base.exists() else []
+    return sorted(found, key=lambda p: p.stat().st_mtime)
+
+
 def read_summary(path: Path) -> pd.DataFrame:
     """The summary table with swept-key columns normalised (``+system`` -> ``system``).
 

@@ -263,6 +263,12 @@ class _Layout:
         self.min_ce: list[float] = mins.tolist()
 
 
+#: the keys :func:`bound_metrics` returns, in its order
+BOUND_KEYS: tuple[str, ...] = (
+    "bound_h2d_bytes_total", "bound_makespan_ms", "bound_ttft_ms_mean", "bound_tpot_ms_mean",
+    "bound_e2e_ms_mean", "bound_ttft_norm_mean", "bound_tpot_norm_mean")
+
+
 def bound_metrics(plan: Plan, cost: CostModel, capacity: int,
                   initial: Iterable[Key]) -> dict[str, float]:
     """The ``bound_*`` metrics of a replay (module docstring); ms and bytes like the rest.

@@ -300,5 +300,6 @@ class ExecDevice(Device):
     def _hidden_tokens(self, layer: int, experts: tuple[int, ...]) -> int:
         """Tokens of this pass routed to at least one of ``experts`` in ``layer``."""
         assert self._topk is not None
-        chosen = self._topk[:, layer, :]
-        return int(np.isin(chosen, np.asarray(experts)).any(axis=1).sum())
+        mask = np.zeros(self._tokens().shape[1], dtype=bool)  # J; topk has no padding
+        mask[list(experts)] = True
+        return int(mask[self._topk[:, layer, :]].any(axis=1).sum())

@@ -50,7 +50,7 @@ import numpy as np
 from moeexp.cache.base import CachePolicy
 from moeexp.costmodel.roofline import CostModel
 from moeexp.metrics import CORE_KEYS, PredictionTally, f1, summarize, traffic_metrics
-from moeexp.simulator.bound import bound_metrics
+from moeexp.simulator.bound import BOUND_KEYS, bound_metrics
 
 if TYPE_CHECKING:
     from moeexp.simulator.device import Device
@@ -204,9 +204,8 @@ def build_metrics(*, plan: Plan, dev: Device | DeviceGroup,
 def _bounds(plan: Plan, cost: CostModel, slots: int, initial: list[Any],
             modelled: bool) -> dict[str, float]:
     """``bound_metrics``, or NaN where the floor's model does not hold (several links, or
-    an artifact mechanic it does not model)."""
-    b = bound_metrics(plan, cost, slots, initial)
-    return b if modelled else dict.fromkeys(b, NAN)
+    an artifact mechanic it does not model; not computed then)."""
+    return bound_metrics(plan, cost, slots, initial) if modelled else dict.fromkeys(BOUND_KEYS, NAN)
 
 
 def _series(plan: Plan, tally: Tally, units: list[int], arrival: dict[int, float],

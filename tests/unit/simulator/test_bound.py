@@ -16,7 +16,7 @@ from moeexp.cache.lru import LRUCache
 from moeexp.costmodel import CostModel, load_profile
 from moeexp.predictors import build_predictor
 from moeexp.simulator import simulate
-from moeexp.simulator.bound import SetSeq, min_copies
+from moeexp.simulator.bound import BOUND_KEYS, SetSeq, min_copies
 from moeexp.systems import bundle_choices, resolve_system, system_names
 from moeexp.traces.synthetic import random_trace
 
@@ -224,3 +224,13 @@ def test_no_exact_system_goes_below_the_bound_on_real_routing() -> None:
                 assert m[key] >= m[bound] * (1 - 1e-9), (name, capacity, key, m[key], m[bound])
         ran += 1
     assert ran >= 4
+
+
+def test_bound_keys_name_what_bound_metrics_returns_in_order() -> None:
+    """The NaN row a CPU run reports (without computing the floor) has the floor's keys."""
+    tr = random_trace(num_layers=2, num_experts=4, num_requests=2, output_len=2, seed=1)
+    d = tr.dims
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), d)
+    pcfg, ccfg, _ = resolve_system("deepspeed")
+    m = simulate(tr, build_predictor(pcfg, d), build_cache(ccfg, d), cost, progress=False).metrics
+    assert [k for k in m if k.startswith("bound_")] == list(BOUND_KEYS)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from tests.unit.simulator.cpuhelpers import cpu_cost
 from tests.unit.simulator.simhelpers import EXPERT_BYTES, ScriptedPredictor, hand_trace, unit_cost
@@ -17,6 +18,7 @@ from moeexp.execution import ExecutionPolicy, LayerMisses, Placement, build_exec
 from moeexp.metrics import PARTS_OF
 from moeexp.predictors import PREDICTORS
 from moeexp.simulator import simulate
+from moeexp.simulator.exec_device import ExecDevice
 from moeexp.traces.synthetic import random_trace
 
 WALL = {"sim_wall_s", "accesses_per_s", "predictor_query_us_mean"}
@@ -186,3 +188,16 @@ def test_hidden_on_link_queues_a_cpu_expert_behind_a_copy_in_flight() -> None:
     assert "hidden_link_ms_total" not in off.metrics
     with pytest.raises(ConfigError, match="hidden_on_link=True; valid: false, up, both"):
         build_execution({"name": "cpu_on_miss", "hidden_on_link": True}, cost)
+
+
+def test_hidden_tokens_counts_each_token_once_per_layer() -> None:
+    """A token routed to two of the CPU's experts crosses the link once; a token routed to
+    none of them not at all (the mask over J agrees with a set test on every token)."""
+    tr = _alternating()
+    cost = cpu_cost(tr.dims)
+    dev = ExecDevice(_lru(tr.dims, 1), cost, 1, 4, build_execution({"name": "cpu_on_miss"}, cost))
+    topk = np.array([[[0, 1]], [[1, 2]], [[3, 0]], [[2, 3]]])  # int[T=4, L=1, K=2]
+    dev.begin_pass(np.zeros((1, 4), dtype=np.int64), topk)
+    for experts in [(0,), (1,), (0, 1), (2, 3), (0, 1, 2, 3), (3,)]:
+        want = sum(bool(set(row[0]) & set(experts)) for row in topk.tolist())
+        assert dev._hidden_tokens(0, experts) == want, experts
