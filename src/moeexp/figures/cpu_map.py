@@ -51,6 +51,7 @@ KEYS = ("system", "cap", "bw", "fmt", "seed")
 _COLOURS = {"deepspeed": "tab:red", "finemoe": "tab:blue", "finemoe_no_semantic": "tab:blue",
             "fiddler": "tab:green", "llamacpp_cpu_moe": "tab:brown",
             "ktransformers": "tab:purple", "hybrimoe": "tab:orange",
+            "hybrimoe_split_only": "tab:olive",
             "finemoe_cpu": "tab:cyan", "finemoe_cpu_no_semantic": "tab:cyan"}
 
 
