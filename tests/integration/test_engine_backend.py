@@ -20,6 +20,11 @@ from moeexp.tracking.run_dir import read_series
 LEN = ["dataset.num_prompts=6", "dataset.input_len=12", "dataset.output_len=6",
        "trace.prompt_embedder=null", "trace.progress=false", "backend.progress=false",
        "logger=none", "++hydra.job.env_set.OMP_NUM_THREADS=1"]
+#: A small calibration for the sim_vs_engine runs: 4 store requests, copies of 0.5-2 experts
+#: twice each, passes of 1, 2 and 4 members once (3 decode steps) for the members term.
+CALIBRATION = ["backend.profile_requests=4", "backend.copy_repeats=2",
+               "backend.copy_factors=[0.5,1.0,2.0]",
+               "backend.pass_profile={batch_sizes:[1,2,4],steps:3,repeats:1}"]
 
 
 def _ok(out) -> None:
@@ -100,8 +105,7 @@ def test_sim_vs_engine_experiment(tmp_path, model_overrides, trace_dir, run_app)
     _ok(run_app(*model_overrides, "+experiment=sim_vs_engine", *LEN,
                 f"trace.cache_dir={trace_dir}", f"hydra.run.dir={run}",
                 "backend.systems=[deepspeed,oracle,mixtral_offloading]",
-                "backend.profile_requests=4", "backend.predictor_feed=true",
-                "backend.copy_repeats=2", "backend.copy_factors=[0.5,1.0,2.0]"))
+                *CALIBRATION, "backend.predictor_feed=true"))
     df = pd.read_csv(run / "summary.csv")
     assert list(df.columns[:7]) == ["system", "engine_ttft_ms_mean", "sim_ttft_ms_mean",
                                     "engine_tpot_ms_mean", "sim_tpot_ms_mean",
@@ -129,8 +133,7 @@ def test_sim_vs_engine_cpu_experiment(tmp_path, model_overrides, trace_dir, run_
     _ok(run_app(*model_overrides, "+experiment=sim_vs_engine_cpu", *LEN,
                 f"trace.cache_dir={trace_dir}", f"hydra.run.dir={run}",
                 "backend.systems=[deepspeed,{name:llama,system:deepspeed,execution:layer_split}]",
-                "backend.profile_requests=4", "backend.copy_repeats=2",
-                "backend.copy_factors=[0.5,1.0,2.0]"))
+                *CALIBRATION))
     df = pd.read_csv(run / "summary.csv").set_index("system")
     assert list(df.index) == ["deepspeed", "llama"]
     assert df.loc["deepspeed", "execution"] == "copy" and df.loc["deepspeed", "engine_cpu_expert_calls"] == 0

@@ -139,6 +139,9 @@ class SimVsEngineSettings:
         test_requests: serve only the first N test requests (arrival order); None = all.
         restricted_routing, renormalize: eMoE's lossy mode (the ``emoe`` system sets it).
         batch_decode: the engine runs a pass's decoding requests as one padded forward.
+        pass_profile: keys of :data:`PASS_PROFILE` to replace in the multi-member pass
+            profile (the fit's members term), e.g. ``{batch_sizes: [1, 2, 4], repeats: 1}``
+            for a quick check; None (default) profiles :data:`PASS_PROFILE` as it is.
     """
 
     systems: tuple[SystemEntry, ...]
@@ -168,6 +171,7 @@ class SimVsEngineSettings:
     restricted_routing: bool = False
     renormalize: bool = False
     batch_decode: bool = False
+    pass_profile: Mapping[str, Any] | None = None
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> SimVsEngineSettings:
@@ -198,6 +202,7 @@ class SimVsEngineSettings:
         out = typed(cls, {"systems": tuple(entries), **d}, "backend=sim_vs_engine")
         if not out.systems:
             raise ConfigError("backend=sim_vs_engine: systems is empty")
+        out.passes  # noqa: B018 (validates pass_profile before any work)
         execs = [e.execution for e in out.systems if e.execution]
         if execs:
             from moeexp.backends.cpu_calibration import check_execution_names
@@ -218,6 +223,25 @@ class SimVsEngineSettings:
 
         check_serve_settings(out.engine)  # device (CUDA present?) checked before any work
         return out
+
+    @property
+    def passes(self) -> dict[str, Any]:
+        """The multi-member pass profile: :data:`PASS_PROFILE` with ``pass_profile``'s keys
+        replaced (ConfigError naming an unknown key or a bad value)."""
+        extra = dict(self.pass_profile or {})
+        bad = sorted(set(extra) - set(PASS_PROFILE))
+        if bad:
+            raise ConfigError(f"backend.pass_profile: unknown key(s) {bad}. Valid: "
+                              f"{', '.join(PASS_PROFILE)}")
+        out = {**PASS_PROFILE, **extra}
+        sizes, fracs = list(out["batch_sizes"]), list(out["prompt_fractions"])
+        if (len(set(sizes)) < 2 or min(sizes) < 1 or int(out["steps"]) < 1
+                or int(out["repeats"]) < 1 or not fracs or not all(0 < f <= 1 for f in fracs)):
+            raise ConfigError(f"backend.pass_profile: needs >= 2 distinct batch_sizes >= 1 (the "
+                              f"members slope), steps >= 1, repeats >= 1 and prompt_fractions in "
+                              f"(0, 1], got {out}")
+        return {"batch_sizes": [int(b) for b in sizes], "steps": int(out["steps"]),
+                "prompt_fractions": [float(f) for f in fracs], "repeats": int(out["repeats"])}
 
     @property
     def profiles_cpu(self) -> bool:
@@ -287,7 +311,7 @@ def calibration_inputs(ctx: Any, s: SimVsEngineSettings, reqs: list[tuple[list[i
         "cpus": os.cpu_count(), "engine": {k: v for k, v in s.engine.items()},
         "profile": {"copy_factors": list(s.copy_factors or COPY_FACTORS[device.type == "cuda"]),
                     "copy_repeats": s.copy_repeats, "outlier_mads": s.outlier_mads,
-                    "warmup": s.warmup, "passes": PASS_PROFILE, "batch_decode": s.batch_decode,
+                    "warmup": s.warmup, "passes": s.passes, "batch_decode": s.batch_decode,
                     "cpu_profile": s.profiles_cpu,
                     "fit": {"format": PROFILE_FORMAT, "member_outlier_mads": MEMBER_OUTLIER_MADS}},
         "requests": hashlib.sha256(json.dumps(reqs).encode()).hexdigest(),
@@ -341,7 +365,7 @@ def _calibrate(ctx: Any, s: SimVsEngineSettings, run_dir: Path) -> tuple[Any, bo
     samples = profile_compute(ctx.loaded, reqs, settings=est, warmup=s.warmup,
                               progress=s.progress)
     profile_passes(ctx.loaded, pass_reqs, settings=est, batch_decode=s.batch_decode,
-                   warmup=s.warmup, samples=samples, **PASS_PROFILE)  # the member term
+                   warmup=s.warmup, samples=samples, **s.passes)  # the member term
     dims = ctx.trace.dims
     device = next(ctx.loaded.model.parameters()).device
     dtype = next(ctx.loaded.model.parameters()).dtype

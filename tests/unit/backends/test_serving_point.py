@@ -20,10 +20,12 @@ from moeexp.errors import ConfigError
 from moeexp.registry import GroupChoice
 
 #: a small profile (4 store requests, 8 tokens generated, 1 and 64 experts copied 3 times each
-#: through a 100 MB/s link: 0.2 ms against 12 ms, far above the shared CPU's noise)
+#: through a 100 MB/s link: 0.2 ms against 12 ms, far above the shared CPU's noise; passes of
+#: 1, 2 and 4 members once, 3 decode steps each, for the members term)
 PROFILE = {"profile_requests": 4, "decode_tokens": 8, "copy_repeats": 3,
            "copy_factors": [1.0, 64.0], "warmup": 0, "progress": False, "num_threads": 1,
-           "bandwidth_bps": 1e8}
+           "bandwidth_bps": 1e8,
+           "pass_profile": {"batch_sizes": [1, 2, 4], "steps": 3, "repeats": 1}}
 
 
 @pytest.fixture(scope="module")
