@@ -16,6 +16,7 @@ before any weight is loaded. The model is returned in eval mode.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from collections.abc import Mapping
@@ -118,17 +119,35 @@ def probe_adapter(cfg: Mapping[str, Any]) -> MoEAdapter | None:
     """The adapter of the model ``cfg`` describes, built from its config alone on the meta
     device (no weights read), so that a run can check dims-dependent settings (a cache
     capacity below K experts, ...) before a long load. None when the config cannot be
-    read or built that way (the load itself then reports what is wrong)."""
+    read or built that way (the load itself then reports what is wrong). Memoised per
+    process on the source, its config.json's size and mtime, the dtype and
+    ``trust_remote_code`` (a sweep's jobs probe the same model once)."""
+    try:
+        source, local = _resolve_source(cfg)
+    except ModelLoadError as err:
+        log.debug("model %s: no pre-load probe (%s)", cfg.get("name"), err)
+        return None
+    stamp = None
+    if local:
+        st = (Path(source) / "config.json").stat()
+        stamp = (st.st_size, st.st_mtime_ns)
+    return _probe(source, stamp, bool(cfg.get("trust_remote_code") or False),
+                  str(cfg.get("dtype") or "float32"), str(cfg.get("name")))
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(source: str, stamp: tuple[int, int] | None, trust: bool, dtype_name: str,
+           name: str) -> MoEAdapter | None:
+    """:func:`probe_adapter` for a resolved source (``stamp``: its config.json's size and
+    mtime, None for a hub id), the meta-device build."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        source, _ = _resolve_source(cfg)
-        trust = bool(cfg.get("trust_remote_code") or False)
         config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
         if getattr(config, "model_type", None) not in supported_model_types():
             return None
-        dtype = _torch_dtype(str(cfg.get("dtype") or "float32"))
+        dtype = _torch_dtype(dtype_name)
         if dtype == "auto":
             dtype = getattr(config, "dtype", None) or torch.float32
         config = copy.deepcopy(config)
@@ -139,7 +158,7 @@ def probe_adapter(cfg: Mapping[str, Any]) -> MoEAdapter | None:
                                                      trust_remote_code=trust)
         return adapter_for(model)
     except Exception as err:  # noqa: BLE001 - a probe: the real load reports errors
-        log.debug("model %s: no pre-load probe (%s: %s)", cfg.get("name"), type(err).__name__, err)
+        log.debug("model %s: no pre-load probe (%s: %s)", name, type(err).__name__, err)
         return None
 
 

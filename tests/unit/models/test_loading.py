@@ -216,3 +216,24 @@ def test_probe_adapter_gives_the_loaded_models_dims(model_type, tmp_path):
     assert probe is not None
     assert trace_dims(probe, 3) == trace_dims(load_model(_cfg(path=str(path))).adapter, 3)
     assert probe_adapter(_cfg(path=str(tmp_path / "missing"))) is None
+
+
+def test_probe_adapter_is_memoised_until_the_config_changes(tmp_path):
+    """A sweep's jobs probe one model once: the same directory gives the same adapter
+    object; a rewritten config.json (another size or mtime) is probed again."""
+    import json
+    import os
+
+    from moeexp.models.loading import probe_adapter
+
+    path = save(toy_model("mixtral"), tmp_path / "m")
+    first = probe_adapter(_cfg(path=str(path)))
+    assert first is not None and probe_adapter(_cfg(path=str(path))) is first
+    cfg_file = path / "config.json"
+    data = json.loads(cfg_file.read_text())
+    data["num_hidden_layers"] = data["num_hidden_layers"] + 1
+    cfg_file.write_text(json.dumps(data))
+    st = cfg_file.stat()
+    os.utime(cfg_file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    again = probe_adapter(_cfg(path=str(path)))
+    assert again is not first and again.num_layers == first.num_layers + 1

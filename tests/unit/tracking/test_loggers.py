@@ -54,6 +54,22 @@ def test_wandb_offline_run_writes_local_files(tmp_path, monkeypatch):
     assert rec["run_id"] and runs[0].name.endswith(rec["run_id"])
 
 
+def test_wandb_config_carries_the_runs_env_not_the_whole_pip_list(tmp_path, monkeypatch):
+    """The run's env.json (python, git, the packages that shape results) goes into the W&B
+    config's ``env``; W&B's own list of every installed distribution is not collected
+    (~0.2 s per run); our own record's config stays exactly what was logged."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    env = {"python": "3.11.7", "git": {"commit": "abc"}, "packages": {"torch": "2.13.0"},
+           "hardware": {"cpu_count": 2}}
+    (tmp_path / "env.json").write_text(json.dumps(env))
+    lg = LOGGERS.build("wandb", project="moeexp")
+    lg.start(tmp_path, config={"a": 1}, group="g", name="n", tags=[])
+    assert dict(lg._run.config)["env"] == {k: env[k] for k in ("python", "git", "packages")}
+    assert lg._run.settings.x_save_requirements is False
+    lg.finish()
+    assert json.loads((tmp_path / LOGGED_FILE).read_text())["config"] == {"a": 1}
+
+
 def test_a_rerun_after_a_kill_leaves_one_offline_run_under_the_same_id(tmp_path, monkeypatch):
     """A process starts the job's W&B run and is SIGKILLed (no finish); the rerun in the same
     directory removes the dead offline run and logs under its id: one offline-run-* remains
