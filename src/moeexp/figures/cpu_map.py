@@ -55,7 +55,7 @@ _COLOURS = {"deepspeed": "tab:red", "finemoe": "tab:blue", "finemoe_no_semantic"
             "finemoe_cpu": "tab:cyan", "finemoe_cpu_no_semantic": "tab:cyan"}
 
 
-def _normalise(df: pd.DataFrame) -> pd.DataFrame:
+def normalise(df: pd.DataFrame) -> pd.DataFrame:
     """Column names without hydra's ``+``, the key columns under their short names."""
     df = df.rename(columns=lambda c: c.lstrip("+")).copy()
     if "cache_capacity" not in df.columns and "cache.capacity" in df.columns:
@@ -67,13 +67,20 @@ def _normalise(df: pd.DataFrame) -> pd.DataFrame:
         df["fmt"] = "dense"
     if "seed" not in df.columns:
         df["seed"] = 0
-    df["fmt"] = df["fmt"].fillna("dense").astype(str)
+    df["fmt"] = df["fmt"].where(df["fmt"].astype(str) != "", np.nan).fillna("dense").astype(str)
     df["cap"] = pd.to_numeric(df["cap"], errors="raise").astype(float)
     df["bw"] = pd.to_numeric(df["bw"], errors="raise").astype(float)
     df["seed"] = pd.to_numeric(df["seed"], errors="raise").astype(int)
     if "execution" not in df.columns:
         df["execution"] = "copy"
     return df
+
+
+def read_csv(path: Path, as_text: bool = False) -> pd.DataFrame:
+    """``path`` as a frame; ``as_text``: every cell as its text ('' where empty)."""
+    if as_text:
+        return pd.read_csv(path, dtype=str, keep_default_na=False)
+    return pd.read_csv(path)
 
 
 def runs_file(path: Path) -> Path:
@@ -88,13 +95,16 @@ def runs_file(path: Path) -> Path:
     return runs
 
 
-def load_runs(paths: Sequence[Path | str], whole_system: bool = False) -> pd.DataFrame:
-    """Merge the runs files ``paths`` in order (module docstring); one row per run key."""
+def load_runs(paths: Sequence[Path | str], whole_system: bool = False,
+              as_text: bool = False) -> pd.DataFrame:
+    """Merge the runs files ``paths`` in order (module docstring); one row per run key.
+    ``as_text``: every column of the files kept as its text (to write the merged rows back
+    unchanged); only the key columns are parsed."""
     if not paths:
         raise ValueError("load_runs: no file given")
     merged: pd.DataFrame | None = None
     for p in paths:
-        df = _normalise(pd.read_csv(runs_file(Path(p))))
+        df = normalise(read_csv(runs_file(Path(p)), as_text))
         df = df.drop_duplicates(list(KEYS), keep="last")
         if merged is not None:
             if whole_system:
@@ -154,7 +164,7 @@ def paired_pct(runs: pd.DataFrame, metric: str, a: str, b: str, cap: float, bw: 
 
 def _as_stats(df: pd.DataFrame, metric: str) -> pd.DataFrame:
     """:func:`point_stats` of runs, or a summary's own mean and ``_ci95`` per row."""
-    df = _normalise(df)
+    df = normalise(df)
     if "n" in df.columns and f"{metric}_ci95" in df.columns and "dataset.seed" not in df.columns:
         return pd.DataFrame({"system": df["system"], "cap": df["cap"], "bw": df["bw"],
                              "fmt": df["fmt"], "mean": pd.to_numeric(df[metric], errors="coerce"),
@@ -176,8 +186,8 @@ def cpu_map(df: pd.DataFrame, fmt: str = "dense") -> Figure:
     import matplotlib.pyplot as plt
 
     metrics = [m for m in ("tpot_ms_mean", "ttft_ms_mean")
-               if m in _normalise(df).columns
-               and np.isfinite(pd.to_numeric(_normalise(df)[m], errors="coerce")).any()]
+               if m in normalise(df).columns
+               and np.isfinite(pd.to_numeric(normalise(df)[m], errors="coerce")).any()]
     stats = {m: _as_stats(df, m) for m in metrics}
     first = stats[metrics[0]]
     first = first[first["fmt"] == fmt]

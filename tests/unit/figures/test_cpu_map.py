@@ -132,3 +132,45 @@ def test_the_formats_table_pairs_with_lru_in_the_same_format(tmp_path: Path) -> 
     assert "| system | dense | int8 (lossy) |" in text
     assert "| deepspeed | 101.0 ± 2.5 (+0.0 [+0.0, +0.0]) | 50.5 ± 1.2 (-50.0 [-50.0, -50.0]) |" in text
     assert "| cpu | 51.0 ± 2.5 (-49.5 [-50.7, -48.3]) | 25.5 ± 1.2 (-49.5 [-50.7, -48.3]) |" in text
+
+
+def test_the_lowest_per_format_and_a_shipped_format_marked_lossless(tmp_path: Path) -> None:
+    """The per-format winner table names the lowest system, its margin and its change
+    against LRU in the same format; a format the runs flag lossless (gpt-oss's MXFP4) is
+    not marked lossy, whatever the default says."""
+    dense = _runs()
+    mx = dense.assign(cost_expert_format="mxfp4", expert_format_lossy=False,
+                      tpot_ms_mean=dense["tpot_ms_mean"] / 2)
+    tables = _tables()
+    runs = repeat_copy_only(load_runs([_write(tmp_path, "a", pd.concat([dense, mx]))]))
+    text = "\n".join(tables.format_winners(runs, "tpot_ms_mean", 0.25))
+    assert "| mxfp4 | 60 | cpu | 25.5 ± 1.2 | deepspeed | -49.5 [-50.7, -48.3] | yes | " \
+           "-49.5 [-50.7, -48.3] |" in text
+    assert "| dense | 20 | deepspeed | 101.0 ± 2.5 | cpu |" in text
+    assert not tables.lossy(runs, "mxfp4") and tables.lossy(runs.drop(
+        columns="expert_format_lossy"), "mxfp4")
+    assert "| mxfp4 | lossless | 1.000 (the shipped weights) | 0 |" in "\n".join(
+        tables.format_section(runs, accuracy=True))
+
+
+def test_merged_rows_are_written_unchanged_and_selected(tmp_path: Path) -> None:
+    """--write: runs and the summaries beside them merged (a later file wins), selected by
+    budget, bandwidth and system, every kept cell as its input's text."""
+    first = _write(tmp_path, "a", _runs().assign(note="x"))
+    pd.DataFrame([{"system": "cpu", "cache_capacity": 0.25, "hardware.cpu.dram_gbps": 60,
+                   "n": 3, "tpot_ms_mean": 51.0}]).to_csv(tmp_path / "a.csv", index=False)
+    rerun = _runs(tpot_cpu=40.0)
+    second = _write(tmp_path, "b", rerun[rerun["system"] == "cpu"])
+    pd.DataFrame([{"system": "cpu", "cache_capacity": 0.25, "hardware.cpu.dram_gbps": 60,
+                   "n": 3, "tpot_ms_mean": 41.0}]).to_csv(tmp_path / "b.csv", index=False)
+    tables = _tables()
+    out = tmp_path / "merged.csv"
+    assert tables.write_merged([first, second], out, False, [0.25], [60.0], None) == (6, 1)
+    runs = pd.read_csv(tmp_path / "merged_runs.csv", dtype=str, keep_default_na=False)
+    assert list(runs.columns) == list(pd.read_csv(first).columns)
+    assert set(runs["system"]) == {"deepspeed", "cpu"} and set(runs["cache_capacity"]) == {"0.25"}
+    assert sorted(runs[runs["system"] == "cpu"]["tpot_ms_mean"]) == ["40.0", "41.0", "42.0"]
+    assert set(runs[runs["system"] == "cpu"]["note"]) == {""}  # not in the re-run's file
+    assert pd.read_csv(out)["tpot_ms_mean"].tolist() == [41.0]
+    with pytest.raises(FileNotFoundError, match="summary"):
+        tables.write_merged([_write(tmp_path, "c", _runs())], out, False, None, None, None)
