@@ -37,6 +37,7 @@ from moeexp.predictors.base import (
     RequestStart,
 )
 from moeexp.predictors.layer_transition import transition_counts
+from moeexp.predictors.lrb import LrbState, LrbTable, walk_rows
 from moeexp.predictors.reuse_features import (
     ReuseModels,
     ReuseState,
@@ -63,10 +64,14 @@ class ReuseProbability(Predictor):
         alpha: Laplace smoothing of the transition counts.
         spec: ``auto``: the layers-ahead models also read the speculative gates when the
             store split records them (decided at :meth:`fit`); ``off``: never.
+        next_model: the next-use score of a layer that ran, for eviction: ``logistic`` (the
+            calibrated next-pass probability) or ``lrb`` (a learned reuse distance D,
+            :mod:`moeexp.predictors.lrb`, handed over as the probability 1 / D).
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
-                 max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto") -> None:
+                 max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
+                 next_model: str = "logistic") -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -78,7 +83,12 @@ class ReuseProbability(Predictor):
                               f"{max_per_layer}, {alpha}")
         if spec not in ("auto", "off"):
             raise ConfigError(f"reuse_prob: spec must be 'auto' or 'off', got {spec!r}")
-        self.spec = spec
+        if next_model not in ("logistic", "lrb"):
+            raise ConfigError(f"reuse_prob: next_model must be 'logistic' or 'lrb', got "
+                              f"{next_model!r}")
+        self.spec, self.next_model = spec, next_model
+        self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
+        self._lstate = LrbState.zeros(L, J)
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
         self.max_per_layer = int(max_per_layer) or J
         self.models: ReuseModels | None = None
@@ -120,6 +130,10 @@ class ReuseProbability(Predictor):
                       if layer < L - 1 else np.zeros((0, 0, 0)) for layer in range(L)]
         self.models = m
         self.state = ReuseState.zeros(L, self.dims.num_experts)
+        if self.next_model == "lrb":
+            X, _, dist, _ = walk_rows(store)
+            self._lrb = LrbTable.fit(X, dist, m.logpop)
+            self._lstate = LrbState.zeros(L, self.dims.num_experts)
 
     def bind(self, cost: Any, caches: Sequence[Any]) -> None:
         """The run's cost model (:class:`moeexp.costmodel.roofline.CostModel`) and cache
@@ -141,6 +155,7 @@ class ReuseProbability(Predictor):
     def start_iteration(self, ctx: IterationStart) -> Prediction:
         T = len(ctx.token_request)
         self._kind = int(T > 1)
+        self._lstate.step = int(ctx.step)
         self._window_set = False
         if self._cost is not None:
             prompt = sum(self._prompt_len.get(int(r), 0) for r in ctx.request_ids)
@@ -182,7 +197,13 @@ class ReuseProbability(Predictor):
         self.state.update(layer, used)
         feat, logpop, nxt = self.state.feat, self.models.logpop, self.models.next
         c = nxt.coef
-        scores = {layer: sigmoid(c[:3] @ feat[:, layer] + c[3] * logpop[layer] + nxt.intercept)}
+        if self._lrb is not None:
+            self._lstate.update(layer, used)
+            dist = self._lrb.lookup(self._lstate, layer)  # float64[J], passes
+            scores = {layer: 1.0 / np.maximum(dist, 1.0)}
+        else:
+            scores = {layer: sigmoid(c[:3] @ feat[:, layer] + c[3] * logpop[layer]
+                                     + nxt.intercept)}
         out = Prediction(scores=scores)
         counts = np.asarray(obs.counts, dtype=np.float64)
         n = min(self._reach[self._kind], self.dims.num_layers - 1 - layer)
