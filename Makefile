@@ -21,8 +21,10 @@ THREADS ?= 1
 TEST_WORKERS ?= auto
 # `make run` runs its sweep's jobs across this many processes (hydra/launcher=local: joblib,
 # one torch thread each; the trace cache is shared and locked, so concurrent jobs record
-# each prompt sample once). RUN_JOBS=1 runs them one after another in one process.
-RUN_JOBS ?= 2
+# each prompt sample once). 3 = one per prompt sample of the default sweep: its three
+# traces are recorded at once (on 2 cores too: recording is most of the run, and the third
+# process keeps both cores busy). RUN_JOBS=1 runs them one after another in one process.
+RUN_JOBS ?= 3
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test bench bench-gpu lint tiny-model figures clean
