@@ -146,8 +146,8 @@ def test_every_sweep_runs_three_prompt_samples_by_default() -> None:
     """Every MULTIRUN experiment sweeps dataset.seed over at least 0, 1, 2 (issue 12: each
     number with its interval), first, so that a killed sweep has whole samples done; the
     command line replaces the list (dataset.seed=0 for one sample, 0,1,2,3,4 for five).
-    The default comparison sweeps it last instead, so that `make run`'s two processes record
-    two samples at once (issue 25: make run's time)."""
+    The default comparison sweeps it last instead, so that `make run`'s three processes record
+    the three samples at once (issue 25: make run's time)."""
     multirun = [n for n in EXPERIMENTS if _exp_yaml(n).get("hydra", {}).get("mode") == "MULTIRUN"]
     assert set(ISSUE3) <= set(multirun)
     for name in multirun:
