@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeexp.errors import ConfigError
-from moeexp.predictors.reuse_features import FAST, SLOW, _pass_used, store_iterations
+from moeexp.predictors.reuse_features import ReuseState, _pass_used, store_iterations
 from moeexp.traces.schema import Trace
 
 WINDOW = 16  #: passes of a layer counted by the frequency feature
@@ -41,13 +41,12 @@ TABLE = ("logpop", "log_rec", "win", "step_bin")  #: the table model's features
 
 
 @dataclass
-class LrbState:
-    """Running features of every expert: ``feat`` float64[3, L, J] (last, fast, slow, as
-    :class:`moeexp.predictors.reuse_features.ReuseState`), ``rec`` float64[L, J] (passes
-    since last use), ``hist`` float64[WINDOW, L, J] (ring of the last uses), ``pos`` int[L]
-    (the ring's slot per layer), ``step`` (the request's decode steps so far)."""
+class LrbState(ReuseState):
+    """:class:`moeexp.predictors.reuse_features.ReuseState` (``feat`` float64[3, L, J]:
+    last, fast, slow) plus ``rec`` float64[L, J] (passes since last use), ``hist``
+    float64[WINDOW, L, J] (ring of the last uses), ``pos`` int[L] (the ring's slot per
+    layer) and ``step`` (the request's decode steps so far)."""
 
-    feat: np.ndarray
     rec: np.ndarray
     hist: np.ndarray
     pos: np.ndarray
@@ -61,10 +60,7 @@ class LrbState:
 
     def update(self, layer: int, used: np.ndarray) -> None:
         """Layer ``layer`` ran; ``used`` float64[J] 0/1."""
-        f = self.feat
-        f[0, layer] = used
-        f[1, layer] = FAST * f[1, layer] + (1.0 - FAST) * used
-        f[2, layer] = SLOW * f[2, layer] + (1.0 - SLOW) * used
+        super().update(layer, used)
         self.rec[layer] = np.where(used > 0, 1.0, np.minimum(self.rec[layer] + 1.0, REC_CAP))
         self.hist[self.pos[layer], layer] = used
         self.pos[layer] = (self.pos[layer] + 1) % WINDOW

@@ -195,13 +195,13 @@ class ReuseProbability(Predictor):
         used = np.zeros(self.dims.num_experts)
         used[obs.experts] = 1.0
         self.state.update(layer, used)
-        feat, logpop, nxt = self.state.feat, self.models.logpop, self.models.next
-        c = nxt.coef
         if self._lrb is not None:
             self._lstate.update(layer, used)
             dist = self._lrb.lookup(self._lstate, layer)  # float64[J], passes
             scores = {layer: 1.0 / np.maximum(dist, 1.0)}
         else:
+            feat, logpop, nxt = self.state.feat, self.models.logpop, self.models.next
+            c = nxt.coef
             scores = {layer: sigmoid(c[:3] @ feat[:, layer] + c[3] * logpop[layer]
                                      + nxt.intercept)}
         out = Prediction(scores=scores)
