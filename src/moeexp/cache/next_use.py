@@ -6,11 +6,16 @@ The cache half of the ``prefetch_if_pays`` system (algorithms.md §12).
 next time layer l runs (the predictor's ``scores``: for a layer still ahead in the running
 pass, this pass; otherwise the next pass; before any score, the store split's per-pass
 popularity from :meth:`fit`). Layers run in a cycle of L, so with ``c`` the layer of the
-latest access, layer l next runs ``Δ_l = ((l - c - 1) mod L) + 1`` layer steps from now,
-and if each later pass uses the expert independently with probability P its expected next
-use is ``E = Δ_l + L (1 - P) / P`` layer steps away (a geometric wait). The victim is the
-unprotected resident expert of largest E (Belady's rule on the estimate). Demand loads are
-never refused.
+latest access, layer l next runs ``Δ_l = ((l - c - 1) mod L) + 1`` layer steps from now.
+If that run uses the expert with probability P, and each later pass (should it not) with
+probability Q, its expected next use is ``E = Δ_l + L (1 - P) / Q`` layer steps away (a
+geometric wait after the first chance). ``Q[l, e]`` is the predictor's per-pass probability
+*after* layer l's next run (:meth:`observe_later`); where none was given, Q = P (one
+geometric wait). The two differ for a layer still ahead in the running pass: its P is this
+pass's (the router's evidence says "not now"), while an expert it will not use now may be
+as likely as ever to be used at the next pass; extrapolating P would evict it as if never.
+The victim is the unprotected resident expert of largest E (Belady's rule on the estimate).
+Demand loads are never refused.
 
 **Prefetch gate.** A prefetch of ``k`` (recognised, as in ``belady``, by ``k`` not being
 protected) whose victim would be ``v`` is taken only if
@@ -61,6 +66,8 @@ class NextUseCache(CachePolicy):
                          num_experts=num_experts)
         self.gate = bool(gate)
         self.P = np.full((num_layers, num_experts), 0.5)  # float64[L, J]
+        self.Q = self.P.copy()  # float64[L, J], per pass after the next run (module doc)
+        self._later: set[int] = set()  # layers whose Q came with the coming scores
         self.cur = 0  # layer of the latest access
         self._pref: set[Key] = set()  # prefetched, not used yet
         self._count = 0  # copies needed by the running layer so far
@@ -86,6 +93,7 @@ class NextUseCache(CachePolicy):
         flat = (np.arange(L)[None, :, None] * J + idx).reshape(-1)
         counts = np.bincount(flat, minlength=L * J).reshape(L, J)
         self.P = (counts + 1.0) / (n + 2.0)
+        self.Q = self.P.copy()
 
     def set_link(self, *, copy_s: float, window_s: float | None) -> None:
         """Seconds of one expert copy and of one layer's compute in the running pass
@@ -96,9 +104,22 @@ class NextUseCache(CachePolicy):
 
     # ---- events ---------------------------------------------------------------------
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
-        P = self.P
+        P, Q, later = self.P, self.Q, self._later
         for layer, row in scores.items():
             P[layer] = row
+            if layer in later:
+                later.discard(layer)
+            else:
+                Q[layer] = row
+        self._E = None
+
+    def observe_later(self, rows: dict[int, np.ndarray]) -> None:
+        """Q rows (layer -> float[J]): the per-pass probability of use after the layer's
+        next run, for layers whose P comes with the prediction about to be handed over
+        (:meth:`observe_scores`, which then keeps these Q instead of copying P)."""
+        for layer, row in rows.items():
+            self.Q[layer] = row
+            self._later.add(layer)
         self._E = None
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
@@ -125,8 +146,8 @@ class NextUseCache(CachePolicy):
         if self._E is None:
             L = self.num_layers
             delta = (np.arange(L) - self.cur - 1) % L + 1.0
-            P = np.maximum(self.P, P_MIN)
-            self._E = delta[:, None] + L * (1.0 - P) / P
+            P, Q = np.maximum(self.P, P_MIN), np.maximum(self.Q, P_MIN)
+            self._E = delta[:, None] + L * (1.0 - P) / Q
         return self._E
 
     def min_paying_prob(self) -> float:

@@ -27,11 +27,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from moeexp.errors import ConfigError
-from moeexp.predictors.reuse_features import ReuseState, _pass_used, store_iterations
+from moeexp.predictors.reuse_features import REC_CAP, ReuseState, _pass_used, store_iterations
 from moeexp.traces.schema import Trace
 
 WINDOW = 16  #: passes of a layer counted by the frequency feature
-REC_CAP = 1024  #: recency of an expert never used yet (passes)
 MAX_ROWS = 400_000  #: training rows (passes are strided to stay under it)
 FEATURES = ("last", "fast", "slow", "logpop", "log_rec", "win", "log_step")
 REC_BINS = 64  #: recency values of the table model: 1 .. 63 passes, and 64 for >= 64 (or never)
@@ -43,11 +42,10 @@ TABLE = ("logpop", "log_rec", "win", "step_bin")  #: the table model's features
 @dataclass
 class LrbState(ReuseState):
     """:class:`moeexp.predictors.reuse_features.ReuseState` (``feat`` float64[3, L, J]:
-    last, fast, slow) plus ``rec`` float64[L, J] (passes since last use), ``hist``
+    last, fast, slow; ``rec`` float64[L, J], passes since last use) plus ``hist``
     float64[WINDOW, L, J] (ring of the last uses), ``pos`` int[L] (the ring's slot per
     layer) and ``step`` (the request's decode steps so far)."""
 
-    rec: np.ndarray
     hist: np.ndarray
     pos: np.ndarray
     step: int = 0
@@ -61,7 +59,6 @@ class LrbState(ReuseState):
     def update(self, layer: int, used: np.ndarray) -> None:
         """Layer ``layer`` ran; ``used`` float64[J] 0/1."""
         super().update(layer, used)
-        self.rec[layer] = np.where(used > 0, 1.0, np.minimum(self.rec[layer] + 1.0, REC_CAP))
         self.hist[self.pos[layer], layer] = used
         self.pos[layer] = (self.pos[layer] + 1) % WINDOW
 

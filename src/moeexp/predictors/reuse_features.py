@@ -5,13 +5,18 @@ Every routed expert ``(l, e)`` carries a small state, updated each time layer l 
 * ``last[l, e]``: 1 if the last pass used it at layer l, else 0;
 * ``fast[l, e]``, ``slow[l, e]``: exponential averages of that 0/1 use (decays
   :data:`FAST` and :data:`SLOW` per pass: recency and frequency);
+* ``rec[l, e]``: passes of layer l since it was last used (1: the last pass; a never-used
+  expert :data:`REC_CAP`): recency with the reach the averages lack (``fast`` is ~0 after
+  ten passes, while a 50 % cache keeps experts unused for a hundred);
 * ``logpop[l, e]``: log of its share of the store split's decode passes (popularity).
 
 Two kinds of probability come out of it, each a logistic regression fitted on the store
 split only (Platt's calibration, with the features as the score):
 
 * ``next``: P(expert used at its layer's next pass | state): what eviction needs for a layer
-  that already ran in the current pass, and for every layer before the pass starts.
+  that already ran in the current pass, and for every layer before the pass starts. Its
+  features (:func:`next_features`) add log(rec) to the four of the ``ahead`` models unless
+  fitted with ``recency=False``.
 * ``ahead[d]`` (d = 1..D, and separately for single-token decode and multi-token prefill
   passes): P(used at layer l + d of this pass | state of l + d, the pass's observed routing at
   layer l), the router's evidence entering through ``log(v_l P_l ... P_{l+d-1})``: layer
@@ -40,18 +45,22 @@ FAST = 0.5  #: decay per pass of the recency average
 SLOW = 0.9  #: decay per pass of the frequency average
 EPS = 1e-3  #: floor of a carried transition probability before its log
 MAX_ROWS = 300_000  #: rows per fitted model (passes are strided to stay under it)
+REC_CAP = 1024  #: recency of an expert never used yet (passes)
 
 
 @dataclass
 class ReuseState:
     """The running feature state: ``feat`` float64[3, L, J] = (last, fast, slow) (see the
-    module docstring), one array so that a model reads several layers in one product."""
+    module docstring), one array so that a model reads several layers in one product, and
+    ``rec`` float64[L, J], passes since the last use."""
 
     feat: np.ndarray
+    rec: np.ndarray
 
     @classmethod
     def zeros(cls, num_layers: int, num_experts: int) -> ReuseState:
-        return cls(np.zeros((3, num_layers, num_experts)))
+        return cls(np.zeros((3, num_layers, num_experts)),
+                   np.full((num_layers, num_experts), float(REC_CAP)))
 
     @property
     def last(self) -> np.ndarray:
@@ -71,6 +80,7 @@ class ReuseState:
         f[0, layer] = used
         f[1, layer] = FAST * f[1, layer] + (1.0 - FAST) * used
         f[2, layer] = SLOW * f[2, layer] + (1.0 - SLOW) * used
+        self.rec[layer] = np.where(used > 0, 1.0, np.minimum(self.rec[layer] + 1.0, REC_CAP))
 
     def update_all(self, used: np.ndarray) -> None:
         """Every layer ran; ``used``: float64[L, J] 0/1."""
@@ -78,6 +88,7 @@ class ReuseState:
         f[0] = used
         f[1] = FAST * f[1] + (1.0 - FAST) * used
         f[2] = SLOW * f[2] + (1.0 - SLOW) * used
+        self.rec = np.where(used > 0, 1.0, np.minimum(self.rec + 1.0, REC_CAP))
 
 
 @dataclass
@@ -109,6 +120,24 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, n_features: int) -> Logistic:
 
     m = LogisticRegression(C=1.0, max_iter=300).fit(X, y)
     return Logistic(m.coef_[0].astype(np.float64), float(m.intercept_[0]))
+
+
+def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = slice(None),
+                  recency: bool = True, unused: bool = False) -> np.ndarray:
+    """float64[..., J, 5] (last, fast, slow, logpop, log rec) of layers ``rows``, the
+    ``next`` model's features ([..., J, 4] without the recency when not ``recency``);
+    ``unused``: as they will be after a pass of those layers that does not use the expert
+    (last 0, the averages decayed once, one pass older)."""
+    f = state.feat
+    if unused:
+        cols = [np.zeros_like(f[0, rows]), FAST * f[1, rows], SLOW * f[2, rows], logpop[rows]]
+        rec = np.minimum(state.rec[rows] + 1.0, REC_CAP)
+    else:
+        cols = [f[0, rows], f[1, rows], f[2, rows], logpop[rows]]
+        rec = state.rec[rows]
+    if recency:
+        cols.append(np.log(rec))
+    return np.stack(cols, axis=-1)
 
 
 def state_features(state: ReuseState, logpop: np.ndarray,
@@ -228,11 +257,12 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 
 
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
-               prefill_depth: int = 0) -> ReuseModels:
+               prefill_depth: int = 0, recency: bool = True) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
-    multi-token ones (their evidence carried one matrix at a time: :func:`carried_steps`)."""
+    multi-token ones (their evidence carried one matrix at a time: :func:`carried_steps`);
+    ``next`` on :func:`next_features` (with log rec when ``recency``)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -250,7 +280,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
         if kind == 1 or n % stride == 0:
             feats = state_features(state, logpop)  # [L, J, 4]
             if kind == 0:
-                xs.setdefault((0, 0), []).append(feats.reshape(-1, 4))
+                nf = next_features(state, logpop, recency=recency)
+                xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
             deep = (_carried_all(counts, trans, prefill_depth)
                     if kind and prefill_depth > depth else None)
@@ -267,7 +298,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
                 ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
-    nxt = fit_logistic(*stack.get((0, 0), (np.zeros((0, 4)), np.zeros(0))), 4)
+    nf = 5 if recency else 4
+    nxt = fit_logistic(*stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0))), nf)
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop,
                        rows=sum(len(y) for _, y in stack.values()), spec_depth=sd)

@@ -44,10 +44,13 @@ from moeexp.predictors.reuse_features import (
     carried,
     carried_steps,
     fit_models,
+    next_features,
     sigmoid,
     spec_features,
 )
 from moeexp.traces.schema import Trace, TraceDims
+
+NEXT_MODELS = ("logistic", "logistic_no_recency", "lrb")  #: ``next_model`` values
 
 
 @PREDICTORS.register("reuse_prob")
@@ -65,13 +68,20 @@ class ReuseProbability(Predictor):
         spec: ``auto``: the layers-ahead models also read the speculative gates when the
             store split records them (decided at :meth:`fit`); ``off``: never.
         next_model: the next-use score of a layer that ran, for eviction: ``logistic`` (the
-            calibrated next-pass probability) or ``lrb`` (a learned reuse distance D,
+            calibrated next-pass probability, recency among its features),
+            ``logistic_no_recency`` (the same without the passes since the last use: issue
+            27's second and third stages) or ``lrb`` (a learned reuse distance D,
             :mod:`moeexp.predictors.lrb`, handed over as the probability 1 / D).
+        later: with a ``logistic`` next model, also hand the ``next_use`` cache, for each
+            layer ahead in the pass, the next-pass probability its experts would have if
+            this pass does not use them (the cache's Q: an in-pass "not now" is not a
+            "never"); False: the cache extrapolates the in-pass probability (the shipped
+            behaviour before issue 27's fourth stage).
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
-                 next_model: str = "logistic") -> None:
+                 next_model: str = "logistic", later: bool = True) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -83,10 +93,10 @@ class ReuseProbability(Predictor):
                               f"{max_per_layer}, {alpha}")
         if spec not in ("auto", "off"):
             raise ConfigError(f"reuse_prob: spec must be 'auto' or 'off', got {spec!r}")
-        if next_model not in ("logistic", "lrb"):
-            raise ConfigError(f"reuse_prob: next_model must be 'logistic' or 'lrb', got "
+        if next_model not in NEXT_MODELS:
+            raise ConfigError(f"reuse_prob: next_model must be one of {NEXT_MODELS}, got "
                               f"{next_model!r}")
-        self.spec, self.next_model = spec, next_model
+        self.spec, self.next_model, self.later = spec, next_model, bool(later)
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
@@ -112,7 +122,7 @@ class ReuseProbability(Predictor):
         trans = C / C.sum(axis=-1, keepdims=True)
         L = self.dims.num_layers
         m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
-                       prefill_depth=L - 1)
+                       prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency")
         self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
         # layers ahead per pass kind (0: one token, 1: more): a multi-token pass (prefill)
@@ -174,11 +184,8 @@ class ReuseProbability(Predictor):
             raise ConfigError("reuse_prob: start_iteration() before fit() (fit on the store split)")
         t0 = time.perf_counter_ns()
         n = min(self.depth, self.dims.num_layers)
-        c, feat = self.models.next.coef, self.state.feat
-        z = (c[0] * feat[0, :n] + c[1] * feat[1, :n] + c[2] * feat[2, :n]
-             + c[3] * self.models.logpop[:n] + self.models.next.intercept)
         floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
-        out = Prediction(prefetch=self._offers(-1, sigmoid(z), floor))
+        out = Prediction(prefetch=self._offers(-1, self._next_p(slice(0, n)), floor))
         self._query_ns += time.perf_counter_ns() - t0
         return out
 
@@ -200,10 +207,7 @@ class ReuseProbability(Predictor):
             dist = self._lrb.lookup(self._lstate, layer)  # float64[J], passes
             scores = {layer: 1.0 / np.maximum(dist, 1.0)}
         else:
-            feat, logpop, nxt = self.state.feat, self.models.logpop, self.models.next
-            c = nxt.coef
-            scores = {layer: sigmoid(c[:3] @ feat[:, layer] + c[3] * logpop[layer]
-                                     + nxt.intercept)}
+            scores = {layer: self._next_p(layer)}
         out = Prediction(scores=scores)
         counts = np.asarray(obs.counts, dtype=np.float64)
         n = min(self._reach[self._kind], self.dims.num_layers - 1 - layer)
@@ -215,6 +219,8 @@ class ReuseProbability(Predictor):
             p = self._ahead(layer, n, extra, obs.spec_probs)
             for d in range(n):
                 scores[layer + 1 + d] = p[d]
+            if self.later and self._lrb is None and self._caches:
+                self._hand_later(layer, n)
             floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
             out.prefetch = self._offers(layer, p, floor)
         self._query_ns += time.perf_counter_ns() - t0
@@ -240,6 +246,25 @@ class ReuseProbability(Predictor):
             sf = spec_features(spec[:, :m], self.dims.top_k)  # [m, J, 2]
             z[:m] += coef[:m, 5, None] * sf[..., 0] + coef[:m, 6, None] * sf[..., 1]
         return sigmoid(z)
+
+    def _next_p(self, rows: slice | int, unused: bool = False) -> np.ndarray:
+        """float64[..., J]: the next-pass probability of layers ``rows`` (``unused``: if
+        their coming pass leaves the experts unused;
+        :func:`moeexp.predictors.reuse_features.next_features`)."""
+        m = self.models
+        assert m is not None
+        x = next_features(self.state, m.logpop, rows, recency=len(m.next.coef) == 5,
+                          unused=unused)
+        return m.next(x)
+
+    def _hand_later(self, layer: int, n: int) -> None:
+        """The caches' Q of layers layer + 1 .. layer + n: the next-pass model on the state
+        those layers would have if this pass left their experts unused (last 0, the averages
+        decayed once)."""
+        q = self._next_p(slice(layer + 1, layer + 1 + n), unused=True)
+        later = {layer + 1 + d: q[d] for d in range(n)}
+        for cache in self._caches:
+            cache.observe_later(later)
 
     def _offers(self, layer: int, p: np.ndarray, floor: float) -> list[Prefetch]:
         """Prefetch offers for layers layer + 1.. (``p`` float64[n, J]): p >= ``floor``

@@ -35,6 +35,21 @@ def test_expected_next_use_follows_the_layer_cycle_and_the_probability() -> None
     np.testing.assert_allclose(c.expected_next_use()[2, :2], [1.0, 1.0 + 12.0])
 
 
+def test_later_probability_waits_after_the_first_chance() -> None:
+    """With Q from :meth:`observe_later` for a layer, E = delta + L (1 - P) / Q for it (the
+    first chance at P, then a geometric wait at Q); a later score without Q makes Q = P
+    again, and a layer never given Q keeps the one-wait formula."""
+    c = make()
+    c.on_access((1, 0), 0, True)  # at layer 1: layer 2 is one step away
+    c.observe_later({2: np.full(4, 0.5)})
+    c.observe_scores({2: np.array([0.1, 0.9, 0.5, 0.5]), 3: np.full(4, 0.25)})
+    E = c.expected_next_use()
+    np.testing.assert_allclose(E[2, :2], [1.0 + 4 * 0.9 / 0.5, 1.0 + 4 * 0.1 / 0.5])
+    np.testing.assert_allclose(E[3, 0], 2.0 + 4 * 0.75 / 0.25)
+    c.observe_scores({2: np.full(4, 0.25)})  # no Q with it: one geometric wait
+    np.testing.assert_allclose(c.expected_next_use()[2, 0], 1.0 + 4 * 0.75 / 0.25)
+
+
 def test_demand_victim_is_the_furthest_expected_use_and_choose_agrees() -> None:
     c = make()
     filled(c, [(0, 0), (2, 1), (3, 2)])

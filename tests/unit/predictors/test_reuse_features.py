@@ -29,6 +29,25 @@ def test_state_update_keeps_last_use_and_two_averages() -> None:
     both = rf.ReuseState.zeros(2, 3)
     both.update_all(np.array([[1.0, 0, 0], [0, 1.0, 0]]))
     np.testing.assert_allclose(both.fast, [[0.5, 0, 0], [0, 0.5, 0]])
+    np.testing.assert_allclose(st.rec, [[rf.REC_CAP] * 3, [2, rf.REC_CAP, 1]])
+    np.testing.assert_allclose(both.rec, [[1, rf.REC_CAP, rf.REC_CAP], [rf.REC_CAP, 1, rf.REC_CAP]])
+
+
+def test_next_features_add_recency_and_look_one_unused_pass_ahead() -> None:
+    """The next model's features: the ahead models' four plus log(passes since the last
+    use); ``unused``: the state after a pass that leaves the expert unused."""
+    st = rf.ReuseState.zeros(1, 2)
+    st.update(0, np.array([1.0, 0.0]))
+    st.update(0, np.array([0.0, 0.0]))
+    logpop = np.log(np.array([[0.5, 0.25]]))
+    x = rf.next_features(st, logpop, 0)
+    np.testing.assert_allclose(x[:, :4], rf.state_features(st, logpop, 0))
+    np.testing.assert_allclose(x[:, 4], np.log([2.0, rf.REC_CAP]))
+    after = rf.ReuseState(st.feat.copy(), st.rec.copy())
+    after.update(0, np.zeros(2))
+    np.testing.assert_allclose(rf.next_features(st, logpop, 0, unused=True),
+                               rf.next_features(after, logpop, 0))
+    assert rf.next_features(st, logpop, 0, recency=False).shape == (2, 4)
 
 
 def test_chain_matrices_multiply_consecutive_layers() -> None:
@@ -54,14 +73,14 @@ def test_fit_is_calibrated_in_the_large_and_learns_a_sure_expert() -> None:
     st = rf.ReuseState.zeros(3, 6)
     for _ in range(30):  # a used-every-pass history, as in the fit
         st.update_all(np.eye(6)[[0, 0, 0]] + 0.0)
-    p_sure = m.next(rf.state_features(st, m.logpop, 1))
+    p_sure = m.next(rf.next_features(st, m.logpop, 1))
     assert p_sure[0] > 0.9 and p_sure[0] > p_sure[1:].max()
     X, y = [], []
     state = rf.ReuseState.zeros(3, 6)
     for it in rf.store_iterations(tr):
         used, _, T = rf._pass_used(tr, it)
         if T == 1:
-            X.append(rf.state_features(state, m.logpop).reshape(-1, 4))
+            X.append(rf.next_features(state, m.logpop).reshape(-1, 5))
             y.append(used.reshape(-1))
         state.update_all(used)
     p = m.next(np.concatenate(X))

@@ -11,6 +11,7 @@ from moeexp.cache import CACHES
 from moeexp.costmodel import CostModel, load_profile
 from moeexp.errors import ConfigError
 from moeexp.predictors import PREDICTORS
+from moeexp.predictors import reuse_features as rf
 from moeexp.predictors.base import IterationStart, LayerObservation
 from moeexp.simulator import simulate
 from moeexp.traces.synthetic import random_trace
@@ -57,6 +58,39 @@ def test_scores_cover_the_layer_and_the_layers_ahead_and_offers_respect_the_floo
     assert sorted(pf.layer for pf in got) == [1, 2]
 
 
+def test_layers_ahead_get_the_next_pass_probability_if_unused_now() -> None:
+    """A bound ``next_use`` cache gets, for each layer ahead, P = this pass's probability
+    (the scores) and Q = the next model on the state a pass without the expert leaves
+    (recency one pass older); the layer that ran gets Q = P. ``later=False`` sends no Q, and
+    ``logistic_no_recency`` fits the next model without the recency column."""
+    tr = trace()
+    for later in (True, False):
+        p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, later=later)
+        c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+        p.fit(tr.split("store"))
+        p.bind(cost(tr, 32.0), [c])
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                         token_request=np.array([0])))
+        for layer in range(4):
+            out = p.observe_layer(observation(tr, 1, layer))
+            c.observe_scores(out.scores)
+        out = p.observe_layer(observation(tr, 2, 0))
+        c.observe_scores(out.scores)
+        np.testing.assert_array_equal(c.P[1], out.scores[1])
+        np.testing.assert_array_equal(c.Q[0], c.P[0])
+        want = p.models.next(rf.next_features(p.state, p.models.logpop, slice(1, 3),
+                                              unused=True))
+        if later:
+            np.testing.assert_allclose(c.Q[1:3], want)
+            assert not np.allclose(c.Q[1:3], c.P[1:3])
+        else:
+            np.testing.assert_array_equal(c.Q[1:3], c.P[1:3])
+    assert len(p.models.next.coef) == 5
+    old = PREDICTORS.build("reuse_prob", dims=tr.dims, next_model="logistic_no_recency")
+    old.fit(tr.split("store"))
+    assert len(old.models.next.coef) == 4
+
+
 def test_fit_refuses_test_requests_and_bad_settings() -> None:
     tr = trace()
     p = PREDICTORS.build("reuse_prob", dims=tr.dims)
@@ -64,7 +98,8 @@ def test_fit_refuses_test_requests_and_bad_settings() -> None:
         p.fit(tr)
     with pytest.raises(ConfigError, match="before fit"):
         p.observe_layer(observation(tr, 0, 0))
-    for bad in ({"depth": 0}, {"min_prob": 1.5}, {"alpha": 0.0}, {"max_per_layer": -1}):
+    for bad in ({"depth": 0}, {"min_prob": 1.5}, {"alpha": 0.0}, {"max_per_layer": -1},
+                {"next_model": "logistic5"}):
         with pytest.raises(ConfigError):
             PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
 
