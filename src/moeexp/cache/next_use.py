@@ -9,11 +9,14 @@ popularity from :meth:`fit`). Layers run in a cycle of L, so with ``c`` the laye
 latest access, layer l next runs ``Δ_l = ((l - c - 1) mod L) + 1`` layer steps from now.
 If that run uses the expert with probability P, and each later pass (should it not) with
 probability Q, its expected next use is ``E = Δ_l + L (1 - P) / Q`` layer steps away (a
-geometric wait after the first chance). ``Q[l, e]`` is the predictor's per-pass probability
-*after* layer l's next run (:meth:`observe_later`); where none was given, Q = P (one
+geometric wait after the first chance). The predictor's per-pass probability *after* layer
+l's next run (:meth:`observe_later`) is ``Q_later``; where none was given, Q = P (one
 geometric wait). The two differ for a layer still ahead in the running pass: its P is this
 pass's (the router's evidence says "not now"), while an expert it will not use now may be
 as likely as ever to be used at the next pass; extrapolating P would evict it as if never.
+That reload costs a copy only where the link has no slack to prefetch the expert back in
+time, so Q = s Q_later + (1 - s) P with s the link's saturation below (1 without a cost
+model): on a saturated link the next-pass estimate, on a free one this pass's use.
 The victim is the unprotected resident expert of largest E (Belady's rule on the estimate).
 Demand loads are never refused.
 
@@ -101,6 +104,7 @@ class NextUseCache(CachePolicy):
         if not copy_s > 0:
             raise ConfigError(f"next_use: copy_s must be > 0, got {copy_s}")
         self.copy_s, self.window_s = float(copy_s), window_s
+        self._E = None  # the saturation, hence Q, may change
 
     # ---- events ---------------------------------------------------------------------
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
@@ -146,9 +150,18 @@ class NextUseCache(CachePolicy):
         if self._E is None:
             L = self.num_layers
             delta = (np.arange(L) - self.cur - 1) % L + 1.0
-            P, Q = np.maximum(self.P, P_MIN), np.maximum(self.Q, P_MIN)
+            P = np.maximum(self.P, P_MIN)
+            s = self.saturation()
+            Q = P if s == 0.0 else np.maximum(self.P + s * (self.Q - self.P), P_MIN)
             self._E = delta[:, None] + L * (1.0 - P) / Q
         return self._E
+
+    def saturation(self) -> float:
+        """s = min(1, n x / w), the link's load (module doc); 1 without a cost model."""
+        if self.copy_s is None:
+            return 1.0
+        x = self.copy_s
+        return min(1.0, self.need * x / (self.window_s if self.window_s else x))
 
     def min_paying_prob(self) -> float:
         """The least P_k for which a prefetch can pass the gate with a free victim (the
@@ -157,7 +170,7 @@ class NextUseCache(CachePolicy):
             return 0.0
         x = self.copy_s
         w = self.window_s if self.window_s else x
-        waste = x * min(1.0, self.need * x / w)
+        waste = x * self.saturation()
         return waste / (min(x, w) + waste)
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
@@ -186,7 +199,7 @@ class NextUseCache(CachePolicy):
         x = self.copy_s
         w = self.window_s if self.window_s else x
         pk = float(self.P[k])
-        s = min(1.0, self.need * x / w)
+        s = self.saturation()
         gain = pk * min(x, w) - (1.0 - pk) * x * s
         if v is not None:
             gain -= (1.0 - pk) * float(self.P[v]) * x

@@ -50,6 +50,22 @@ def test_later_probability_waits_after_the_first_chance() -> None:
     np.testing.assert_allclose(c.expected_next_use()[2, 0], 1.0 + 4 * 0.75 / 0.25)
 
 
+def test_later_probability_weighs_by_the_link_saturation() -> None:
+    """With a cost model, Q = P + s (Q_later - P): a free link (s = 0: nothing needed
+    lately) keeps this pass's P, a saturated one (s = 1) the next-pass Q_later."""
+    c = make()
+    c.set_link(copy_s=1.0, window_s=4.0)
+    c.on_access((1, 0), 0, True)
+    c.observe_later({2: np.full(4, 0.5)})
+    c.observe_scores({2: np.full(4, 0.1)})
+    assert c.saturation() == 0.0
+    np.testing.assert_allclose(c.expected_next_use()[2, 0], 1.0 + 4 * 0.9 / 0.1)
+    c.need = 2.0  # 2 copies of 1 s per 4 s layer: half the link
+    c.set_link(copy_s=1.0, window_s=4.0)
+    assert c.saturation() == 0.5
+    np.testing.assert_allclose(c.expected_next_use()[2, 0], 1.0 + 4 * 0.9 / 0.3)
+
+
 def test_demand_victim_is_the_furthest_expected_use_and_choose_agrees() -> None:
     c = make()
     filled(c, [(0, 0), (2, 1), (3, 2)])
