@@ -152,7 +152,12 @@ class NextUseCache(CachePolicy):
             delta = (np.arange(L) - self.cur - 1) % L + 1.0
             P = np.maximum(self.P, P_MIN)
             s = self.saturation()
-            Q = P if s == 0.0 else np.maximum(self.P + s * (self.Q - self.P), P_MIN)
+            if s == 0.0:
+                Q = P
+            elif s == 1.0:
+                Q = np.maximum(self.Q, P_MIN)
+            else:
+                Q = np.maximum(self.P + s * (self.Q - self.P), P_MIN)
             self._E = delta[:, None] + L * (1.0 - P) / Q
         return self._E
 

@@ -39,12 +39,14 @@ from moeexp.predictors.base import (
 from moeexp.predictors.layer_transition import transition_counts
 from moeexp.predictors.lrb import LrbState, LrbTable, walk_rows
 from moeexp.predictors.reuse_features import (
+    FAST,
+    REC_CAP,
+    SLOW,
     ReuseModels,
     ReuseState,
     carried,
     carried_steps,
     fit_models,
-    next_features,
     sigmoid,
     spec_features,
 )
@@ -113,6 +115,7 @@ class ReuseProbability(Predictor):
         self._prompt_len: dict[int, int] = {}
         self._kind, self._dense_s, self._window_set = 0, 0.0, False
         self._query_ns = self._queries = 0
+        self._qpass: np.ndarray | None = None  # float64[L, J], this pass's Q (_hand_later)
 
     # ---- learning ---------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -167,6 +170,7 @@ class ReuseProbability(Predictor):
         self._kind = int(T > 1)
         self._lstate.step = int(ctx.step)
         self._window_set = False
+        self._qpass = None  # Q of every layer, once per pass (_hand_later)
         if self._cost is not None:
             prompt = sum(self._prompt_len.get(int(r), 0) for r in ctx.request_ids)
             if T > 1:  # prefill: T tokens attend to their prefix
@@ -249,20 +253,31 @@ class ReuseProbability(Predictor):
 
     def _next_p(self, rows: slice | int, unused: bool = False) -> np.ndarray:
         """float64[..., J]: the next-pass probability of layers ``rows`` (``unused``: if
-        their coming pass leaves the experts unused;
-        :func:`moeexp.predictors.reuse_features.next_features`)."""
+        their coming pass leaves the experts unused); the product of
+        :func:`moeexp.predictors.reuse_features.next_features` with the coefficients,
+        written out (this runs at every layer)."""
         m = self.models
         assert m is not None
-        x = next_features(self.state, m.logpop, rows, recency=len(m.next.coef) == 5,
-                          unused=unused)
-        return m.next(x)
+        c, f = m.next.coef, self.state.feat
+        if unused:
+            z = (c[1] * FAST) * f[1, rows] + (c[2] * SLOW) * f[2, rows]
+            rec = np.minimum(self.state.rec[rows] + 1.0, REC_CAP)
+        else:
+            z = c[0] * f[0, rows] + c[1] * f[1, rows] + c[2] * f[2, rows]
+            rec = self.state.rec[rows]
+        z += c[3] * m.logpop[rows] + m.next.intercept
+        if len(c) == 5:
+            z += c[4] * np.log(rec)
+        return sigmoid(z)
 
     def _hand_later(self, layer: int, n: int) -> None:
         """The caches' Q of layers layer + 1 .. layer + n: the next-pass model on the state
         those layers would have if this pass left their experts unused (last 0, the averages
         decayed once)."""
-        q = self._next_p(slice(layer + 1, layer + 1 + n), unused=True)
-        later = {layer + 1 + d: q[d] for d in range(n)}
+        if self._qpass is None:  # once per pass: no layer ahead has run yet, so the rows hold
+            self._qpass = self._next_p(slice(None), unused=True)
+        q = self._qpass
+        later = {layer + 1 + d: q[layer + 1 + d] for d in range(n)}
         for cache in self._caches:
             cache.observe_later(later)
 

@@ -74,6 +74,8 @@ def test_layers_ahead_get_the_next_pass_probability_if_unused_now() -> None:
         for layer in range(4):
             out = p.observe_layer(observation(tr, 1, layer))
             c.observe_scores(out.scores)
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=2, embed=None,
+                                         token_request=np.array([0])))
         out = p.observe_layer(observation(tr, 2, 0))
         c.observe_scores(out.scores)
         np.testing.assert_array_equal(c.P[1], out.scores[1])
