@@ -98,7 +98,9 @@ class ReuseProbability(Predictor):
         if next_model not in NEXT_MODELS:
             raise ConfigError(f"reuse_prob: next_model must be one of {NEXT_MODELS}, got "
                               f"{next_model!r}")
-        self.spec, self.next_model, self.later = spec, next_model, bool(later)
+        if not isinstance(later, bool):
+            raise ConfigError(f"reuse_prob: later must be true or false, got {later!r}")
+        self.spec, self.next_model, self.later = spec, next_model, later
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)

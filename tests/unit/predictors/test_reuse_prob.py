@@ -101,7 +101,7 @@ def test_fit_refuses_test_requests_and_bad_settings() -> None:
     with pytest.raises(ConfigError, match="before fit"):
         p.observe_layer(observation(tr, 0, 0))
     for bad in ({"depth": 0}, {"min_prob": 1.5}, {"alpha": 0.0}, {"max_per_layer": -1},
-                {"next_model": "logistic5"}):
+                {"next_model": "logistic5"}, {"later": "flase"}, {"later": 1}):
         with pytest.raises(ConfigError):
             PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
 
