@@ -80,6 +80,11 @@ class CachePolicy:
     def prepare_future(self, accesses: list[Key]) -> None:
         """The whole future access stream (Belady only; ``needs_future``)."""
 
+    def set_mechanics(self, *, demand_load: str) -> None:
+        """The demand loading the run is served with (``activated`` or ``all_experts``,
+        :mod:`moeexp.simulator.mechanics`), before the first request; the simulator and
+        the engine call it. Default: nothing (``next_use`` reads it)."""
+
     def initial_residents(self) -> list[Key]:
         """Experts to load before the first request (``static``). Default: none."""
         return []

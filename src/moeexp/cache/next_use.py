@@ -38,6 +38,13 @@ x / (x + w), so the policy degrades to on-demand loading with the eviction above
 link (x < w, s -> 0) it prefetches whatever is more likely needed than its victim. Without
 a cost model (another predictor, or an engine built without one) only the first condition
 gates.
+
+**Under the artifact's ``demand_load=all_experts``** (:meth:`set_mechanics`; the replay and
+the engine tell it) every expert of a layer is touched, and copied if absent, each time the
+layer runs, so the next use of ``(l, e)`` is exactly layer l's next run: ``E = Δ_l`` for all
+experts (Belady's rule on that stream), and a prefetch for a layer ahead cannot be wasted
+(its copy replaces a demand load the pass makes anyway): the gate then takes every offer
+whose victim's next run comes later (the first condition alone).
 """
 
 from __future__ import annotations
@@ -78,6 +85,7 @@ class NextUseCache(CachePolicy):
         self.copy_s: float | None = None
         self.window_s: float | None = None
         self.refused = 0
+        self.touch_all = False  # demand_load=all_experts (set_mechanics)
         self._E: np.ndarray | None = None  # expected_next_use, until P or cur changes
 
     # ---- learning and cost ----------------------------------------------------------
@@ -105,6 +113,16 @@ class NextUseCache(CachePolicy):
             raise ConfigError(f"next_use: copy_s must be > 0, got {copy_s}")
         self.copy_s, self.window_s = float(copy_s), window_s
         self._E = None  # the saturation, hence Q, may change
+
+    def set_mechanics(self, *, demand_load: str) -> None:
+        """The replay's demand loading (:mod:`moeexp.simulator.mechanics`): ``activated``
+        (the router's experts; the default) or ``all_experts`` (every expert of a layer is
+        touched each pass: next use is the layer's next run, module docstring)."""
+        if demand_load not in ("activated", "all_experts"):
+            raise ConfigError(f"next_use: demand_load must be 'activated' or 'all_experts', "
+                              f"got {demand_load!r}")
+        self.touch_all = demand_load == "all_experts"
+        self._E = None
 
     # ---- events ---------------------------------------------------------------------
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
@@ -150,6 +168,9 @@ class NextUseCache(CachePolicy):
         if self._E is None:
             L = self.num_layers
             delta = (np.arange(L) - self.cur - 1) % L + 1.0
+            if self.touch_all:  # every expert is touched at its layer's next run
+                self._E = np.repeat(delta[:, None], self.num_experts, axis=1)
+                return self._E
             P = np.maximum(self.P, P_MIN)
             s = self.saturation()
             if s == 0.0:
@@ -171,7 +192,7 @@ class NextUseCache(CachePolicy):
     def min_paying_prob(self) -> float:
         """The least P_k for which a prefetch can pass the gate with a free victim (the
         predictor need not offer less probable ones): P_k min(x, w) > (1 - P_k) x s."""
-        if not self.gate or self.copy_s is None:
+        if not self.gate or self.copy_s is None or self.touch_all:
             return 0.0
         x = self.copy_s
         w = self.window_s if self.window_s else x
@@ -198,8 +219,9 @@ class NextUseCache(CachePolicy):
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
 
     def _pays(self, k: Key, v: Key | None) -> bool:
-        """The gate's second condition (module docstring); True without a cost model."""
-        if not self.gate or self.copy_s is None:
+        """The gate's second condition (module docstring); True without a cost model and
+        under ``all_experts`` (a prefetch then replaces a copy the pass makes anyway)."""
+        if not self.gate or self.copy_s is None or self.touch_all:
             return True
         x = self.copy_s
         w = self.window_s if self.window_s else x

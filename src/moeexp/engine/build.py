@@ -255,6 +255,8 @@ def build_offloaded(model: nn.Module, adapter: MoEAdapter, predictor: Any, cache
     """
     cache = _device_caches(cache, topology, adapter)
     _bind_and_check(predictor, cache, cost, routing)
+    for c in cache.caches if isinstance(cache, DeviceCaches) else [cache]:
+        c.set_mechanics(demand_load=mechanics.demand_load if mechanics else "activated")
     budget: Budget = budget_of(cache.capacity_slots, trace_dims(adapter, 0))
     wants_future = "future" in predictor.needs or cache.needs_future
     if wants_future and future is None and routing is not None:

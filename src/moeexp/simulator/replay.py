@@ -164,6 +164,8 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     predictor.bind(cost, caches)  # a policy that reads the cost model it runs under
+    for c in caches:  # ... and the demand loading it is served with (next_use)
+        c.set_mechanics(demand_load=mechanics.demand_load)
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)

@@ -107,6 +107,32 @@ def test_gate_prefetches_on_a_free_link_and_not_on_a_saturated_one() -> None:
     assert ungated.victim((2, 0), set(), 0) is None
 
 
+def test_all_experts_makes_the_next_use_the_layers_next_run_and_every_prefetch_pay() -> None:
+    """Under demand_load=all_experts every expert is touched at its layer's next run:
+    E = delta for every expert whatever P says, and a prefetch whose victim runs later is
+    taken on a saturated link (it replaces a copy the pass makes anyway); one whose victim
+    runs sooner is still refused. A misspelt mode is refused."""
+    c = make(slots=1)
+    c.observe_scores({layer: np.full(4, 0.01) for layer in range(4)})
+    c.set_link(copy_s=12.0, window_s=1.0)
+    c.need = 4.0
+    filled(c, [(1, 0)])  # at layer 1
+    with pytest.raises(PrefetchRefused):  # activated: P = 0.01 does not pay
+        c.victim((2, 3), set(), 1)
+    c.set_mechanics(demand_load="all_experts")
+    np.testing.assert_allclose(c.expected_next_use(),
+                               np.repeat([[3.0], [4.0], [1.0], [2.0]], 4, axis=1))
+    assert c.min_paying_prob() == 0.0
+    assert c.victim((2, 3), set(), 1) == (1, 0)  # layer 1 runs again only after layer 2
+    c.on_access((3, 0), 2, True)  # now at layer 3: layer 1 runs in 2 steps, layer 2 in 3
+    with pytest.raises(PrefetchRefused):
+        c.victim((2, 3), set(), 2)
+    c.set_mechanics(demand_load="activated")
+    assert not c.touch_all
+    with pytest.raises(ConfigError, match="all_experts"):
+        c.set_mechanics(demand_load="whole_layer")
+
+
 def test_a_demand_load_is_never_refused() -> None:
     c = make(slots=1)
     filled(c, [(1, 0)])

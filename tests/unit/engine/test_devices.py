@@ -24,13 +24,14 @@ from moeexp.simulator.mechanics import Mechanics
 from moeexp.simulator.topology import Topology, build_device_caches
 
 SYSTEMS = {"deepspeed": ("none", "lru"), "oracle": ("oracle", "belady"),
-           "hit_count": ("hit_count", "lfu")}
+           "hit_count": ("hit_count", "lfu"), "prefetch_if_pays": ("reuse_prob", "next_use")}
 
 
 def _policies(system: str, dims, topo: Topology, capacity: float, store):
     pred_name, cache_name = SYSTEMS[system]
-    pred = PREDICTORS.build(pred_name, dims=dims,
-                            **({"prefetch_distance": 1} if system == "hit_count" else {}))
+    kw = {"hit_count": {"prefetch_distance": 1},
+          "prefetch_if_pays": {"spec": "off"}}.get(system, {})  # replayed: no spec gates
+    pred = PREDICTORS.build(pred_name, dims=dims, **kw)
     caches = build_device_caches({"name": cache_name, "capacity": capacity}, dims, topo)
     if store is not None:
         pred.fit(store)
@@ -78,6 +79,7 @@ def test_engine_takes_the_simulators_decisions_on_n_devices(
     ("deepspeed", 3, "all_experts", True),
     ("hit_count", 2, "all_experts", False),
     ("hit_count", 1, "activated", True),
+    ("prefetch_if_pays", 1, "all_experts", True),  # the engine tells next_use the mode too
 ])
 def test_engine_takes_the_simulators_decisions_with_the_artifacts_mechanics(
         system, devices, demand_load, flush, store_of) -> None:
@@ -89,14 +91,15 @@ def test_engine_takes_the_simulators_decisions_with_the_artifacts_mechanics(
     d = trace.dims
     topo = Topology.build(devices=devices, budget="per_device")
     mech = Mechanics(demand_load=demand_load, flush_per_token=flush)
-    store = store_of("mixtral") if system == "hit_count" else None
+    store = store_of("mixtral") if system in ("hit_count", "prefetch_if_pays") else None
     pred, caches = _policies(system, d, topo, 0.25, store)
     model = toy_model("mixtral", seed=1)
     ad = adapter_for(model)
     replay = RoutingReplay(trace, ad)
     settings = EngineSettings(predictor_async=False, prefetch_wait=True)
+    cost = _instant_link(d) if system == "prefetch_if_pays" else None  # as simulate binds
     with build_offloaded(model, ad, pred, caches, settings, routing=replay, topology=topo,
-                         mechanics=mech) as om:
+                         mechanics=mech, cost=cost) as om:
         replay_requests(om, replay)
         m = om.metrics()
     pred, caches = _policies(system, d, topo, 0.25, store)

@@ -77,6 +77,20 @@ def test_flush_on_several_devices_and_all_experts_over_their_links() -> None:
     assert m["hits_total"] == 0
 
 
+def test_the_replay_tells_each_cache_its_demand_loading() -> None:
+    """simulate hands every policy the run's demand_load (next_use reads it), the
+    default's as well as the artifact's."""
+    from moeexp.cache.next_use import NextUseCache
+    tr = hand_trace(TWICE, 3)
+    seen = []
+    for mech in (None, Mechanics(demand_load="all_experts")):
+        c = NextUseCache(capacity_slots=3, num_layers=1, num_experts=3)
+        c.touch_all = mech is None  # the wrong way round: simulate must overwrite it
+        _run(tr, c, mech)
+        seen.append(c.touch_all)
+    assert seen == [False, True]
+
+
 def test_all_experts_refuses_a_policy_that_reads_the_future() -> None:
     tr = hand_trace(TWICE, 3)
     with pytest.raises(ConfigError, match="belady"):
