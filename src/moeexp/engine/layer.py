@@ -43,6 +43,7 @@ from torch import nn
 from moeexp.engine.kernel import restrict_routing
 from moeexp.engine.runtime import Engine
 from moeexp.engine.store import Key
+from moeexp.engine.zero_time import ZeroTimeClock
 from moeexp.errors import ConfigError
 from moeexp.execution.base import Placement
 from moeexp.predictors.base import LayerObservation
@@ -142,7 +143,7 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
             keep = None
             chunk, streamed, all_ready, off = _serve(
                 eng, layer, keys, pos0, lambda ch: compute(ch, flat_e, flat_w, None, False),
-                rows_of, T)
+                rows_of, T, busy=set(needed) if eng.all_experts else None)
         if wait and (restricted or all_ready or not eng.cache.pause_prefetch_on_miss):
             eng.resume_prefetch()  # demand loads submitted: the held prefetches may start
     host_first = off is not None and not eng.copier.cuda  # CPU: overlap the emulated link
@@ -158,6 +159,69 @@ def serve_layer(eng: Engine, module: nn.Module, hidden: torch.Tensor, idx: torch
         for rows, res in parts:
             full.index_copy_(0, rows, res)
     return full.view(T, K, -1).sum(dim=1).to(hidden.dtype)
+
+
+class _Pending:
+    """One layer's experts not yet computed (``pinned``) and not yet evictable
+    (``unreleased``) while its demand loads are made (lock held).
+
+    Without ``prefetch_wait`` a failed victim ask computes the pinned chunk and releases it
+    (prefill streaming). Under ``prefetch_wait`` the simulator's zero-time link decides what
+    is released when (:class:`ZeroTimeClock`): an expert with tokens is computed first, one
+    without (``all_experts``) only waits for its copy, as it computes nothing.
+    """
+
+    def __init__(self, eng: Engine, keys: list[Key],
+                 compute_rows: Callable[[list[Key]], object], busy: set[int] | None) -> None:
+        self.eng, self.compute_rows, self.busy = eng, compute_rows, busy
+        self.pinned: list[Key] = []
+        self.unreleased = set(keys)
+        self.streamed = False
+        self.clock = ZeroTimeClock(eng.where is None or eng.chain_demand) \
+            if eng.settings.prefetch_wait else None
+
+    def has_tokens(self, key: Key) -> bool:
+        return self.busy is None or key[1] in self.busy
+
+    def demand(self, key: Key, now: int) -> None:
+        """Load ``key`` on demand (streaming or releasing as needed) and access it."""
+        eng, clock = self.eng, self.clock
+        if clock is not None:
+            self._release(clock.ask_time(eng.device_of(key)))
+        eng.demand(key, now, self.unreleased, self._flush)
+        if clock is not None:
+            clock.loaded(key, eng.device_of(key), self.has_tokens(key))
+        eng.access(key, now, False)
+        self.pinned.append(key)
+
+    def _compute_pinned(self) -> list[Key]:
+        chunk = list(self.pinned)
+        self.pinned.clear()
+        with self.eng.unlocked():  # the copy thread may start prefetches meanwhile
+            self.compute_rows(chunk)
+        self.streamed = True
+        return chunk
+
+    def _release(self, keys: list[Key]) -> None:
+        held = [k for k in keys if k in self.pinned]
+        if any(self.has_tokens(k) for k in held):
+            self._compute_pinned()
+        elif held:
+            with self.eng.unlocked():
+                self.eng.wait_keys(held)
+            self.pinned[:] = [k for k in self.pinned if k not in held]
+        self.unreleased.difference_update(keys)
+
+    def _flush(self) -> bool:
+        """A victim ask failed: release the next experts (False: none left to release)."""
+        if self.clock is not None:
+            got = self.clock.wait_next()
+            self._release(got)
+            return bool(got)
+        if not self.pinned:
+            return False
+        self.unreleased.difference_update(self._compute_pinned())
+        return True
 
 
 def _off_slot(eng: Engine, module: nn.Module, layer: int, hidden: torch.Tensor,
@@ -195,8 +259,14 @@ def _place(eng: Engine, layer: int, keys: list[Key], hits: list[int], waits: lis
 
 def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
            compute_rows: Callable[[list[Key]], object], rows_of: list[int] | None = None,
-           pass_tokens: int = 0) -> tuple[list[Key], bool, bool, Placement | None]:
+           pass_tokens: int = 0, busy: set[int] | None = None
+           ) -> tuple[list[Key], bool, bool, Placement | None]:
     """Exact mode (lock held): classify, access, demand-load.
+
+    ``busy``: the experts of ``keys`` that have tokens (None: all of them; under
+    ``all_experts`` the others compute nothing). Under ``prefetch_wait`` the layer's
+    experts are released to eviction when the simulator's zero-time link would have them
+    computed (:class:`moeexp.engine.zero_time.ZeroTimeClock`).
 
     Returns the keys still to compute, whether earlier chunks were streamed already,
     whether the link has nothing this layer waits for (every key a hit, or a miss served
@@ -209,43 +279,17 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     waits = [i for i, s in enumerate(states) if s == "copying"]
     absent = [i for i, s in enumerate(states) if s == "absent"]
     copy, off = _place(eng, layer, keys, hits, waits, absent, rows_of, pass_tokens)
-    pinned: list[Key] = []
+    pend = _Pending(eng, keys, compute_rows, busy)
     for group, hit in ((hits, True), (waits, False)):
         for i in group:
             eng.access(keys[i], pos0 + i, hit)
-            pinned.append(keys[i])
-    unreleased = set(keys)
-    streamed = False
-    one_by_one = eng.settings.prefetch_wait
-    computed: list[Key] = []  # prefetch_wait: computed, released one per failed victim ask
-
-    def flush() -> bool:
-        """Compute the pinned chunk and release it (prefill streaming). Under
-        ``prefetch_wait`` the computed experts are released one per call, in compute
-        order, as the simulator's demand load on a zero-time link waits for the next
-        expert to finish and asks the policy again."""
-        nonlocal streamed
-        if one_by_one and computed:
-            unreleased.discard(computed.pop(0))
-            return True
-        if not pinned:
-            return False
-        chunk = list(pinned)
-        pinned.clear()
-        with eng.unlocked():  # the copy thread may start prefetches meanwhile
-            compute_rows(chunk)
-        streamed = True
-        if one_by_one:
-            computed.extend(chunk)
-            unreleased.discard(computed.pop(0))
-        else:
-            unreleased.difference_update(chunk)
-        return True
-
+            pend.pinned.append(keys[i])
+    if pend.clock is not None:
+        for i in hits + waits:
+            pend.clock.computed(keys[i], pend.has_tokens(keys[i]))
     for i in copy:
-        eng.demand(keys[i], pos0 + i, unreleased, flush)
-        eng.access(keys[i], pos0 + i, False)
-        pinned.append(keys[i])
+        pend.demand(keys[i], pos0 + i)
+    pinned, streamed = pend.pinned, pend.streamed
     # a miss pauses prefetching when it needs the link (a copy, or a stream)
     link_miss = bool(copy or waits or (off is not None and off.stream))
     if link_miss and eng.cache.pause_prefetch_on_miss:

@@ -80,6 +80,9 @@ def test_engine_takes_the_simulators_decisions_on_n_devices(
     ("hit_count", 2, "all_experts", False),
     ("hit_count", 1, "activated", True),
     ("prefetch_if_pays", 1, "all_experts", True),  # the engine tells next_use the mode too
+    # several devices: experts without tokens are released once loaded (engine.zero_time)
+    ("prefetch_if_pays", 2, "all_experts", True),
+    ("prefetch_if_pays", 3, "all_experts", False),
 ])
 def test_engine_takes_the_simulators_decisions_with_the_artifacts_mechanics(
         system, devices, demand_load, flush, store_of) -> None:
