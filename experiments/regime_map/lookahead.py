@@ -11,8 +11,8 @@ index order) through one total-budget cache, demand loads only, the current laye
 protected, and counts misses for:
 
 * ``lru``: the ``lru`` policy (on-demand LRU, ``deepspeed``'s cache);
-* ``model``: ``prefetch_if_pays``'s eviction: the ``reuse_prob`` predictor (fitted on the
-  store split) bound to the ``next_use`` cache and the run's cost model (``rtx3090_pcie4``
+* ``model:<next_model>``: ``prefetch_if_pays``'s eviction: the ``reuse_prob`` predictor
+  with that ``next_model`` (``--models``; fitted on the store split) bound to the ``next_use`` cache and the run's cost model (``rtx3090_pcie4``
   at ``--gbps``: copy-bound by default, 0.1 GB/s embedded and 3.2 GB/s real, the maps'
   copy/compute ~24 and ~36), its offers dropped (no prefetch);
 * ``look{k}``: ``model``, but told each resident expert's true next use when it falls within
@@ -102,9 +102,11 @@ def replay(test: Trace, store: Trace, rule: str, slots: int, nxt: np.ndarray,
         cache.prepare_future([(layer, int(e)) for _, _, used, _ in P
                               for layer in range(L) for e in used[layer]])
     else:
-        cache = NextUseCache(**kw) if rule == "model" else Lookahead(int(rule[4:]), nxt, **kw)
+        model = rule.split(":")[1] if ":" in rule else "logistic"
+        cache = (NextUseCache(**kw) if rule.startswith("model")
+                 else Lookahead(int(rule[4:]), nxt, **kw))
         cache.fit(store)
-        pred = PREDICTORS.build("reuse_prob", dims=d, spec="off")
+        pred = PREDICTORS.build("reuse_prob", dims=d, spec="off", next_model=model)
         pred.fit(store)
         prof = dataclasses.replace(load_profile("rtx3090_pcie4"), h2d_gbps=gbps)
         pred.bind(CostModel.from_profile(prof, d), [cache])
@@ -157,14 +159,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--trace", default=None)
     ap.add_argument("--capacity", type=float, nargs="+", default=[0.25, 0.5])
-    ap.add_argument("--horizons", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--horizons", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--gbps", type=float, default=None, help="link (default: copy-bound)")
+    ap.add_argument("--models", nargs="+", default=["logistic"],
+                    help="reuse_prob next_model values, one `model:<name>` column each "
+                         "(look{k} reads the shipped default, logistic)")
     a = ap.parse_args()
     tr = load(a.kind, a.seed, a.trace)
     test, store = tr.split("test"), tr.split("store")
     nxt = next_pass_use(test)
     L, J = tr.dims.num_layers, tr.dims.num_experts
-    rules = ["lru", "model", *(f"look{k}" for k in a.horizons), "belady"]
+    rules = ["lru", *(f"model:{m}" for m in a.models), *(f"look{k}" for k in a.horizons),
+             "belady"]
     print("| trace | budget | " + " | ".join(rules) + " |")
     print("|---|---|" + "---|" * len(rules))
     for cap in a.capacity:

@@ -16,7 +16,14 @@ split only (Platt's calibration, with the features as the score):
 * ``next``: P(expert used at its layer's next pass | state): what eviction needs for a layer
   that already ran in the current pass, and for every layer before the pass starts. Its
   features (:func:`next_features`) add log(rec) to the four of the ``ahead`` models unless
-  fitted with ``recency=False``.
+  fitted with ``recency=False``, and, unless fitted with ``follow=False``, the token-to-token
+  evidence ``log(max(u M_l / |u|, EPS))``: u the layer's last pass's experts (``last``), M_l
+  the store's per-layer *follow* matrix, P(e used at the next pass | e' used at this one),
+  the same layer (:func:`follow_matrices`; where the last pass used nothing, or for a pass
+  whose routing is not known yet, the store's marginal ``prior``). The tiny model's routing
+  barely repeats an expert from one token to the next (``last`` alone: test AUC 0.66) but
+  strongly follows one expert with another (0.75 with this column; real gpt-oss-20b 0.857 ->
+  0.880, issue 27's sixth stage).
 * ``ahead[d]`` (d = 1..D, and separately for single-token decode and multi-token prefill
   passes): P(used at layer l + d of this pass | state of l + d, the pass's observed routing at
   layer l), the router's evidence entering through ``log(v_l P_l ... P_{l+d-1})``: layer
@@ -92,6 +99,50 @@ class ReuseState:
 
 
 @dataclass
+class Follow:
+    """The ``next`` model's token-to-token evidence, fitted on the store split:
+    ``matrix`` float64[L, J, J], P(e at the next pass | e' at this one) of each layer;
+    ``prior`` float64[L, J], its feature where the last pass is unknown (log of the
+    popularity-weighted row mix)."""
+
+    matrix: np.ndarray
+    prior: np.ndarray
+
+    def feature(self, last: np.ndarray, rows: slice | int = slice(None)) -> np.ndarray:
+        """float64[..., J]: log(max(u M / |u|, EPS)) of layers ``rows`` for ``last`` =
+        u float64[..., J] 0/1 (the layers' last pass); ``prior`` where u is empty."""
+        m = self.matrix[rows]
+        k = last.sum(axis=-1, keepdims=True)
+        if last.ndim == 1:
+            p = last @ m
+        else:
+            p = np.einsum("...j,...jk->...k", last, m)
+        f = np.log(np.maximum(p / np.where(k > 0, k, 1.0), EPS))
+        return np.where(k > 0, f, self.prior[rows])
+
+
+def follow_matrices(passes: list[tuple[np.ndarray, int]], logpop: np.ndarray,
+                    alpha: float = 1.0) -> Follow:
+    """The :class:`Follow` of consecutive passes ``passes`` ((used float64[L, J] 0/1,
+    tokens) each, the store split in replay order; a pair whose second pass has several
+    tokens is skipped, as the ``next`` model is fitted on single-token passes only): counts
+    of (e' at pass n, e at pass n + 1) per layer, each row smoothed toward the popularity
+    (``alpha`` pseudo passes) and normalised."""
+    L, J = logpop.shape
+    C = np.zeros((L, J, J))
+    rows = np.zeros((L, J))
+    for (a, _), (b, tokens) in zip(passes, passes[1:]):
+        if tokens != 1:
+            continue
+        C += a[:, :, None] * b[:, None, :]
+        rows += a
+    pop = np.exp(logpop)
+    M = (C + alpha * pop[:, None, :]) / (rows[..., None] + alpha)
+    prior_p = np.einsum("lj,ljk->lk", pop, M) / pop.sum(axis=-1, keepdims=True)
+    return Follow(M, np.log(np.maximum(prior_p, EPS)))
+
+
+@dataclass
 class Logistic:
     """``sigmoid(X @ coef + intercept)``; coef float64[F]."""
 
@@ -123,11 +174,13 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, n_features: int) -> Logistic:
 
 
 def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = slice(None),
-                  recency: bool = True, unused: bool = False) -> np.ndarray:
-    """float64[..., J, 5] (last, fast, slow, logpop, log rec) of layers ``rows``, the
-    ``next`` model's features ([..., J, 4] without the recency when not ``recency``);
-    ``unused``: as they will be after a pass of those layers that does not use the expert
-    (last 0, the averages decayed once, one pass older)."""
+                  recency: bool = True, unused: bool = False,
+                  follow: Follow | None = None) -> np.ndarray:
+    """float64[..., J, 6] (last, fast, slow, logpop, log rec, follow) of layers ``rows``, the
+    ``next`` model's features (without log rec when not ``recency``, without the follow
+    column without ``follow``); ``unused``: as they will be after a pass of those layers
+    that does not use the expert (last 0, the averages decayed once, one pass older; that
+    pass's other experts unknown: the follow column is the prior)."""
     f = state.feat
     if unused:
         cols = [np.zeros_like(f[0, rows]), FAST * f[1, rows], SLOW * f[2, rows], logpop[rows]]
@@ -137,6 +190,8 @@ def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = sli
         rec = state.rec[rows]
     if recency:
         cols.append(np.log(rec))
+    if follow is not None:
+        cols.append(follow.prior[rows] if unused else follow.feature(f[0, rows], rows))
     return np.stack(cols, axis=-1)
 
 
@@ -184,6 +239,7 @@ class ReuseModels:
     ahead: dict[tuple[int, int], Logistic] = field(default_factory=dict)
     chains: list[np.ndarray] = field(default_factory=list)
     logpop: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
+    follow: Follow | None = None  #: the ``next`` model's follow evidence (None: not read)
     rows: int = 0  #: training rows over all models
     spec_depth: int = 0  #: distances d <= this have speculative features (0: none)
 
@@ -257,12 +313,13 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 
 
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
-               prefill_depth: int = 0, recency: bool = True) -> ReuseModels:
+               prefill_depth: int = 0, recency: bool = True, follow: bool = True) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
     multi-token ones (their evidence carried one matrix at a time: :func:`carried_steps`);
-    ``next`` on :func:`next_features` (with log rec when ``recency``)."""
+    ``next`` on :func:`next_features` (with log rec when ``recency``, with the follow
+    evidence of :func:`follow_matrices` when ``follow``)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -270,6 +327,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     decode = [p for p in passes if p[2] == 1]
     pop = (sum((p[0] for p in decode), np.zeros((L, J))) + 1.0) / (len(decode) + 2.0)
     logpop = np.log(pop)
+    fol = follow_matrices([(p[0], p[2]) for p in passes], logpop) if follow else None
     chains = chain_matrices(trans, depth)
     stride = max(1, int(np.ceil(len(passes) * L * J / MAX_ROWS)))
     xs: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -280,7 +338,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
         if kind == 1 or n % stride == 0:
             feats = state_features(state, logpop)  # [L, J, 4]
             if kind == 0:
-                nf = next_features(state, logpop, recency=recency)
+                nf = next_features(state, logpop, recency=recency, follow=fol)
                 xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
             deep = (_carried_all(counts, trans, prefill_depth)
@@ -298,8 +356,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
                 ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
-    nf = 5 if recency else 4
+    nf = 4 + int(recency) + int(follow)
     nxt = fit_logistic(*stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0))), nf)
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
-    return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop,
+    return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        rows=sum(len(y) for _, y in stack.values()), spec_depth=sd)

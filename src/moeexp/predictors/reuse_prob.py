@@ -52,7 +52,8 @@ from moeexp.predictors.reuse_features import (
 )
 from moeexp.traces.schema import Trace, TraceDims
 
-NEXT_MODELS = ("logistic", "logistic_no_recency", "lrb")  #: ``next_model`` values
+#: ``next_model`` values
+NEXT_MODELS = ("logistic", "logistic_no_follow", "logistic_no_recency", "lrb")
 
 
 @PREDICTORS.register("reuse_prob")
@@ -70,9 +71,11 @@ class ReuseProbability(Predictor):
         spec: ``auto``: the layers-ahead models also read the speculative gates when the
             store split records them (decided at :meth:`fit`); ``off``: never.
         next_model: the next-use score of a layer that ran, for eviction: ``logistic`` (the
-            calibrated next-pass probability, recency among its features),
-            ``logistic_no_recency`` (the same without the passes since the last use: issue
-            27's second and third stages) or ``lrb`` (a learned reuse distance D,
+            calibrated next-pass probability, recency and the store's token-to-token
+            follow evidence among its features: :mod:`moeexp.predictors.reuse_features`),
+            ``logistic_no_follow`` (the same without the follow evidence: issue 27's
+            fourth and fifth stages), ``logistic_no_recency`` (without either: the second
+            and third stages) or ``lrb`` (a learned reuse distance D,
             :mod:`moeexp.predictors.lrb`, handed over as the probability 1 / D).
         later: with a ``logistic`` next model, also hand the ``next_use`` cache, for each
             layer ahead in the pass, the next-pass probability its experts would have if
@@ -127,7 +130,8 @@ class ReuseProbability(Predictor):
         trans = C / C.sum(axis=-1, keepdims=True)
         L = self.dims.num_layers
         m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
-                       prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency")
+                       prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
+                       follow=self.next_model == "logistic")
         self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
         # layers ahead per pass kind (0: one token, 1: more): a multi-token pass (prefill)
@@ -268,8 +272,10 @@ class ReuseProbability(Predictor):
             z = c[0] * f[0, rows] + c[1] * f[1, rows] + c[2] * f[2, rows]
             rec = self.state.rec[rows]
         z += c[3] * m.logpop[rows] + m.next.intercept
-        if len(c) == 5:
+        if len(c) >= 5:
             z += c[4] * np.log(rec)
+        if m.follow is not None:  # the last coefficient
+            z += c[-1] * (m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows))
         return sigmoid(z)
 
     def _hand_later(self, layer: int, n: int) -> None:

@@ -50,6 +50,32 @@ def test_next_features_add_recency_and_look_one_unused_pass_ahead() -> None:
     assert rf.next_features(st, logpop, 0, recency=False).shape == (2, 4)
 
 
+def test_follow_counts_the_next_single_token_pass_of_the_same_layer() -> None:
+    """The follow matrix: (e' at pass n, e at pass n + 1) per layer, rows smoothed toward
+    the popularity with one pseudo pass; a pair into a multi-token pass is not counted;
+    the feature is log(u M / |u|), the prior where u is empty, the prior for an unused
+    pass in next_features."""
+    a, b = np.array([[1.0, 0.0, 0.0]]), np.array([[0.0, 1.0, 0.0]])
+    prefill = np.ones((1, 3))
+    logpop = np.log(np.full((1, 3), 1 / 3))
+    f = rf.follow_matrices([(a, 1), (b, 1), (a, 1), (b, 1), (a, 1), (prefill, 5)], logpop)
+    # a -> b twice, b -> a twice, a -> prefill not counted: (counts + 1/3) / (2 + 1)
+    np.testing.assert_allclose(f.matrix[0, 0], [1 / 9, 7 / 9, 1 / 9])
+    np.testing.assert_allclose(f.matrix[0, 1], [7 / 9, 1 / 9, 1 / 9])
+    np.testing.assert_allclose(f.matrix[0, 2], [1 / 3] * 3)  # never used: the popularity
+    np.testing.assert_allclose(f.matrix.sum(axis=-1), 1.0)
+    np.testing.assert_allclose(f.feature(a[0], 0), np.log(f.matrix[0, 0]))
+    both = np.array([1.0, 1.0, 0.0])
+    np.testing.assert_allclose(f.feature(both, 0), np.log((f.matrix[0, 0] + f.matrix[0, 1]) / 2))
+    np.testing.assert_allclose(f.feature(np.zeros(3), 0), f.prior[0])
+    st = rf.ReuseState.zeros(1, 3)
+    st.update(0, a[0])
+    x = rf.next_features(st, logpop, 0, follow=f)
+    np.testing.assert_allclose(x[:, 5], np.log(f.matrix[0, 0]))
+    np.testing.assert_allclose(rf.next_features(st, logpop, 0, unused=True, follow=f)[:, 5],
+                               f.prior[0])
+
+
 def test_chain_matrices_multiply_consecutive_layers() -> None:
     rng = np.random.default_rng(0)
     T = rng.random((3, 4, 4))
@@ -73,14 +99,14 @@ def test_fit_is_calibrated_in_the_large_and_learns_a_sure_expert() -> None:
     st = rf.ReuseState.zeros(3, 6)
     for _ in range(30):  # a used-every-pass history, as in the fit
         st.update_all(np.eye(6)[[0, 0, 0]] + 0.0)
-    p_sure = m.next(rf.next_features(st, m.logpop, 1))
+    p_sure = m.next(rf.next_features(st, m.logpop, 1, follow=m.follow))
     assert p_sure[0] > 0.9 and p_sure[0] > p_sure[1:].max()
     X, y = [], []
     state = rf.ReuseState.zeros(3, 6)
     for it in rf.store_iterations(tr):
         used, _, T = rf._pass_used(tr, it)
         if T == 1:
-            X.append(rf.next_features(state, m.logpop).reshape(-1, 5))
+            X.append(rf.next_features(state, m.logpop, follow=m.follow).reshape(-1, 6))
             y.append(used.reshape(-1))
         state.update_all(used)
     p = m.next(np.concatenate(X))

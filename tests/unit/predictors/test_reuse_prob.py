@@ -61,8 +61,9 @@ def test_scores_cover_the_layer_and_the_layers_ahead_and_offers_respect_the_floo
 def test_layers_ahead_get_the_next_pass_probability_if_unused_now() -> None:
     """A bound ``next_use`` cache gets, for each layer ahead, P = this pass's probability
     (the scores) and Q = the next model on the state a pass without the expert leaves
-    (recency one pass older); the layer that ran gets Q = P. ``later=False`` sends no Q, and
-    ``logistic_no_recency`` fits the next model without the recency column."""
+    (recency one pass older); the layer that ran gets Q = P. ``later=False`` sends no Q;
+    ``logistic_no_follow`` fits the next model without the follow column and
+    ``logistic_no_recency`` without that and the recency column."""
     tr = trace()
     for later in (True, False):
         p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, later=later)
@@ -81,16 +82,17 @@ def test_layers_ahead_get_the_next_pass_probability_if_unused_now() -> None:
         np.testing.assert_array_equal(c.P[1], out.scores[1])
         np.testing.assert_array_equal(c.Q[0], c.P[0])
         want = p.models.next(rf.next_features(p.state, p.models.logpop, slice(1, 3),
-                                              unused=True))
+                                              unused=True, follow=p.models.follow))
         if later:
             np.testing.assert_allclose(c.Q[1:3], want)
             assert not np.allclose(c.Q[1:3], c.P[1:3])
         else:
             np.testing.assert_array_equal(c.Q[1:3], c.P[1:3])
-    assert len(p.models.next.coef) == 5
-    old = PREDICTORS.build("reuse_prob", dims=tr.dims, next_model="logistic_no_recency")
-    old.fit(tr.split("store"))
-    assert len(old.models.next.coef) == 4
+    assert len(p.models.next.coef) == 6 and p.models.follow is not None
+    for name, n in (("logistic_no_follow", 5), ("logistic_no_recency", 4)):
+        old = PREDICTORS.build("reuse_prob", dims=tr.dims, next_model=name)
+        old.fit(tr.split("store"))
+        assert len(old.models.next.coef) == n and old.models.follow is None
 
 
 def test_fit_refuses_test_requests_and_bad_settings() -> None:
