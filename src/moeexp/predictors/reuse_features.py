@@ -131,7 +131,7 @@ def follow_matrices(passes: list[tuple[np.ndarray, int]], logpop: np.ndarray,
     L, J = logpop.shape
     C = np.zeros((L, J, J))
     rows = np.zeros((L, J))
-    for (a, _), (b, tokens) in zip(passes, passes[1:]):
+    for (a, _), (b, tokens) in zip(passes[:-1], passes[1:], strict=True):
         if tokens != 1:
             continue
         C += a[:, :, None] * b[:, None, :]
