@@ -12,7 +12,9 @@ the victim is known: by the ``next_use`` cache, with the cost model this predict
 the pass's tokens and context, plus its experts' compute for the observed counts).
 
 Every probability is a logistic regression fitted on the store split only
-(:func:`moeexp.predictors.reuse_features.fit_models`); the transition matrices too. With
+(:func:`moeexp.predictors.reuse_features.fit_models`); the layer-transition matrices and
+the token-to-token follow matrices (the next-pass model's evidence of which expert follows
+which at the next token) too. With
 ``spec: auto`` (the default) and a store split that records speculative gates, the models of
 the layers ahead also read the gates' evidence from the running layer's hidden state (the
 predictor then needs ``spec_probs``); on a routing-only trace they do without.
