@@ -183,6 +183,12 @@ class _Pending:
     def has_tokens(self, key: Key) -> bool:
         return self.busy is None or key[1] in self.busy
 
+    def pin(self, key: Key) -> None:
+        """A hit, or a copy in flight: it computes first (in ``keys`` order)."""
+        self.pinned.append(key)
+        if self.clock is not None:
+            self.clock.computed(key, self.has_tokens(key))
+
     def demand(self, key: Key, now: int) -> None:
         """Load ``key`` on demand (streaming or releasing as needed) and access it."""
         eng, clock = self.eng, self.clock
@@ -283,10 +289,7 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     for group, hit in ((hits, True), (waits, False)):
         for i in group:
             eng.access(keys[i], pos0 + i, hit)
-            pend.pinned.append(keys[i])
-    if pend.clock is not None:
-        for i in hits + waits:
-            pend.clock.computed(keys[i], pend.has_tokens(keys[i]))
+            pend.pin(keys[i])
     for i in copy:
         pend.demand(keys[i], pos0 + i)
     pinned, streamed = pend.pinned, pend.streamed
