@@ -103,10 +103,12 @@ def replay(test: Trace, store: Trace, rule: str, slots: int, nxt: np.ndarray,
                               for layer in range(L) for e in used[layer]])
     else:
         model = rule.split(":")[1] if ":" in rule else "logistic"
+        model, _, flag = model.partition("/")  # <next_model>/no_horizon: horizon=false
         cache = (NextUseCache(**kw) if rule.startswith("model")
                  else Lookahead(int(rule[4:]), nxt, **kw))
         cache.fit(store)
-        pred = PREDICTORS.build("reuse_prob", dims=d, spec="off", next_model=model)
+        pred = PREDICTORS.build("reuse_prob", dims=d, spec="off", next_model=model,
+                                horizon=flag != "no_horizon")
         pred.fit(store)
         prof = dataclasses.replace(load_profile("rtx3090_pcie4"), h2d_gbps=gbps)
         pred.bind(CostModel.from_profile(prof, d), [cache])
@@ -162,8 +164,9 @@ def main() -> None:
     ap.add_argument("--horizons", type=int, nargs="*", default=[1, 2, 4, 8])
     ap.add_argument("--gbps", type=float, default=None, help="link (default: copy-bound)")
     ap.add_argument("--models", nargs="+", default=["logistic"],
-                    help="reuse_prob next_model values, one `model:<name>` column each "
-                         "(look{k} reads the shipped default, logistic)")
+                    help="reuse_prob next_model values, one `model:<name>` column each; "
+                         "<name>/no_horizon: with horizon=false (look{k} reads the "
+                         "shipped default, logistic)")
     a = ap.parse_args()
     tr = load(a.kind, a.seed, a.trace)
     test, store = tr.split("test"), tr.split("store")

@@ -20,6 +20,18 @@ model): on a saturated link the next-pass estimate, on a free one this pass's us
 The victim is the unprotected resident expert of largest E (Belady's rule on the estimate).
 Demand loads are never refused.
 
+**Horizon** (:meth:`set_horizons`, issue 27's seventh stage). The next pass alone says little
+when the next token will not route to an expert that the one after it will, and a cache
+holds an expert for several passes. Where the predictor hands ``W[h][l, e]``, the probability
+that the expert is used within the next h runs of its layer (:meth:`observe_within`), the
+cache takes h from its own residence time: R = capacity / (copies per pass, counted since
+the start), h the one of {1} and the handed horizons nearest R / 2 in log scale (h = 1 until
+a pass has run). For h > 1, the per-pass rate q = 1 - (1 - W)^(1/h) (the geometric rate with
+that chance in h tries) replaces P and Q: ``E = Δ_l + L (1 - q') / q'`` with q' = P + s (q -
+P) (s the saturation below: on a free link this pass's use, as without a horizon). In
+demand-only replays of the copy-bound maps this keeps more of what the next few tokens use
+than the next-pass rule (``experiments/regime_map/README.md``).
+
 **Prefetch gate.** A prefetch of ``k`` (recognised, as in ``belady``, by ``k`` not being
 protected) whose victim would be ``v`` is taken only if
 
@@ -48,6 +60,8 @@ whose victim's next run comes later (the first condition alone).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -87,6 +101,12 @@ class NextUseCache(CachePolicy):
         self.refused = 0
         self.touch_all = False  # demand_load=all_experts (set_mechanics)
         self._E: np.ndarray | None = None  # expected_next_use, until P or cur changes
+        self.horizons: tuple[int, ...] = ()  # set_horizons; () : the next pass alone
+        self.W: np.ndarray | None = None  # float64[H, L, J], P(used within h runs)
+        self.h = 1  # the horizon in use (module doc), fixed at each layer change
+        self._bounds: list[tuple[int, float]] = []  # (h, upper bound of its target)
+        self._copies = 0  # copies since the start (demand and prefetch)
+        self._steps = 0  # layer changes since the start
 
     # ---- learning and cost ----------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -105,6 +125,8 @@ class NextUseCache(CachePolicy):
         counts = np.bincount(flat, minlength=L * J).reshape(L, J)
         self.P = (counts + 1.0) / (n + 2.0)
         self.Q = self.P.copy()
+        if self.horizons:
+            self.set_horizons(self.horizons)
 
     def set_link(self, *, copy_s: float, window_s: float | None) -> None:
         """Seconds of one expert copy and of one layer's compute in the running pass
@@ -124,7 +146,30 @@ class NextUseCache(CachePolicy):
         self.touch_all = demand_load == "all_experts"
         self._E = None
 
+    def set_horizons(self, horizons: tuple[int, ...]) -> None:
+        """The horizons (passes, each >= 2, ascending) whose within-h probabilities the
+        predictor will hand (:meth:`observe_within`); until it does, 1 - (1 - P)^h."""
+        hs = tuple(int(h) for h in horizons)
+        if not hs or any(h < 2 for h in hs) or list(hs) != sorted(set(hs)):
+            raise ConfigError(f"next_use: horizons must be ascending distinct ints >= 2, got "
+                              f"{horizons!r}")
+        self.horizons = hs
+        cands = (1, *hs)  # _pick_horizon: log-scale midpoints between neighbours
+        self._bounds = [(h, math.sqrt(h * g)) for h, g in zip(cands[:-1], cands[1:], strict=True)]
+        self.W = np.stack([1.0 - (1.0 - self.P) ** h for h in hs])
+        self._E = None
+
     # ---- events ---------------------------------------------------------------------
+    def observe_within(self, rows: dict[int, np.ndarray]) -> None:
+        """W rows (layer -> float[H, J]): P(used within the next h runs of the layer) for
+        each of :attr:`horizons` (module doc, Horizon)."""
+        W = self.W
+        if W is None:
+            raise ConfigError("next_use: observe_within() before set_horizons()")
+        for layer, row in rows.items():
+            W[:, layer] = row
+        self._E = None
+
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
         P, Q, later = self.P, self.Q, self._later
         for layer, row in scores.items():
@@ -146,6 +191,7 @@ class NextUseCache(CachePolicy):
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
+        self._copies += 1
         if prefetched:
             self._pref.add(key)
 
@@ -153,6 +199,9 @@ class NextUseCache(CachePolicy):
         if key[0] != self.cur:  # a new layer: close the last one's count
             self.need = NEED_DECAY * self.need + (1.0 - NEED_DECAY) * self._count
             self._count, self.cur, self._E = 0, key[0], None
+            self._steps += 1
+            if self.horizons:
+                self.h = self._pick_horizon()
         if not hit or key in self._pref:
             self._count += 1
             self._pref.discard(key)
@@ -171,8 +220,14 @@ class NextUseCache(CachePolicy):
             if self.touch_all:  # every expert is touched at its layer's next run
                 self._E = np.repeat(delta[:, None], self.num_experts, axis=1)
                 return self._E
-            P = np.maximum(self.P, P_MIN)
             s = self.saturation()
+            if self.h > 1 and self.W is not None:
+                h = self.h
+                q = 1.0 - (1.0 - self.W[self.horizons.index(h)]) ** (1.0 / h)
+                q = np.maximum(self.P + s * (q - self.P), P_MIN)
+                self._E = delta[:, None] + L * (1.0 - q) / q
+                return self._E
+            P = np.maximum(self.P, P_MIN)
             if s == 0.0:
                 Q = P
             elif s == 1.0:
@@ -181,6 +236,18 @@ class NextUseCache(CachePolicy):
                 Q = np.maximum(self.P + s * (self.Q - self.P), P_MIN)
             self._E = delta[:, None] + L * (1.0 - P) / Q
         return self._E
+
+    def _pick_horizon(self) -> int:
+        """h of {1} + :attr:`horizons` nearest in log scale to R / 2, R = capacity /
+        (copies per pass) in passes (module doc); 1 until a pass has run."""
+        L = self.num_layers
+        if self._steps < L or self._copies == 0:
+            return 1
+        target = self.capacity_slots * self._steps / (2.0 * L * self._copies)
+        for h, bound in self._bounds:  # nearest in log scale: below the geometric midpoint
+            if target < bound:
+                return h
+        return self.horizons[-1]
 
     def saturation(self) -> float:
         """s = min(1, n x / w), the link's load (module doc); 1 without a cost model."""

@@ -24,6 +24,11 @@ split only (Platt's calibration, with the features as the score):
   barely repeats an expert from one token to the next (``last`` alone: test AUC 0.66) but
   strongly follows one expert with another (0.75 with this column; real gpt-oss-20b 0.857 ->
   0.880, issue 27's sixth stage).
+* ``within[h]`` (h in :data:`HORIZONS`, fitted with ``horizons``): P(expert used at one of
+  its layer's next h passes | state), on the ``next`` model's features and rows: what the
+  ``next_use`` cache ranks eviction by when an expert's next pass alone says too little
+  (issue 27's seventh stage: an expert the next token will not route to may be needed two
+  tokens later, and a cache holds an expert for several passes).
 * ``ahead[d]`` (d = 1..D, and separately for single-token decode and multi-token prefill
   passes): P(used at layer l + d of this pass | state of l + d, the pass's observed routing at
   layer l), the router's evidence entering through ``log(v_l P_l ... P_{l+d-1})``: layer
@@ -53,6 +58,7 @@ SLOW = 0.9  #: decay per pass of the frequency average
 EPS = 1e-3  #: floor of a carried transition probability before its log
 MAX_ROWS = 300_000  #: rows per fitted model (passes are strided to stay under it)
 REC_CAP = 1024  #: recency of an expert never used yet (passes)
+HORIZONS = (2, 4, 8, 16)  #: h of the ``within[h]`` models (passes; h = 1 is ``next``)
 
 
 @dataclass
@@ -112,11 +118,13 @@ class Follow:
         """float64[..., J]: log(max(u M / |u|, EPS)) of layers ``rows`` for ``last`` =
         u float64[..., J] 0/1 (the layers' last pass); ``prior`` where u is empty."""
         m = self.matrix[rows]
+        if last.ndim == 1:  # one layer (every layer step): the same numbers, fewer calls
+            k1 = float(np.add.reduce(last))
+            if k1 > 0:
+                return np.log(np.maximum((last @ m) / k1, EPS))
+            return self.prior[rows].copy()
         k = last.sum(axis=-1, keepdims=True)
-        if last.ndim == 1:
-            p = last @ m
-        else:
-            p = np.einsum("...j,...jk->...k", last, m)
+        p = np.einsum("...j,...jk->...k", last, m)
         f = np.log(np.maximum(p / np.where(k > 0, k, 1.0), EPS))
         return np.where(k > 0, f, self.prior[rows])
 
@@ -155,8 +163,9 @@ class Logistic:
 
 
 def sigmoid(z: np.ndarray) -> np.ndarray:
-    """The logistic function of ``z`` (clipped to +-30: no overflow)."""
-    return 1.0 / (1.0 + np.exp(-np.clip(z, -30.0, 30.0)))
+    """The logistic function of ``z`` (clipped to +-30: no overflow; the clip as two ufuncs,
+    the same numbers as ``np.clip`` without its per-call overhead)."""
+    return 1.0 / (1.0 + np.exp(-np.minimum(np.maximum(z, -30.0), 30.0)))
 
 
 def fit_logistic(X: np.ndarray, y: np.ndarray, n_features: int) -> Logistic:
@@ -175,12 +184,14 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, n_features: int) -> Logistic:
 
 def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = slice(None),
                   recency: bool = True, unused: bool = False,
-                  follow: Follow | None = None) -> np.ndarray:
+                  follow: Follow | None = None,
+                  follow_col: np.ndarray | None = None) -> np.ndarray:
     """float64[..., J, 6] (last, fast, slow, logpop, log rec, follow) of layers ``rows``, the
     ``next`` model's features (without log rec when not ``recency``, without the follow
     column without ``follow``); ``unused``: as they will be after a pass of those layers
     that does not use the expert (last 0, the averages decayed once, one pass older; that
-    pass's other experts unknown: the follow column is the prior)."""
+    pass's other experts unknown: the follow column is the prior). ``follow_col``: the
+    follow column of these rows if the caller has it already (not recomputed)."""
     f = state.feat
     if unused:
         cols = [np.zeros_like(f[0, rows]), FAST * f[1, rows], SLOW * f[2, rows], logpop[rows]]
@@ -191,7 +202,9 @@ def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = sli
     if recency:
         cols.append(np.log(rec))
     if follow is not None:
-        cols.append(follow.prior[rows] if unused else follow.feature(f[0, rows], rows))
+        if follow_col is None:
+            follow_col = follow.prior[rows] if unused else follow.feature(f[0, rows], rows)
+        cols.append(follow_col)
     return np.stack(cols, axis=-1)
 
 
@@ -222,11 +235,15 @@ def spec_features(spec: np.ndarray | None, top_k: int) -> np.ndarray | None:
     if spec is None:
         return None
     s = np.asarray(spec, dtype=np.float64)
-    J = s.shape[-1]
+    T, J = s.shape[0], s.shape[-1]
     k = min(max(int(top_k), 1), J)
     kth = np.partition(s, J - k, axis=-1)[..., J - k:J - k + 1]
-    share = (s >= kth).mean(axis=0)
-    return np.stack([share, np.log(np.maximum(s.mean(axis=0), EPS))], axis=-1)
+    out = np.empty((*s.shape[1:], 2))
+    # the means over the tokens written as np.mean computes them (a sum, then / T): the
+    # same numbers without its per-call overhead (this runs at every layer)
+    out[..., 0] = np.add.reduce(s >= kth, axis=0, dtype=np.float64) / T
+    out[..., 1] = np.log(np.maximum(np.add.reduce(s, axis=0) / T, EPS))
+    return out
 
 
 @dataclass
@@ -240,6 +257,8 @@ class ReuseModels:
     chains: list[np.ndarray] = field(default_factory=list)
     logpop: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))
     follow: Follow | None = None  #: the ``next`` model's follow evidence (None: not read)
+    #: h -> P(used within the next h passes), on the ``next`` model's features (empty: none)
+    within: dict[int, Logistic] = field(default_factory=dict)
     rows: int = 0  #: training rows over all models
     spec_depth: int = 0  #: distances d <= this have speculative features (0: none)
 
@@ -292,6 +311,20 @@ def _pass_used(store: Trace, it: int) -> tuple[np.ndarray, np.ndarray, int]:
     return (counts > 0).astype(np.float64), counts, T
 
 
+def passes_until_use(used: list[np.ndarray], rows: list[int]) -> dict[int, np.ndarray]:
+    """For each pass index n in ``rows``: float64[L, J], the passes from n to the first pass
+    >= n that uses (l, e) (0: pass n itself; inf: none up to the end), over the consecutive
+    passes ``used`` (float64[L, J] 0/1 each)."""
+    want = set(rows)
+    nxt = np.full(used[0].shape, np.inf) if used else np.zeros((0, 0))
+    out: dict[int, np.ndarray] = {}
+    for n in range(len(used) - 1, -1, -1):
+        nxt[used[n] > 0] = n
+        if n in want:
+            out[n] = nxt - n
+    return out
+
+
 def store_iterations(store: Trace) -> list[int]:
     """The store split's iterations in request order (the replay's order); ConfigError if
     ``store`` holds a request of another split (a fit must never see a test request)."""
@@ -313,13 +346,16 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 
 
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
-               prefill_depth: int = 0, recency: bool = True, follow: bool = True) -> ReuseModels:
+               prefill_depth: int = 0, recency: bool = True, follow: bool = True,
+               horizons: tuple[int, ...] = ()) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
     multi-token ones (their evidence carried one matrix at a time: :func:`carried_steps`);
     ``next`` on :func:`next_features` (with log rec when ``recency``, with the follow
-    evidence of :func:`follow_matrices` when ``follow``)."""
+    evidence of :func:`follow_matrices` when ``follow``), and ``within[h]`` for each h in
+    ``horizons`` on the same rows (the label: used at one of the passes n .. n + h - 1 of
+    the store split's sequence, :func:`passes_until_use`)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -333,6 +369,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     xs: dict[tuple[int, int], list[np.ndarray]] = {}
     ys: dict[tuple[int, int], list[np.ndarray]] = {}
     state = ReuseState.zeros(L, J)
+    waits = passes_until_use([p[0] for p in passes], [
+        n for n, p in enumerate(passes) if p[2] == 1 and n % stride == 0]) if horizons else {}
     for n, (used, counts, T) in enumerate(passes):
         kind = int(T > 1)
         if kind == 1 or n % stride == 0:
@@ -341,6 +379,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
                 nf = next_features(state, logpop, recency=recency, follow=fol)
                 xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
+                if horizons:
+                    ys.setdefault((0, -1), []).append(waits[n].reshape(-1))
             deep = (_carried_all(counts, trans, prefill_depth)
                     if kind and prefill_depth > depth else None)
             for d in range(1, (len(deep) if deep is not None else len(chains)) + 1):
@@ -357,7 +397,11 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
     nf = 4 + int(recency) + int(follow)
-    nxt = fit_logistic(*stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0))), nf)
+    X0, y0 = stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0)))
+    nxt = fit_logistic(X0, y0, nf)
+    wait = np.concatenate(ys[(0, -1)]) if horizons and (0, -1) in ys else np.zeros(0)
+    within = {int(h): fit_logistic(X0, (wait < h).astype(np.float64), nf) for h in horizons}
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
-                       rows=sum(len(y) for _, y in stack.values()), spec_depth=sd)
+                       within=within, rows=sum(len(y) for _, y in stack.values()),
+                       spec_depth=sd)

@@ -42,6 +42,7 @@ from moeexp.predictors.layer_transition import transition_counts
 from moeexp.predictors.lrb import LrbState, LrbTable, walk_rows
 from moeexp.predictors.reuse_features import (
     FAST,
+    HORIZONS,
     REC_CAP,
     SLOW,
     ReuseModels,
@@ -49,6 +50,7 @@ from moeexp.predictors.reuse_features import (
     carried,
     carried_steps,
     fit_models,
+    next_features,
     sigmoid,
     spec_features,
 )
@@ -84,11 +86,17 @@ class ReuseProbability(Predictor):
             this pass does not use them (the cache's Q: an in-pass "not now" is not a
             "never"); False: the cache extrapolates the in-pass probability (the shipped
             behaviour before issue 27's fourth stage).
+        horizon: with a ``logistic`` next model, also fit P(used within the next h passes)
+            for h in :data:`~moeexp.predictors.reuse_features.HORIZONS` and hand the
+            ``next_use`` cache those rows (:meth:`_hand_within`), which ranks eviction by
+            the horizon its own residence time picks (issue 27's seventh stage); False: the
+            cache ranks by the next pass alone (the sixth stage).
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
-                 next_model: str = "logistic", later: bool = True) -> None:
+                 next_model: str = "logistic", later: bool = True,
+                 horizon: bool = True) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -103,9 +111,11 @@ class ReuseProbability(Predictor):
         if next_model not in NEXT_MODELS:
             raise ConfigError(f"reuse_prob: next_model must be one of {NEXT_MODELS}, got "
                               f"{next_model!r}")
-        if not isinstance(later, bool):
-            raise ConfigError(f"reuse_prob: later must be true or false, got {later!r}")
+        for key, val in (("later", later), ("horizon", horizon)):
+            if not isinstance(val, bool):
+                raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
+        self.horizon = horizon and next_model.startswith("logistic")
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
@@ -123,6 +133,10 @@ class ReuseProbability(Predictor):
         self._kind, self._dense_s, self._window_set = 0, 0.0, False
         self._query_ns = self._queries = 0
         self._qpass: np.ndarray | None = None  # float64[L, J], this pass's Q (_hand_later)
+        self._wpass: np.ndarray | None = None  # float64[H, L, J], this pass's (_hand_within)
+        self._wcoef = np.zeros((0, 0))  # float64[H, F]: the within models, stacked
+        self._wicpt = np.zeros(0)  # float64[H]
+        self._fol: tuple[int, np.ndarray] | None = None  # (layer, follow column): _next_p
 
     # ---- learning ---------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -133,7 +147,11 @@ class ReuseProbability(Predictor):
         L = self.dims.num_layers
         m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
                        prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
-                       follow=self.next_model == "logistic")
+                       follow=self.next_model == "logistic",
+                       horizons=HORIZONS if self.horizon else ())
+        if m.within:
+            self._wcoef = np.array([m.within[h].coef for h in HORIZONS])
+            self._wicpt = np.array([m.within[h].intercept for h in HORIZONS])
         self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
         # layers ahead per pass kind (0: one token, 1: more): a multi-token pass (prefill)
@@ -164,6 +182,8 @@ class ReuseProbability(Predictor):
         self._caches = [c for c in caches if hasattr(c, "set_link")]
         for c in self._caches:
             c.set_link(copy_s=float(cost.copy_s), window_s=None)
+            if len(self._wicpt):
+                c.set_horizons(HORIZONS)
 
     # ---- hooks ------------------------------------------------------------------------
     def start_request(self, ctx: RequestStart) -> Prediction:
@@ -178,7 +198,7 @@ class ReuseProbability(Predictor):
         self._kind = int(T > 1)
         self._lstate.step = int(ctx.step)
         self._window_set = False
-        self._qpass = None  # Q of every layer, once per pass (_hand_later)
+        self._qpass = self._wpass = None  # once per pass (_hand_later, _hand_within)
         if self._cost is not None:
             prompt = sum(self._prompt_len.get(int(r), 0) for r in ctx.request_ids)
             if T > 1:  # prefill: T tokens attend to their prefix
@@ -235,6 +255,8 @@ class ReuseProbability(Predictor):
                 self._hand_later(layer, n)
             floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
             out.prefetch = self._offers(layer, p, floor)
+        if len(self._wicpt) and self._caches:
+            self._hand_within(layer, p if n else None)
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1
         return out
@@ -277,7 +299,10 @@ class ReuseProbability(Predictor):
         if len(c) >= 5:
             z += c[4] * np.log(rec)
         if m.follow is not None:  # the last coefficient
-            z += c[-1] * (m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows))
+            fol = m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows)
+            z += c[-1] * fol
+            if isinstance(rows, int) and not unused:  # _within(rows) reads it next
+                self._fol = (rows, fol)
         return sigmoid(z)
 
     def _hand_later(self, layer: int, n: int) -> None:
@@ -290,6 +315,39 @@ class ReuseProbability(Predictor):
         later = {layer + 1 + d: q[layer + 1 + d] for d in range(n)}
         for cache in self._caches:
             cache.observe_later(later)
+
+    def _within(self, rows: slice | int, unused: bool = False) -> np.ndarray:
+        """float64[H, ..., J]: P(used within the next h passes) of layers ``rows`` for each h
+        of :data:`HORIZONS` (``unused``: if their coming pass leaves the experts unused)."""
+        m = self.models
+        assert m is not None
+        col = None  # the follow column _next_p just computed for this layer, if it did
+        if isinstance(rows, int) and not unused and self._fol is not None \
+                and self._fol[0] == rows:
+            col = self._fol[1]
+        X = next_features(self.state, m.logpop, rows, unused=unused, follow=m.follow,
+                          follow_col=col)
+        z = (X @ self._wcoef.T).T  # [H, ..., J]: the axes reversed (a view)
+        if z.ndim == 3:  # [H, J, L] -> [H, L, J]
+            z = z.transpose(0, 2, 1)
+        return sigmoid(z + self._wicpt.reshape((-1,) + (1,) * (z.ndim - 1)))
+
+    def _hand_within(self, layer: int, ahead: np.ndarray | None) -> None:
+        """The caches' horizon rows (:meth:`NextUseCache.observe_within`): the layer that ran,
+        from its new state; each layer ahead (``ahead`` float64[n, J], this pass's scores)
+        1 - (1 - p)(1 - W_u): used now or, if not, within h passes after (W_u on the state
+        the pass would leave: one pass more than h, as no model has h + 1)."""
+        if ahead is not None and self._wpass is None:  # once per pass, as _hand_later
+            self._wpass = self._within(slice(None), unused=True)
+        rows = {layer: self._within(layer)}
+        if ahead is not None:
+            wu = self._wpass
+            assert wu is not None
+            for d in range(ahead.shape[0]):
+                rows[layer + 1 + d] = 1.0 - (1.0 - ahead[d]) * (1.0 - wu[:, layer + 1 + d])
+        for cache in self._caches:
+            cache.observe_within(rows)
+        self._fol = None
 
     def _offers(self, layer: int, p: np.ndarray, floor: float) -> list[Prefetch]:
         """Prefetch offers for layers layer + 1.. (``p`` float64[n, J]): p >= ``floor``

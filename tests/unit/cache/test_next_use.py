@@ -165,3 +165,60 @@ def test_fit_sets_popularity_from_store_only() -> None:
         c.fit(relabelled)
     with pytest.raises(ConfigError, match="copy_s"):
         c.set_link(copy_s=0.0, window_s=None)
+
+
+def test_horizon_follows_the_residence_time_and_starts_at_one() -> None:
+    """h = the one of {1, 2, 4, 8, 16} nearest R / 2 in log scale, R = capacity / copies per
+    pass; 1 until a pass has run."""
+    c = make(slots=16, L=2, J=16)
+    c.set_horizons((2, 4, 8, 16))
+    for e in range(2):  # layer 0: 2 copies
+        c.on_insert((0, e), 0, False)
+        c.on_access((0, e), 0, False)
+    c.on_access((1, 0), 1, True)  # layer 0 done (one layer step)
+    assert c.h == 1
+    c.on_access((0, 0), 2, True)  # layer 1 done: a pass has run, 2 copies in 2 layer steps
+    # R = 16 slots / (2 copies per pass) = 8 passes; R / 2 = 4
+    assert c.h == 4
+    for e in range(2, 10):
+        c.on_insert((0, e), 2, False)
+    c.on_access((1, 5), 3, True)  # 10 copies over 3 layer steps: 6.7 per pass; R/2 = 1.2
+    assert c.h == 1
+
+
+def test_horizon_ranks_by_the_chance_within_h_on_a_saturated_link() -> None:
+    """With h = 2 on a saturated link (s = 1): q = 1 - (1 - W)^(1/2) and E = delta +
+    L (1 - q) / q, whatever P says; on a free link (s = 0) E is P's as without a horizon."""
+    c = make(slots=4, L=2, J=2)
+    c.set_horizons((2, 4))
+    c.observe_scores({0: np.array([0.1, 0.5]), 1: np.array([0.5, 0.5])})
+    W = np.full((2, 2, 2), 0.5)
+    W[0, 0] = [0.75, 0.19]  # h = 2: q = 0.5 and 0.1
+    c.observe_within({0: W[:, 0], 1: W[:, 1]})
+    c.h = 2
+    c.on_access((1, 0), 0, True)  # a new layer: h is picked again; keep 2 for the test
+    c.h, c._E = 2, None
+    E = c.expected_next_use()
+    np.testing.assert_allclose(E[0], 1.0 + 2.0 * np.array([1.0, 9.0]))
+    assert E[0, 0] < E[0, 1]  # P ranked expert 1 first; the horizon ranks expert 0 first
+    c.set_link(copy_s=1.0, window_s=1.0)  # need 0: s = 0, this pass's use
+    assert c.saturation() == 0.0
+    np.testing.assert_allclose(c.expected_next_use()[0], 1.0 + 2.0 * np.array([9.0, 1.0]))
+
+
+def test_without_horizons_within_rows_are_refused_and_bad_horizons_named() -> None:
+    c = make()
+    with pytest.raises(ConfigError, match="before set_horizons"):
+        c.observe_within({0: np.zeros((2, 4))})
+    for bad in ((), (1, 2), (4, 2), (2, 2)):
+        with pytest.raises(ConfigError, match="ascending distinct ints >= 2"):
+            c.set_horizons(bad)
+
+
+def test_fit_starts_the_horizons_from_popularity() -> None:
+    t = random_trace(num_layers=2, num_experts=4, top_k=1, num_requests=6, output_len=4,
+                     seed=1)
+    c = make(slots=2, L=2, J=4)
+    c.set_horizons((2,))
+    c.fit(t.split("store"))
+    np.testing.assert_allclose(c.W[0], 1.0 - (1.0 - c.P) ** 2)

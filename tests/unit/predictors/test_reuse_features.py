@@ -186,3 +186,39 @@ def test_carried_steps_equals_the_chain_products() -> None:
     np.testing.assert_allclose(got, want, rtol=1e-12)
     every = rf._carried_all(np.tile(counts, (5, 1)), trans, 4)
     np.testing.assert_allclose(every[2][1], want[2], rtol=1e-12)
+
+
+def test_passes_until_use_counts_to_the_first_use_from_each_row() -> None:
+    """One layer, two experts over 5 passes: expert 0 used at passes 1 and 4, expert 1 never."""
+    used = [np.array([[u, 0.0]]) for u in (0.0, 1.0, 0.0, 0.0, 1.0)]
+    w = rf.passes_until_use(used, [0, 1, 2, 4])
+    np.testing.assert_array_equal(w[0][0], [1.0, np.inf])
+    np.testing.assert_array_equal(w[1][0], [0.0, np.inf])
+    np.testing.assert_array_equal(w[2][0], [2.0, np.inf])
+    np.testing.assert_array_equal(w[4][0], [0.0, np.inf])
+    assert set(w) == {0, 1, 2, 4}
+
+
+def test_within_models_rise_with_the_horizon_and_h_one_is_not_fitted_twice() -> None:
+    """P(used within h passes) fitted on the next model's rows: the mean over those rows is
+    the label rate of each h (calibrated in the large), and it grows with h."""
+    tr = random_trace(num_layers=3, num_experts=6, top_k=2, num_requests=12, output_len=12,
+                      store_fraction=1.0, seed=4)
+    m = rf.fit_models(tr, _trans(tr), 1, horizons=(2, 4))
+    assert set(m.within) == {2, 4}
+    assert rf.fit_models(tr, _trans(tr), 1).within == {}
+    state = rf.ReuseState.zeros(3, 6)
+    its = rf.store_iterations(tr)
+    passes = [rf._pass_used(tr, it) for it in its]
+    waits = rf.passes_until_use([p[0] for p in passes], list(range(len(passes))))
+    X, W = [], []
+    for n, (used, _, T) in enumerate(passes):
+        if T == 1:
+            X.append(rf.next_features(state, m.logpop, follow=m.follow).reshape(-1, 6))
+            W.append(waits[n].reshape(-1))
+        state.update_all(used)
+    X, w = np.concatenate(X), np.concatenate(W)
+    means = [m.within[h](X).mean() for h in (2, 4)]
+    for h, mean in zip((2, 4), means, strict=True):
+        assert abs(mean - (w < h).mean()) < 0.01
+    assert m.next(X).mean() < means[0] < means[1]

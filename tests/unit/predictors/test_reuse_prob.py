@@ -103,7 +103,8 @@ def test_fit_refuses_test_requests_and_bad_settings() -> None:
     with pytest.raises(ConfigError, match="before fit"):
         p.observe_layer(observation(tr, 0, 0))
     for bad in ({"depth": 0}, {"min_prob": 1.5}, {"alpha": 0.0}, {"max_per_layer": -1},
-                {"next_model": "logistic5"}, {"later": "flase"}, {"later": 1}):
+                {"next_model": "logistic5"}, {"later": "flase"}, {"later": 1},
+                {"horizon": "yes"}):
         with pytest.raises(ConfigError):
             PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
 
@@ -173,3 +174,32 @@ def test_a_prefill_pass_scores_every_layer_ahead_a_decode_pass_its_depth() -> No
         p.start_iteration(IterationStart(request_ids=np.array([0]), step=int(T == 1),
                                          embed=None, token_request=np.zeros(T, int)))
         assert sorted(p.observe_layer(observation(tr, 0, 0)).scores) == want
+
+
+def test_horizon_hands_the_cache_within_rows_and_false_hands_none() -> None:
+    """With ``horizon`` (the default) the bound next_use cache gets the horizons and, at
+    each layer, rows float[H, J] for the layer that ran and the layers ahead (those: used
+    now or within h passes after, so at least this pass's probability); ``horizon=false``
+    gives it none and the sixth stage's ranking."""
+    tr = trace()
+    store = tr.split("store")
+    for horizon in (True, False):
+        p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, horizon=horizon)
+        cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+        p.fit(store)
+        cache.fit(store)
+        p.bind(cost(tr, 1.0), [cache])
+        if not horizon:
+            assert cache.horizons == () and cache.W is None and not p.models.within
+            continue
+        assert cache.horizons == rf.HORIZONS
+        seen: dict[int, np.ndarray] = {}
+        cache.observe_within = seen.update  # type: ignore[method-assign]
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                         token_request=np.zeros(1, np.int64)))
+        out = p.observe_layer(observation(store, 1, 0))
+        assert set(seen) == {0, 1, 2}
+        assert all(r.shape == (len(rf.HORIZONS), 8) for r in seen.values())
+        for layer in (1, 2):  # never below this pass's probability
+            assert (seen[layer] >= out.scores[layer][None, :] - 1e-12).all()
+        assert (np.diff(seen[0], axis=0) >= -1e-12).all()  # more passes, more likely
