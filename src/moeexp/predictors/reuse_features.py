@@ -205,7 +205,10 @@ def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = sli
         if follow_col is None:
             follow_col = follow.prior[rows] if unused else follow.feature(f[0, rows], rows)
         cols.append(follow_col)
-    return np.stack(cols, axis=-1)
+    out = np.empty(np.shape(cols[0]) + (len(cols),))  # np.stack(cols, axis=-1), fewer calls
+    for i, col in enumerate(cols):
+        out[..., i] = col
+    return out
 
 
 def state_features(state: ReuseState, logpop: np.ndarray,

@@ -343,8 +343,10 @@ class ReuseProbability(Predictor):
         if ahead is not None:
             wu = self._wpass
             assert wu is not None
-            for d in range(ahead.shape[0]):
-                rows[layer + 1 + d] = 1.0 - (1.0 - ahead[d]) * (1.0 - wu[:, layer + 1 + d])
+            n = ahead.shape[0]
+            w = 1.0 - (1.0 - ahead) * (1.0 - wu[:, layer + 1:layer + 1 + n])  # [H, n, J]
+            for d in range(n):
+                rows[layer + 1 + d] = w[:, d]
         for cache in self._caches:
             cache.observe_within(rows)
         self._fol = None
