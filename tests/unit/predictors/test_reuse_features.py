@@ -130,8 +130,11 @@ def test_a_test_request_never_reaches_a_fit(monkeypatch: pytest.MonkeyPatch) -> 
         return real(trace, it)
 
     monkeypatch.setattr(rf, "_pass_used", spy)
-    rf.fit_models(store, _trans(store), 1)
+    m = rf.fit_models(store, _trans(store), 1, horizons=rf.HORIZONS)  # the within fits too
+    assert set(m.within) == set(rf.HORIZONS)
     assert seen and set(seen) <= store_ids
+    with pytest.raises(ConfigError, match="outside the store"):
+        rf.fit_models(tr, _trans(tr), 1, horizons=rf.HORIZONS)
 
 
 def test_a_relabelled_test_request_is_refused() -> None:
