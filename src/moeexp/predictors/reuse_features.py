@@ -374,6 +374,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     state = ReuseState.zeros(L, J)
     waits = passes_until_use([p[0] for p in passes], [
         n for n, p in enumerate(passes) if p[2] == 1 and n % stride == 0]) if horizons else {}
+    wait_rows: list[np.ndarray] = []  # the next model's rows' waits (the within labels)
     for n, (used, counts, T) in enumerate(passes):
         kind = int(T > 1)
         if kind == 1 or n % stride == 0:
@@ -383,7 +384,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
                 xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
                 if horizons:
-                    ys.setdefault((0, -1), []).append(waits[n].reshape(-1))
+                    wait_rows.append(waits[n].reshape(-1))
             deep = (_carried_all(counts, trans, prefill_depth)
                     if kind and prefill_depth > depth else None)
             for d in range(1, (len(deep) if deep is not None else len(chains)) + 1):
@@ -402,7 +403,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     nf = 4 + int(recency) + int(follow)
     X0, y0 = stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0)))
     nxt = fit_logistic(X0, y0, nf)
-    wait = np.concatenate(ys[(0, -1)]) if horizons and (0, -1) in ys else np.zeros(0)
+    wait = np.concatenate(wait_rows) if wait_rows else np.zeros(0)
     within = {int(h): fit_logistic(X0, (wait < h).astype(np.float64), nf) for h in horizons}
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
