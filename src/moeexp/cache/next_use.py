@@ -37,12 +37,15 @@ protected) whose victim would be ``v`` is taken only if
 
 * ``E[v] > E[k]`` (the victim is expected to be needed later than ``k``: Cao et al.'s
   Aggressive condition, on estimates), and
-* ``P_k min(x, w) - (1 - P_k) x s - (1 - P_k) P_v x > 0``: the stall a used prefetch
-  hides (at most its copy time x, and at most the compute window w of a layer of this
-  pass, which is all the link time a prefetch can overlap) against the link time a wasted
-  one takes from demand loads (x times the link's saturation ``s``) and the reload of a
-  victim evicted for nothing. ``s = min(1, n x / w)``, with n the copies a layer has needed
-  lately (its demand loads plus its used prefetches, an average over the last layers).
+* ``P_k min(m, w) - (1 - P_k) x s - (1 - P_k) P_v m > 0``: the stall a used prefetch
+  hides (at most what the miss would cost, m, and at most the compute window w of a layer
+  of this pass, which is all the link time a prefetch can overlap) against the link time a
+  wasted one takes from demand loads (its copy time x times the link's saturation ``s``)
+  and the miss of a victim evicted for nothing. ``s = min(1, n x / w)``, with n the copies
+  a layer has needed lately (its demand loads plus its used prefetches, an average over the
+  last layers). m = x where every miss is copied; where the CPU may compute a miss
+  (:meth:`set_miss_cost`, from the run's execution policy, issue 27's eighth stage) m is the
+  cheaper of the copy and the CPU's computing it, so with a fast CPU few prefetches pay.
 
 x and w come from the cost model the run is priced with, handed over by the ``reuse_prob``
 predictor (:meth:`set_link`): on a saturated link (x >> w) a prefetch pays only when P_k >
@@ -50,6 +53,9 @@ x / (x + w), so the policy degrades to on-demand loading with the eviction above
 link (x < w, s -> 0) it prefetches whatever is more likely needed than its victim. Without
 a cost model (another predictor, or an engine built without one) only the first condition
 gates.
+
+**Warm start** (``warm``): the store split's most used experts fill the cache before the
+first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
 
 **Under the artifact's ``demand_load=all_experts``** (:meth:`set_mechanics`; the replay and
 the engine tell it) every expert of a layer is touched, and copied if absent, each time the
@@ -82,13 +88,21 @@ class NextUseCache(CachePolicy):
         capacity_slots, num_layers, num_experts: as every policy.
         gate: False: take every prefetch that has a victim of later expected use (no cost
             rule; the ablation row of the gate).
+        warm: load the store split's most used experts before the first request
+            (:meth:`initial_residents`: the ``capacity_slots`` of highest popularity P,
+            as kTransformers pins them); False: start empty (as LRU).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
-                 gate: bool = True) -> None:
+                 gate: bool = True, warm: bool = False) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
-        self.gate = bool(gate)
+        if not isinstance(gate, bool) or not isinstance(warm, bool):
+            raise ConfigError(f"next_use: gate and warm must be true or false, got {gate!r}, "
+                              f"{warm!r}")
+        self.gate, self.warm = gate, warm
+        self._fitted = False
+        self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.P = np.full((num_layers, num_experts), 0.5)  # float64[L, J]
         self.Q = self.P.copy()  # float64[L, J], per pass after the next run (module doc)
         self._later: set[int] = set()  # layers whose Q came with the coming scores
@@ -125,6 +139,7 @@ class NextUseCache(CachePolicy):
         counts = np.bincount(flat, minlength=L * J).reshape(L, J)
         self.P = (counts + 1.0) / (n + 2.0)
         self.Q = self.P.copy()
+        self._fitted = True
         if self.horizons:
             self.set_horizons(self.horizons)
 
@@ -145,6 +160,25 @@ class NextUseCache(CachePolicy):
                               f"got {demand_load!r}")
         self.touch_all = demand_load == "all_experts"
         self._E = None
+
+    def set_miss_cost(self, seconds: float) -> None:
+        """What a decode miss costs where the CPU may compute it (module doc, Prefetch gate):
+        the stall a prefetch can hide and a wasted victim's reload, instead of a copy."""
+        if not (seconds > 0 and math.isfinite(seconds)):
+            raise ConfigError(f"next_use: a miss's cost must be a finite number > 0 s, got "
+                              f"{seconds}")
+        self.miss_s = float(seconds)
+
+    def initial_residents(self) -> list[Key]:
+        """With ``warm``: the ``capacity_slots`` experts of highest store popularity P, most
+        used first (ties: lower layer, then lower expert); else none."""
+        if not self.warm:
+            return []
+        if not self._fitted:
+            raise ConfigError("next_use: warm=true needs fit() on the store split first")
+        order = np.argsort(-self.P, axis=None, kind="stable")[:self.capacity_slots]
+        J = self.num_experts
+        return [(int(i) // J, int(i) % J) for i in order]
 
     def set_horizons(self, horizons: tuple[int, ...]) -> None:
         """The horizons (passes, each >= 2, ascending) whose within-h probabilities the
@@ -263,8 +297,9 @@ class NextUseCache(CachePolicy):
             return 0.0
         x = self.copy_s
         w = self.window_s if self.window_s else x
+        m = x if self.miss_s is None else min(x, self.miss_s)
         waste = x * self.saturation()
-        return waste / (min(x, w) + waste)
+        return waste / (min(m, w) + waste)
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         prefetch = incoming not in protected
@@ -292,9 +327,10 @@ class NextUseCache(CachePolicy):
             return True
         x = self.copy_s
         w = self.window_s if self.window_s else x
+        m = x if self.miss_s is None else min(x, self.miss_s)  # what a miss costs
         pk = float(self.P[k])
         s = self.saturation()
-        gain = pk * min(x, w) - (1.0 - pk) * x * s
+        gain = pk * min(m, w) - (1.0 - pk) * x * s
         if v is not None:
-            gain -= (1.0 - pk) * float(self.P[v]) * x
+            gain -= (1.0 - pk) * float(self.P[v]) * m
         return gain > 0.0

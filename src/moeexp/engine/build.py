@@ -198,7 +198,8 @@ def _execution(execution: str | Mapping[str, Any] | ExecutionPolicy | None,
 
 def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cache: Any,
                   settings: EngineSettings) -> list[tuple[int, int]]:
-    """Check an execution policy against the run before any weight moves; returns the
+    """Check an execution policy against the run before any weight moves and tell the
+    cache what a miss costs under it (``set_miss_cost``, as the simulator does); returns the
     experts it pins on the device (ConfigError when they exceed the cache's slots)."""
     if execution is None or execution.name == "copy":
         return []
@@ -217,6 +218,9 @@ def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cac
         raise ConfigError(f"execution={execution.name} pins {len(pinned)} experts on the device "
                           f"but the budget holds {cache.capacity_slots} slots: raise the "
                           "capacity or pin fewer (gpu_experts, n_cpu_layers)")
+    if cost is not None:
+        for c in cache.caches if isinstance(cache, DeviceCaches) else [cache]:
+            c.set_miss_cost(execution.miss_s(cost))
     return pinned
 
 

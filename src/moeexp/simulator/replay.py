@@ -166,6 +166,8 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     predictor.bind(cost, caches)  # a policy that reads the cost model it runs under
     for c in caches:  # ... and the demand loading it is served with (next_use)
         c.set_mechanics(demand_load=mechanics.demand_load)
+        if cpu and execution is not None:  # ... and what a miss costs where the CPU may run it
+            c.set_miss_cost(execution.miss_s(cost))
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)

@@ -222,3 +222,57 @@ def test_fit_starts_the_horizons_from_popularity() -> None:
     c.set_horizons((2,))
     c.fit(t.split("store"))
     np.testing.assert_allclose(c.W[0], 1.0 - (1.0 - c.P) ** 2)
+
+
+def test_warm_start_loads_the_store_splits_most_used_experts() -> None:
+    """warm: the capacity's most popular experts of the store split, most used first (ties:
+    lower layer, then expert); cold (the default): none. Before fit it is refused, and a
+    non-boolean switch is named."""
+    tr = random_trace(num_layers=3, num_experts=5, num_requests=6, output_len=6, seed=4)
+    store = tr.split("store")
+    c = make(slots=4, L=3, J=5, warm=True)
+    with pytest.raises(ConfigError, match="fit"):
+        c.initial_residents()
+    c.fit(store)
+    keys = c.initial_residents()
+    assert len(keys) == 4 and len(set(keys)) == 4
+    order = sorted((-c.P[k], k) for k in np.ndindex(3, 5))
+    assert keys == [k for _, k in order[:4]]
+    cold = make(slots=4, L=3, J=5)
+    cold.fit(store)
+    assert cold.initial_residents() == []
+    with pytest.raises(ConfigError, match="warm"):
+        make(warm="yes")
+
+
+def test_miss_cost_on_the_cpu_prices_the_gain_and_the_victims_miss() -> None:
+    """Where a miss runs on the CPU for m < x, a used prefetch hides at most m and a victim
+    evicted for nothing costs m, not a copy: with m < w the least paying P rises from
+    x s / (w + x s) to x s / (m + x s); the victim term falls. Bad costs are named."""
+    c = make(slots=8)
+    c.observe_scores({2: np.array([0.5, 0.0, 0.0, 0.0])})
+    c.set_link(copy_s=2.0, window_s=4.0)
+    c.need = 1.0  # s = min(1, 1 * 2 / 4) = 0.5
+    assert c.min_paying_prob() == pytest.approx(1.0 / (2.0 + 1.0))
+    assert c.victim((2, 0), set(), 0) is None  # 0.5 * 2 > 0.5 * 1
+    c.set_miss_cost(0.5)
+    assert c.min_paying_prob() == pytest.approx(1.0 / (0.5 + 1.0))
+    with pytest.raises(PrefetchRefused):  # 0.5 * 0.5 < 0.5 * 1
+        c.victim((2, 0), set(), 0)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="miss"):
+            c.set_miss_cost(bad)
+    # the victim's miss: a full cache, P_k = 0.8 over a victim of P_v = 0.9, a free link
+    # (s = 0), x = 1, m = 0.05: 0.8 m - 0.2 * 0.9 m > 0 is taken (priced as a copy,
+    # 0.8 m - 0.2 * 0.9 x, it would not be); E_v = 4.4 > E_k = 2 (layer cycle of 4)
+    d = make(slots=1)
+    d.observe_scores({1: np.array([0.9, 0.0, 0.0, 0.0]), 2: np.array([0.8, 0.0, 0.0, 0.0])})
+    filled(d, [(1, 0)])
+    d.set_link(copy_s=1.0, window_s=4.0)
+    assert d.saturation() == 0.0
+    d.set_miss_cost(0.05)
+    assert d.victim((2, 0), set(), 1) == (1, 0)
+    d.need = 1.0  # s = 0.25: the wasted copy's link time, 0.2 * 0.25 x, now outweighs it
+    d._E = None
+    with pytest.raises(PrefetchRefused):
+        d.victim((2, 0), set(), 1)

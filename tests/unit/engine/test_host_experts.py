@@ -194,3 +194,25 @@ def test_batched_mm_model_on_the_cpu_path(model_type: str) -> None:
         out, logits, m = _run(model, ids, **_setups(model)[name])
         assert torch.equal(out, ref) and torch.equal(logits, ref_logits), name
         assert m["cpu_expert_calls"] > 0
+
+
+def test_prefetch_if_pays_cpu_is_exact_and_told_what_a_miss_costs(store_of) -> None:
+    """``prefetch_if_pays_cpu`` (reuse_prob + warm next_use + the balanced split) on the
+    crossover profile: greedy tokens identical to the plain model; its cache starts with the
+    store's most used experts and is told, as the simulator tells it, the cheaper of a copy
+    and the CPU's computing a one-token miss."""
+    model = toy_model("mixtral")
+    ids = prompt_ids(10, seed=4)
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+    kw = dict(_setups(model)["balanced"], capacity=0.5)  # offload() takes the execution as given
+    with offload(model, system="prefetch_if_pays_cpu", store=store_of("mixtral"),
+                 predictor={"spec": "off"}, **kw) as om:
+        cache = om.engine.cache
+        assert cache.name == "next_use" and cache.warm
+        assert len(cache.resident) == cache.capacity_slots  # warm: full before the first token
+        cost = om.engine.host.cost
+        assert cache.miss_s == min(cost.copy_s, cost.cpu_miss_s(1))
+        out = om.generate(ids, max_new_tokens=NEW, do_sample=False)
+        assert om.metrics()["execution"] == "balanced"
+    assert torch.equal(out, ref)

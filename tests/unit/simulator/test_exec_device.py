@@ -201,3 +201,31 @@ def test_hidden_tokens_counts_each_token_once_per_layer() -> None:
     for experts in [(0,), (1,), (0, 1), (2, 3), (0, 1, 2, 3), (3,)]:
         want = sum(bool(set(row[0]) & set(experts)) for row in topk.tolist())
         assert dev._hidden_tokens(0, experts) == want, experts
+
+
+class _MissSpy(LRUCache):
+    """LRU that records what the replay tells it a miss costs."""
+
+    def __init__(self, **kw) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(**kw)
+        self.told: list[float] = []
+
+    def set_miss_cost(self, seconds: float) -> None:
+        self.told.append(seconds)
+
+
+@pytest.mark.parametrize("name", ["copy", "cpu_on_miss", "balanced"])
+def test_the_replay_tells_the_cache_what_a_miss_costs_where_the_cpu_may_run_it(name: str) -> None:
+    """A CPU execution tells the cache, once before serving, the cheaper of a copy and the
+    CPU's computing a one-token miss (the ``next_use`` gate's m); ``copy`` tells nothing
+    (a miss is a copy, the replay as before)."""
+    tr = _alternating()
+    cost = cpu_cost(tr.dims)
+    pol = build_execution({"name": name}, cost)
+    spy = _MissSpy(capacity_slots=1, num_layers=tr.dims.num_layers, num_experts=tr.dims.num_experts)
+    simulate(tr, PREDICTORS.build("none", dims=tr.dims), spy, cost, progress=False, execution=pol)
+    if name == "copy":
+        assert spy.told == []
+    else:
+        assert spy.told == [min(cost.copy_s, cost.cpu_miss_s(1))]
+        assert pol.miss_s(cost) == spy.told[0] < cost.copy_s  # this CPU beats the copy
