@@ -90,7 +90,9 @@ class NextUseCache(CachePolicy):
             rule; the ablation row of the gate).
         warm: load the store split's most used experts before the first request
             (:meth:`initial_residents`: the ``capacity_slots`` of highest popularity P,
-            as kTransformers pins them); False: start empty (as LRU).
+            as kTransformers pins them); False: start empty (as LRU). Made for one
+            device (the CPU systems'); with several, each device starts with those of the
+            top ``capacity_slots`` it holds, not with its own budget's worth.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
