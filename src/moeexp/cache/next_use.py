@@ -43,9 +43,17 @@ protected) whose victim would be ``v`` is taken only if
   wasted one takes from demand loads (its copy time x times the link's saturation ``s``)
   and the miss of a victim evicted for nothing. ``s = min(1, n x / w)``, with n the copies
   a layer has needed lately (its demand loads plus its used prefetches, an average over the
-  last layers). m = x where every miss is copied; where the CPU may compute a miss
-  (:meth:`set_miss_cost`, from the run's execution policy, issue 27's eighth stage) m is the
-  cheaper of the copy and the CPU's computing it, so with a fast CPU few prefetches pay.
+  last layers). m = x where every miss is copied.
+
+**Where the CPU may compute a miss** (:meth:`set_miss_cost`, from the run's execution policy,
+issue 27's eighth stage) m is the cheaper of the copy and the CPU's computing it, and the first
+term is replaced by what the prefetch buys there: ``P_k (m - max(0, x - d w))`` for its use in
+this pass (d the layers ahead of the latest access: a copy that lands late makes the GPU wait
+the rest of it, where the CPU would have taken m) plus ``max(0, Q_k - Q_v) R m``, the later
+passes' uses it gains over its victim while it stays (Q the per-pass probabilities above, R
+the cache's residence in passes, capacity / copies per pass, at most :data:`R_CAP`). With a
+slow CPU (m = x) prefetches pay as on the copy maps; with a fast one only those whose
+residence outweighs their late landing.
 
 x and w come from the cost model the run is priced with, handed over by the ``reuse_prob``
 predictor (:meth:`set_link`): on a saturated link (x >> w) a prefetch pays only when P_k >
@@ -77,6 +85,7 @@ from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
 P_MIN = 1e-3  #: floor of a probability before 1 / P
+R_CAP = 16.0  #: most passes of residence a CPU-execution prefetch is credited with (module doc)
 NEED_DECAY = 0.8  #: per-layer decay of the average of copies needed per layer
 
 
@@ -273,6 +282,13 @@ class NextUseCache(CachePolicy):
             self._E = delta[:, None] + L * (1.0 - P) / Q
         return self._E
 
+    def residence(self) -> float:
+        """R, passes an expert stays: capacity / (copies per pass since the start), at most
+        :data:`R_CAP` (R_CAP before any copy)."""
+        if self._copies == 0:
+            return R_CAP
+        return min(R_CAP, self.capacity_slots * self._steps / (self.num_layers * self._copies))
+
     def _pick_horizon(self) -> int:
         """h of {1} + :attr:`horizons` nearest in log scale to R / 2, R = capacity /
         (copies per pass) in passes (module doc); 1 until a pass has run."""
@@ -332,7 +348,14 @@ class NextUseCache(CachePolicy):
         m = x if self.miss_s is None else min(x, self.miss_s)  # what a miss costs
         pk = float(self.P[k])
         s = self.saturation()
-        gain = pk * min(m, w) - (1.0 - pk) * x * s
+        if self.miss_s is None:
+            gain = pk * min(m, w) - (1.0 - pk) * x * s
+        else:  # the CPU computes a miss: the late landing and the residence count
+            L = self.num_layers
+            wait = max(0.0, x - ((k[0] - self.cur - 1) % L + 1) * w)
+            qv = float(self.Q[v]) if v is not None else 0.0
+            gain = (pk * (m - wait) + max(0.0, float(self.Q[k]) - qv) * self.residence() * m
+                    - (1.0 - pk) * x * s)
         if v is not None:
             gain -= (1.0 - pk) * float(self.P[v]) * m
         return gain > 0.0

@@ -245,34 +245,42 @@ def test_warm_start_loads_the_store_splits_most_used_experts() -> None:
         make(warm="yes")
 
 
-def test_miss_cost_on_the_cpu_prices_the_gain_and_the_victims_miss() -> None:
-    """Where a miss runs on the CPU for m < x, a used prefetch hides at most m and a victim
-    evicted for nothing costs m, not a copy: with m < w the least paying P rises from
-    x s / (w + x s) to x s / (m + x s); the victim term falls. Bad costs are named."""
+def test_miss_cost_floors_the_offers_and_refuses_bad_costs() -> None:
+    """Where a miss runs on the CPU for m < w, the least paying P of an offer rises from
+    x s / (w + x s) to x s / (m + x s). Bad costs are named."""
     c = make(slots=8)
-    c.observe_scores({2: np.array([0.5, 0.0, 0.0, 0.0])})
     c.set_link(copy_s=2.0, window_s=4.0)
     c.need = 1.0  # s = min(1, 1 * 2 / 4) = 0.5
     assert c.min_paying_prob() == pytest.approx(1.0 / (2.0 + 1.0))
-    assert c.victim((2, 0), set(), 0) is None  # 0.5 * 2 > 0.5 * 1
     c.set_miss_cost(0.5)
     assert c.min_paying_prob() == pytest.approx(1.0 / (0.5 + 1.0))
-    with pytest.raises(PrefetchRefused):  # 0.5 * 0.5 < 0.5 * 1
-        c.victim((2, 0), set(), 0)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match="miss"):
             c.set_miss_cost(bad)
-    # the victim's miss: a full cache, P_k = 0.8 over a victim of P_v = 0.9, a free link
-    # (s = 0), x = 1, m = 0.05: 0.8 m - 0.2 * 0.9 m > 0 is taken (priced as a copy,
-    # 0.8 m - 0.2 * 0.9 x, it would not be); E_v = 4.4 > E_k = 2 (layer cycle of 4)
-    d = make(slots=1)
-    d.observe_scores({1: np.array([0.9, 0.0, 0.0, 0.0]), 2: np.array([0.8, 0.0, 0.0, 0.0])})
-    filled(d, [(1, 0)])
-    d.set_link(copy_s=1.0, window_s=4.0)
-    assert d.saturation() == 0.0
-    d.set_miss_cost(0.05)
-    assert d.victim((2, 0), set(), 1) == (1, 0)
-    d.need = 1.0  # s = 0.25: the wasted copy's link time, 0.2 * 0.25 x, now outweighs it
-    d._E = None
+
+
+def test_cpu_gate_weighs_the_late_landing_against_the_residence_it_buys() -> None:
+    """With the CPU computing misses (m = 2) a prefetch of x = 10 for the layer d = 2 ahead
+    (w = 1) lands 8 late, worse than the CPU's 2: it pays only through the later passes'
+    uses it gains while it stays, Q_k R m (R = 16 before any copy): taken at Q_k = 0.9
+    (0.9 (2 - 8) + 0.9 * 16 * 2 > 0), refused at Q_k = 0.05 (-5.4 + 1.6 < 0). R is the
+    cache's residence, capacity / copies per pass."""
+    c = make(slots=8)
+    c.set_link(copy_s=10.0, window_s=1.0)
+    c.set_miss_cost(2.0)
+    assert c.saturation() == 0.0 and c.residence() == 16.0
+    c.observe_scores({2: np.array([0.9, 0.9, 0.0, 0.0])})
+    assert c.victim((2, 0), set(), 0) is None
+    c.observe_later({2: np.array([0.05, 0.9, 0.0, 0.0])})
+    c.observe_scores({2: np.array([0.9, 0.9, 0.0, 0.0])})  # P 0.9 now, Q 0.05 after
     with pytest.raises(PrefetchRefused):
-        d.victim((2, 0), set(), 1)
+        c.victim((2, 0), set(), 0)
+    assert c.victim((2, 1), set(), 0) is None
+    copy_only = make(slots=8)  # without a miss cost the copy rule: 0.9 min(10, 1) > 0
+    copy_only.set_link(copy_s=10.0, window_s=1.0)
+    copy_only.observe_later({2: np.array([0.05, 0.9, 0.0, 0.0])})
+    copy_only.observe_scores({2: np.array([0.9, 0.9, 0.0, 0.0])})
+    assert copy_only.victim((2, 0), set(), 0) is None
+    r = make(slots=8)
+    filled(r, [(0, 0), (1, 0), (2, 0), (3, 0)])  # 4 copies over 3 layer changes
+    assert r.residence() == pytest.approx(8 * 3 / (4 * 4))
