@@ -282,20 +282,23 @@ class NextUseCache(CachePolicy):
             self._E = delta[:, None] + L * (1.0 - P) / Q
         return self._E
 
-    def residence(self) -> float:
-        """R, passes an expert stays: capacity / (copies per pass since the start), at most
-        :data:`R_CAP` (R_CAP before any copy)."""
+    def _residence(self) -> float:
+        """Passes an expert stays: capacity / (copies per pass since the start); inf before
+        any copy."""
         if self._copies == 0:
-            return R_CAP
-        return min(R_CAP, self.capacity_slots * self._steps / (self.num_layers * self._copies))
+            return math.inf
+        return self.capacity_slots * self._steps / (self.num_layers * self._copies)
+
+    def residence(self) -> float:
+        """R of the CPU gate (module doc): :meth:`_residence`, at most :data:`R_CAP`."""
+        return min(R_CAP, self._residence())
 
     def _pick_horizon(self) -> int:
         """h of {1} + :attr:`horizons` nearest in log scale to R / 2, R = capacity /
         (copies per pass) in passes (module doc); 1 until a pass has run."""
-        L = self.num_layers
-        if self._steps < L or self._copies == 0:
+        if self._steps < self.num_layers or self._copies == 0:
             return 1
-        target = self.capacity_slots * self._steps / (2.0 * L * self._copies)
+        target = self._residence() / 2.0
         for h, bound in self._bounds:  # nearest in log scale: below the geometric midpoint
             if target < bound:
                 return h
@@ -310,7 +313,10 @@ class NextUseCache(CachePolicy):
 
     def min_paying_prob(self) -> float:
         """The least P_k for which a prefetch can pass the gate with a free victim (the
-        predictor need not offer less probable ones): P_k min(x, w) > (1 - P_k) x s."""
+        predictor need not offer less probable ones): P_k min(m, w) > (1 - P_k) x s. Under a
+        CPU execution this is the floor of the copy rule's use term, not of the CPU gate
+        (whose residence term could take a less probable offer): a bound on the offers, as
+        the eighth stage was measured with."""
         if not self.gate or self.copy_s is None or self.touch_all:
             return 0.0
         x = self.copy_s

@@ -218,9 +218,10 @@ def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cac
         raise ConfigError(f"execution={execution.name} pins {len(pinned)} experts on the device "
                           f"but the budget holds {cache.capacity_slots} slots: raise the "
                           "capacity or pin fewer (gpu_experts, n_cpu_layers)")
-    if cost is not None:
+    miss_s = execution.miss_s(cost) if cost is not None else None
+    if miss_s is not None:
         for c in cache.caches if isinstance(cache, DeviceCaches) else [cache]:
-            c.set_miss_cost(execution.miss_s(cost))
+            c.set_miss_cost(miss_s)
     return pinned
 
 

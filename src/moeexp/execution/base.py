@@ -165,14 +165,15 @@ class ExecutionPolicy:
         """Experts this placement keeps on the GPU for the whole run. Default: none."""
         return []
 
-    def miss_s(self, cost: CostModel) -> float:
-        """Seconds one decode miss (one token) costs if no prefetch hid it: a copy
-        (``cost.copy_s``) where every miss is copied, else the cheaper of a copy and the
-        CPU computing it (:meth:`~moeexp.costmodel.roofline.CostModel.cpu_miss_s`, hidden
-        transfers included). What a prefetch can save under this placement: the
-        ``next_use`` gate reads it (:meth:`moeexp.cache.base.CachePolicy.set_miss_cost`)."""
+    def miss_s(self, cost: CostModel) -> float | None:
+        """Seconds one decode miss (one token) costs if no prefetch hid it, where the CPU
+        may compute it: the cheaper of a copy and the CPU
+        (:meth:`~moeexp.costmodel.roofline.CostModel.cpu_miss_s`, hidden transfers
+        included); None where no miss runs on the CPU (a miss is a copy, as without a
+        policy). The ``next_use`` gate reads it
+        (:meth:`moeexp.cache.base.CachePolicy.set_miss_cost`)."""
         if self.plain or not self.needs_cpu():
-            return float(cost.copy_s)
+            return None
         return min(float(cost.copy_s), float(cost.cpu_miss_s(1)))
 
     def place(self, misses: LayerMisses, cost: CostModel) -> Placement:

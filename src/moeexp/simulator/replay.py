@@ -164,10 +164,11 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     predictor.bind(cost, caches)  # a policy that reads the cost model it runs under
+    miss_s = execution.miss_s(cost) if cpu and execution is not None else None
     for c in caches:  # ... and the demand loading it is served with (next_use)
         c.set_mechanics(demand_load=mechanics.demand_load)
-        if cpu and execution is not None:  # ... and what a miss costs where the CPU may run it
-            c.set_miss_cost(execution.miss_s(cost))
+        if miss_s is not None:  # ... and what a miss costs where the CPU may run it
+            c.set_miss_cost(miss_s)
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
