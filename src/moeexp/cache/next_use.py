@@ -53,7 +53,9 @@ the rest of it, where the CPU would have taken m) plus ``max(0, Q_k - Q_v) R m``
 passes' uses it gains over its victim while it stays (Q the per-pass probabilities above, R
 the cache's residence in passes, capacity / copies per pass, at most :data:`R_CAP`). With a
 slow CPU (m = x) prefetches pay as on the copy maps; with a fast one only those whose
-residence outweighs their late landing.
+residence outweighs their late landing. Where the execution computes a late copy's expert
+on the CPU (``late_to_cpu``, told by :meth:`set_miss_cost`) the late landing costs at most m:
+``P_k (m - min(m, max(0, x - d w)))``.
 
 x and w come from the cost model the run is priced with, handed over by the ``reuse_prob``
 predictor (:meth:`set_link`): on a saturated link (x >> w) a prefetch pays only when P_k >
@@ -114,6 +116,7 @@ class NextUseCache(CachePolicy):
         self.gate, self.warm = gate, warm
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
+        self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
         self.P = np.full((num_layers, num_experts), 0.5)  # float64[L, J]
         self.Q = self.P.copy()  # float64[L, J], per pass after the next run (module doc)
         self._later: set[int] = set()  # layers whose Q came with the coming scores
@@ -172,13 +175,15 @@ class NextUseCache(CachePolicy):
         self.touch_all = demand_load == "all_experts"
         self._E = None
 
-    def set_miss_cost(self, seconds: float) -> None:
+    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False) -> None:
         """What a decode miss costs where the CPU may compute it (module doc, Prefetch gate):
-        the stall a prefetch can hide and a wasted victim's reload, instead of a copy."""
+        the stall a prefetch can hide and a wasted victim's reload, instead of a copy;
+        ``late_to_cpu``: a late copy's wait is at most that miss (the CPU takes it)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ConfigError(f"next_use: a miss's cost must be a finite number > 0 s, got "
                               f"{seconds}")
         self.miss_s = float(seconds)
+        self.late_capped = bool(late_to_cpu)
 
     def initial_residents(self) -> list[Key]:
         """With ``warm``: the ``capacity_slots`` experts of highest store popularity P, most
@@ -359,6 +364,8 @@ class NextUseCache(CachePolicy):
         else:  # the CPU computes a miss: the late landing and the residence count
             L = self.num_layers
             wait = max(0.0, x - ((k[0] - self.cur - 1) % L + 1) * w)
+            if self.late_capped:  # the CPU computes a late copy's expert: at most a miss
+                wait = min(wait, m)
             qv = float(self.Q[v]) if v is not None else 0.0
             gain = (pk * (m - wait) + max(0.0, float(self.Q[k]) - qv) * self.residence() * m
                     - (1.0 - pk) * x * s)

@@ -17,7 +17,10 @@ the link's copies their shared host-memory bandwidth in layers where both work
 (``balanced``'s own ``contended`` prices its split so), and ``hidden_on_link`` (default
 false; ``up`` or ``both``): the simulator then queues a CPU layer's outputs (``up``: the
 copies' direction) or its hidden states both ways (``both``: one copy stream) on the link
-behind the copies booked before them (:mod:`moeexp.simulator.exec_device`).
+behind the copies booked before them (:mod:`moeexp.simulator.exec_device`), and
+``late_to_cpu`` (default false; a policy that computes on the CPU only): the simulator then
+computes an expert whose copy is still in flight when its layer runs on the CPU where that
+ends sooner than the GPU's wait for the copy (the copy still lands and stays cached).
 :func:`check_execution` validates a group before any work;
 :func:`build_execution` builds it for a cost model and refuses settings it cannot price
 (a CPU policy on a profile without a ``cpu:`` block, a format the CPU has no kernel
@@ -48,7 +51,7 @@ import_submodules(sys.modules[__name__])
 #: Keywords the builder fills from the cost model, never from the config.
 _INJECTED = frozenset({"num_layers", "num_experts"})
 #: Keys of every option that the mechanism reads, not the policy's constructor.
-_MECHANISM_KEYS = frozenset({"share_host_memory", "hidden_on_link"})
+_MECHANISM_KEYS = frozenset({"share_host_memory", "hidden_on_link", "late_to_cpu"})
 
 
 def check_execution(choice: GroupChoice) -> None:
@@ -63,6 +66,9 @@ def check_execution(choice: GroupChoice) -> None:
     if not (hidden is False or hidden in HIDDEN_ON_LINK):
         raise ConfigError(f"execution={choice.name}: hidden_on_link={hidden!r}; valid: false, "
                           f"{', '.join(HIDDEN_ON_LINK)}")
+    late = choice.kwargs.get("late_to_cpu", False)
+    if not isinstance(late, bool):
+        raise ConfigError(f"execution={choice.name}: late_to_cpu={late!r} must be true or false")
 
 
 def build_execution(choice: GroupChoice | Mapping[str, Any], cost: CostModel) -> ExecutionPolicy:
@@ -76,7 +82,12 @@ def build_execution(choice: GroupChoice | Mapping[str, Any], cost: CostModel) ->
                               num_experts=cost.num_experts, **kwargs)
     policy.share_host_memory = bool(choice.kwargs.get("share_host_memory", False))
     policy.hidden_on_link = choice.kwargs.get("hidden_on_link", False)
+    policy.late_to_cpu = bool(choice.kwargs.get("late_to_cpu", False))
     policy.check(cost)
+    if policy.late_to_cpu and (policy.plain or not policy.needs_cpu()):
+        raise ConfigError(f"execution={choice.name}: late_to_cpu=true needs a policy that "
+                          "computes experts on the CPU (cpu_on_miss, layer_split with CPU "
+                          "layers, hot_pinned, balanced)")
     return policy
 
 

@@ -132,6 +132,11 @@ class ExecutionPolicy:
         #: or ``both`` (the group's ``hidden_on_link`` key, set by
         #: :func:`moeexp.execution.build_execution`)
         self.hidden_on_link: bool | str = False
+        #: an expert whose copy is still in flight when its layer runs is computed on the
+        #: CPU where that ends sooner than waiting for the copy (the group's ``late_to_cpu``
+        #: key, set by :func:`moeexp.execution.build_execution`; the simulator's replay
+        #: only, :mod:`moeexp.simulator.exec_device`)
+        self.late_to_cpu = False
 
     def check(self, cost: CostModel) -> None:
         """ConfigError when ``cost`` cannot price this policy (CPU block, format, dims)."""

@@ -23,6 +23,16 @@ expert the cache never held. The GPU's wait for the CPU chain and the merge is
 ``cpu_wait_ms_total``, apart from the copy stalls (``stall_ms_total`` keeps its three
 parts).
 
+**Late copies on the CPU** (``late_to_cpu``, off by default): an expert whose copy is still
+in flight when its layer runs (a prefetch that lands late) is computed on the CPU where the
+CPU would end it sooner than the GPU, which waits for the copy: the CPU chain's end with it
+added (its kernel, plus the hidden-state trip and merge of tokens not already going to the
+CPU in this layer; uncontended rates) against ``max(copy lands, GPU chain) + its GPU
+compute``. The copy still lands and stays cached for later passes; the access is a miss (the
+GPU did not compute it) and the prefetch is not counted used by it. A runtime that keeps
+every expert's weights in host memory can do this (the CPU reads them where they live);
+off, the GPU waits for a late copy, as before.
+
 **Pinned experts** (:meth:`~moeexp.execution.ExecutionPolicy.gpu_resident`: the GPU layers
 of ``layer_split``, ``hot_pinned``'s hot experts) are loaded before serving, count inside
 the cache budget (the cache policy holds them) and are never evicted: they are protected
@@ -90,17 +100,20 @@ class ExecDevice(Device):
         policy: the execution policy, fitted and bound to the budget.
         share_host_memory: CPU reads and link copies share host memory (module docstring).
         hidden_on_link: hidden-state transfers queue on the link (module docstring).
+        late_to_cpu: an in-flight expert may run on the CPU (module docstring).
     """
 
     def __init__(self, cache: CachePolicy, cost: CostModel, num_layers: int, num_experts: int,
                  policy: ExecutionPolicy, *, share_host_memory: bool = False,
-                 hidden_on_link: bool | str = False) -> None:
+                 hidden_on_link: bool | str = False, late_to_cpu: bool = False) -> None:
         super().__init__(cache, cost, num_layers, num_experts)
         self.cost, self.policy, self.share = cost, policy, bool(share_host_memory)
         #: hidden-state ways the link carries: 0 (off), 1 (``up``), 2 (``both``)
         self.link_ways = {False: 0, "up": 1, "both": 2}[hidden_on_link]
         self.hidden_on_link = self.link_ways > 0
         self.hidden_link_s = 0.0  # link seconds of hidden-state transfers (hidden_on_link)
+        self.late_to_cpu = bool(late_to_cpu)
+        self.late_cpu = 0  # in-flight experts computed on the CPU (late_to_cpu)
         self.cpu = HostCpu(cost)
         self.pinned: frozenset[Key] = frozenset(policy.gpu_resident())
         self.protected = set(self.pinned)
@@ -129,7 +142,9 @@ class ExecDevice(Device):
         and ``link_shared_extra_ms_total`` (copy seconds added by host-memory sharing,
         added to ``base``'s link busy times: ``base`` holds the replay's other metrics);
         with ``hidden_on_link``, ``hidden_link_ms_total`` (the hidden-state transfers' link
-        seconds, added to the busy times too)."""
+        seconds, added to the busy times too); with ``late_to_cpu``,
+        ``cpu_late_experts_total`` (in-flight experts computed on the CPU, part of
+        ``cpu_expert_calls``)."""
         cpu, extra_ms = self.cpu, self.extra_link_s * 1e3
         if self.hidden_on_link:
             extra_ms += self.hidden_link_s * 1e3
@@ -149,7 +164,8 @@ class ExecDevice(Device):
             "gpu_pinned_experts": float(len(self.pinned)),
             "share_host_memory": float(self.share),
             "link_shared_extra_ms_total": self.extra_link_s * 1e3,
-        } | ({"hidden_link_ms_total": self.hidden_link_s * 1e3} if self.hidden_on_link else {})
+        } | ({"hidden_link_ms_total": self.hidden_link_s * 1e3} if self.hidden_on_link else {}) \
+          | ({"cpu_late_experts_total": float(self.late_cpu)} if self.late_to_cpu else {})
 
     def begin_pass(self, counts: np.ndarray, topk: np.ndarray) -> None:
         """The pass's tokens per expert (int64[L, J]) and router choices (int[T, L, K])."""
@@ -168,16 +184,18 @@ class ExecDevice(Device):
         self.next_access = pos0 + len(keys)
         absent = [i for i, k in enumerate(keys) if k not in self.ready]
         place = self._place(layer, keys, absent, t) if absent else Placement()
-        comp, stall, hits, waits, finished = self._resident(keys, ce, pos0, t)
+        cpu_experts = list(place.cpu)
+        comp, stall, hits, waits, finished = self._resident(
+            keys, ce, pos0, t, cpu_experts if self.late_to_cpu else None)
         copy_idx = [i for e in place.copy for i in absent if keys[i][1] == e]
         stream_idx = [i for e in place.stream for i in absent if keys[i][1] == e]
-        cpu_tok = [int(self._tokens()[layer, e]) for e in place.cpu]
+        cpu_tok = [int(self._tokens()[layer, e]) for e in cpu_experts]
         contended = self.share and bool(cpu_tok) and bool(copy_idx or stream_idx)
         read_bps, base_copy_s = None, self.link.copy_s
         if contended:
             read_bps, link_bps = self.cost.contended_rates()
             self.link.copy_s = copy_s_at(self.cost, link_bps)
-        moved = self._hidden_tokens(layer, place.cpu) if cpu_tok else 0
+        moved = self._hidden_tokens(layer, cpu_experts) if cpu_tok else 0
         ways = self.link_ways if moved > 0 else 0
         cpu_start = self._book_hidden(t, moved) if ways == 2 else t
         try:
@@ -233,11 +251,15 @@ class ExecDevice(Device):
                                f"cover the missed experts {missed} once each (policy bug)")
         return place
 
-    def _resident(self, keys: list[Key], ce: list[float], pos0: int, t: float
+    def _resident(self, keys: list[Key], ce: list[float], pos0: int, t: float,
+                  cpu_experts: list[int] | None = None
                   ) -> tuple[float, float, int, int, list[tuple[float, Key]]]:
         """The layer's resident experts on the GPU, as :meth:`Device.serve_layer`: hits
-        first in expert order, then copies in flight. Returns (GPU chain end, stall, hits,
-        waits, [(finish, key)] in compute order)."""
+        first in expert order, then copies in flight; with ``cpu_experts`` (the layer's
+        experts placed on the CPU, ``late_to_cpu``), an in-flight expert the CPU ends
+        sooner is appended to it instead (:meth:`_late_on_cpu`). Returns (GPU chain end,
+        stall, hits, waits and in-flight experts moved to the CPU, [(finish, key)] in
+        compute order)."""
         ready, on_access, unused = self.ready, self.cache.on_access, self.unused_prefetched
         comp, stall, hits = t, 0.0, 0
         finished: list[tuple[float, Key]] = []
@@ -254,6 +276,9 @@ class ExecDevice(Device):
             hits += 1
             self._used(k, unused)
             finished.append((comp, k))
+        n_waits = len(waits)
+        if cpu_experts is not None and waits:
+            waits = self._late_on_cpu(keys, waits, ce, pos0, t, comp, cpu_experts)
         for i in waits:
             k = keys[i]
             r = ready[k]
@@ -265,7 +290,36 @@ class ExecDevice(Device):
             on_access(k, pos0 + i, False)
             self._used(k, unused)
             finished.append((comp, k))
-        return comp, stall, hits, len(waits), finished
+        return comp, stall, hits, n_waits, finished
+
+    def _late_on_cpu(self, keys: list[Key], waits: list[int], ce: list[float], pos0: int,
+                     t: float, comp: float, cpu_experts: list[int]) -> list[int]:
+        """``late_to_cpu`` (module docstring): append to ``cpu_experts`` each in-flight
+        expert of ``waits`` (in order) that the CPU chain would end before the GPU, which
+        would wait for its copy from ``comp`` (the GPU chain after the hits); returns the
+        waits the GPU keeps. A moved expert's access is recorded as a miss."""
+        cost, layer = self.cost, keys[waits[0]][0]
+        tokens = self._tokens()[layer]
+        moved = self._hidden_tokens(layer, tuple(cpu_experts)) if cpu_experts else 0
+        cpu_end = (max(t, self.cpu.free) + cost.hidden_transfer_s(moved) + merge_s(cost, moved)
+                   + sum(cost.cpu_expert_s(int(tokens[e])) for e in cpu_experts))
+        keep: list[int] = []
+        for i in waits:
+            k = keys[i]
+            n = int(tokens[k[1]])
+            now = self._hidden_tokens(layer, (*cpu_experts, k[1]))
+            end = (cpu_end + cost.cpu_expert_s(n) + cost.hidden_transfer_s(now)
+                   - cost.hidden_transfer_s(moved) + merge_s(cost, now) - merge_s(cost, moved))
+            gpu_end = max(self.ready[k], comp) + ce[i]
+            if end < gpu_end:
+                cpu_experts.append(k[1])
+                cpu_end, moved = end, now
+                self.cache.on_access(k, pos0 + i, False)
+                self.late_cpu += 1
+            else:
+                keep.append(i)
+                comp = gpu_end
+        return keep
 
     def _used(self, k: Key, unused: set[Key]) -> None:
         if k in unused:

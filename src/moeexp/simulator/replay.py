@@ -168,7 +168,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     for c in caches:  # ... and the demand loading it is served with (next_use)
         c.set_mechanics(demand_load=mechanics.demand_load)
         if miss_s is not None:  # ... and what a miss costs where the CPU may run it
-            c.set_miss_cost(miss_s)
+            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu)  # type: ignore[union-attr]
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
@@ -261,7 +261,8 @@ class Replay:
         if execution is not None:  # missed experts placed by the policy (one device)
             self.exec_dev = ExecDevice(caches[0], cost, self.L, J, execution,
                                        share_host_memory=execution.share_host_memory,
-                                       hidden_on_link=execution.hidden_on_link)
+                                       hidden_on_link=execution.hidden_on_link,
+                                       late_to_cpu=execution.late_to_cpu)
             self.dev: Device | DeviceGroup = self.exec_dev
         elif topology is None or topology.devices == 1:
             if len(caches) != 1:

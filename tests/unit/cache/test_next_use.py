@@ -281,6 +281,12 @@ def test_cpu_gate_weighs_the_late_landing_against_the_residence_it_buys() -> Non
     copy_only.observe_later({2: np.array([0.05, 0.9, 0.0, 0.0])})
     copy_only.observe_scores({2: np.array([0.9, 0.9, 0.0, 0.0])})
     assert copy_only.victim((2, 0), set(), 0) is None
+    late = make(slots=8)  # the CPU computes a late copy's expert: its wait is at most m
+    late.set_link(copy_s=10.0, window_s=1.0)
+    late.set_miss_cost(2.0, late_to_cpu=True)
+    late.observe_later({2: np.array([0.05, 0.9, 0.0, 0.0])})
+    late.observe_scores({2: np.array([0.9, 0.9, 0.0, 0.0])})
+    assert late.victim((2, 0), set(), 0) is None  # 0.9 (2 - 2) + 1.6 > 0
     r = make(slots=8)
     filled(r, [(0, 0), (1, 0), (2, 0), (3, 0)])  # 4 copies over 3 layer changes
     assert r.residence() == pytest.approx(8 * 3 / (4 * 4))

@@ -172,6 +172,8 @@ def test_bad_execution_settings_fail_before_weights_move(mixtral, store_of) -> N
         (dict(execution="nope", hardware=CPU_HW), "copy"),
         (dict(execution="cpu_on_miss", hardware=CPU_HW, expert_format="int8"),
          "dense experts only"),
+        (dict(execution={"name": "cpu_on_miss", "late_to_cpu": True}, hardware=CPU_HW),
+         "simulator's replay only"),
     ]
     for kw, msg in cases:
         with pytest.raises(ConfigError, match=msg):

@@ -210,8 +210,9 @@ class _MissSpy(LRUCache):
         super().__init__(**kw)
         self.told: list[float] = []
 
-    def set_miss_cost(self, seconds: float) -> None:
+    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False) -> None:
         self.told.append(seconds)
+        self.late = late_to_cpu
 
 
 @pytest.mark.parametrize("name", ["copy", "cpu_on_miss", "balanced"])
@@ -227,5 +228,68 @@ def test_the_replay_tells_the_cache_what_a_miss_costs_where_the_cpu_may_run_it(n
     if name == "copy":
         assert spy.told == [] and pol.miss_s(cost) is None  # a miss is a copy
     else:
-        assert spy.told == [min(cost.copy_s, cost.cpu_miss_s(1))]
+        assert spy.told == [min(cost.copy_s, cost.cpu_miss_s(1))] and spy.late is False
         assert pol.miss_s(cost) == spy.told[0] < cost.copy_s  # this CPU beats the copy
+        late = _MissSpy(capacity_slots=1, num_layers=tr.dims.num_layers,
+                        num_experts=tr.dims.num_experts)
+        simulate(tr, PREDICTORS.build("none", dims=tr.dims), late, cost, progress=False,
+                 execution=build_execution({"name": name, "late_to_cpu": True}, cost))
+        assert late.told == spy.told and late.late is True
+
+
+def _late_prefetch_runs(dram_gbps: float) -> dict[bool, object]:
+    """L=2, J=4, three one-token passes on (0, 0) then (1, 2); every miss on the CPU
+    (cpu_on_miss); a prefetch of (1, 2) at every layer 0 (copied once: 1.0 s), so the first
+    pass's layer 1 finds its copy in flight. Runs with ``late_to_cpu`` off and on."""
+    tr = hand_trace([[[[[0], [2]]], [[[0], [2]]], [[[0], [2]]]]], num_experts=4)
+    cost = cpu_cost(tr.dims, dram_gbps=dram_gbps)
+    out = {}
+    for late in (False, True):
+        pol = build_execution({"name": "cpu_on_miss", "late_to_cpu": late}, cost)
+        pred = ScriptedPredictor(dims=tr.dims, at_layer={0: [(1.0, 1, 2)]})
+        out[late] = simulate(tr, pred, _lru(tr.dims, 4), cost, progress=False, execution=pol)
+    return out
+
+
+def test_late_to_cpu_computes_a_copy_in_flight_on_the_cpu_when_that_ends_sooner() -> None:
+    """A 0.25 s CPU expert (4 GB/s): layer 1 of the first pass starts ~0.45 s, the copy
+    lands ~1.1 s. Off, the GPU waits for it; on, the CPU computes (1, 2) and the pass is
+    two all-CPU layers. The copy still lands once and stays (the same bytes, one
+    prefetch); the access is a miss either way, so the hit rate is unchanged."""
+    runs = _late_prefetch_runs(4.0)
+    off, on = runs[False].metrics, runs[True].metrics
+    tr = hand_trace([[[[[0], [2]]]]], num_experts=4)
+    cost = cpu_cost(tr.dims, dram_gbps=4.0)
+    cpu_layer = 0.1 + cost.hidden_transfer_s(1) + cost.cpu_expert_s(1) + merge_s(cost, 1)
+    assert runs[True].series["iter_ms"][0] == pytest.approx(2e3 * cpu_layer)
+    assert runs[False].series["iter_ms"][0] > runs[True].series["iter_ms"][0] + 400
+    assert on["cpu_late_experts_total"] >= 1 and "cpu_late_experts_total" not in off
+    assert on["cpu_expert_calls"] == off["cpu_expert_calls"] + on["cpu_late_experts_total"]
+    assert on["h2d_bytes_total"] == off["h2d_bytes_total"] == EXPERT_BYTES
+    assert on["prefetches_issued"] == off["prefetches_issued"] == 1
+    assert on["misses_total"] == off["misses_total"] and on["hits_total"] >= 1
+    assert on["stall_late_prefetch_ms_total"] < off["stall_late_prefetch_ms_total"]
+
+
+def test_late_to_cpu_keeps_the_wait_where_the_copy_ends_sooner() -> None:
+    """A 1.0 s CPU expert (1 GB/s): waiting for the copy ends first, so nothing moves and
+    the run is the one without the key, bit for bit."""
+    runs = _late_prefetch_runs(1.0)
+    on, off = runs[True].metrics, runs[False].metrics
+    assert on["cpu_late_experts_total"] == 0
+    assert {k: v for k, v in on.items() if k not in WALL | {"cpu_late_experts_total"}} == \
+        {k: v for k, v in off.items() if k not in WALL}
+    assert runs[True].series["iter_ms"] == runs[False].series["iter_ms"]
+
+
+def test_late_to_cpu_is_refused_where_nothing_runs_on_the_cpu() -> None:
+    """``copy`` and a layer split without CPU layers compute nothing on the CPU: the key
+    is refused there, as is a value that is not a boolean."""
+    tr = _alternating()
+    cost = cpu_cost(tr.dims)
+    for choice in ({"name": "copy", "late_to_cpu": True},
+                   {"name": "layer_split", "n_cpu_layers": 0, "late_to_cpu": True}):
+        with pytest.raises(ConfigError, match="late_to_cpu=true needs a policy"):
+            build_execution(choice, cost)
+    with pytest.raises(ConfigError, match="late_to_cpu='yes' must be true or false"):
+        build_execution({"name": "balanced", "late_to_cpu": "yes"}, cost)
