@@ -8,7 +8,10 @@ In the copy-bound regime ``prefetch_if_pays`` is an on-demand loader (its gate r
 almost every prefetch), so its latency follows its misses, and those follow its eviction.
 This replays the test split's passes (every pass, every layer, the router's experts in
 index order) through one total-budget cache, demand loads only, the current layer's experts
-protected, and counts misses for:
+protected, the predictor's scores handed over in the replay's order (request and iteration
+starts, then each layer's router observation before its accesses; before 2026-12-04 the
+observation came after them, which left the layer's own scores one pass old at its demand
+loads and undercounted the model's share by ~0.03), and counts misses for:
 
 * ``lru``: the ``lru`` policy (on-demand LRU, ``deepspeed``'s cache);
 * ``model:<next_model>``: ``prefetch_if_pays``'s eviction: the ``reuse_prob`` predictor
@@ -117,13 +120,19 @@ def replay(test: Trace, store: Trace, rule: str, slots: int, nxt: np.ndarray,
     for n, (rid, step, used, T) in enumerate(tqdm(P, desc=rule, leave=False)):
         if isinstance(cache, Lookahead):
             cache.pass_no = n
-        if pred is not None:
-            if step == 0:
-                pred.start_request(RequestStart(request=by_id[rid]))
-            pred.start_iteration(IterationStart(request_ids=np.array([rid]), step=step,
-                                                embed=None, token_request=np.full(T, rid)))
+        if pred is not None:  # the replay's order: request, iteration, then per layer
+            if step == 0:  # the router's observation before the layer's accesses
+                _scores(cache, pred.start_request(RequestStart(request=by_id[rid])))
+            _scores(cache, pred.start_iteration(IterationStart(
+                request_ids=np.array([rid]), step=step, embed=None,
+                token_request=np.full(T, rid))))
         for layer in range(L):
             keys = [(layer, int(e)) for e in used[layer]]
+            if pred is not None:
+                counts = np.bincount(used[layer], minlength=J)
+                _scores(cache, pred.observe_layer(LayerObservation(  # reuse_prob reads no probs
+                    layer=layer, probs=np.zeros((T, J), np.float32), experts=used[layer],
+                    counts=counts)))
             for key in keys:
                 hit = key in cache.resident
                 if not hit:
@@ -134,13 +143,13 @@ def replay(test: Trace, store: Trace, rule: str, slots: int, nxt: np.ndarray,
                     cache.on_insert(key, now, False)
                 cache.on_access(key, now, hit)
                 now += 1
-            if pred is not None:
-                counts = np.bincount(used[layer], minlength=J)
-                out = pred.observe_layer(LayerObservation(  # reuse_prob reads no probs
-                    layer=layer, probs=np.zeros((T, J), np.float32), experts=used[layer],
-                    counts=counts))
-                cache.observe_scores(out.scores)
     return misses
+
+
+def _scores(cache: Any, pred: Any) -> None:
+    """Hand a prediction's scores to the cache, as the replay's ``take`` does."""
+    if pred is not None and pred.scores:
+        cache.observe_scores(pred.scores)
 
 
 def next_pass_use(test: Trace) -> np.ndarray:

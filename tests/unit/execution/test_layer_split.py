@@ -40,7 +40,7 @@ def test_null_is_every_layer_and_zero_needs_no_cpu() -> None:
     ({"n_cpu_layers": -1}, r"in 0\.\.4"),
     ({"n_cpu_layers": 1.5}, r"in 0\.\.4"),
     ({"min_batch": 0}, r"min_batch=0 must be an integer >= 1"),
-    ({"n_cpu_moe": 2}, r"unknown key\(s\) 'n_cpu_moe'.*Accepted keys: hidden_on_link, min_batch, n_cpu_layers"),
+    ({"n_cpu_moe": 2}, r"unknown key\(s\) 'n_cpu_moe'.*Accepted keys: hidden_on_link, late_to_cpu, min_batch, n_cpu_layers"),
 ])
 def test_bad_settings_refused_with_what_is_valid(kw, match) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ConfigError, match=match):
