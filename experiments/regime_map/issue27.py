@@ -8,7 +8,8 @@ the new system's sweep (``collected.csv``: one row per run). Per budget and link
 rows: the system's TPOT change against the best exact non-oracle system at that point (the
 lowest mean TPOT; paired on ``dataset.seed``, mean and 95 % Student-t interval over the
 seeds), TTFT against FineMoE's where the trace has TTFT, the share of the gap between
-on-demand LRU (``deepspeed``) and ``oracle_aggressive`` closed, bytes over LRU's, hit rates
+on-demand LRU (``deepspeed``) and ``oracle_aggressive`` closed, in TPOT and in the bytes
+over the link (``h2d_bytes_total``: what a copy-bound point pays), bytes over LRU's, hit rates
 and ``predictor_query_us_mean``. A pair is made only where both runs replayed the same trace
 (``trace_hash``); the script stops otherwise.
 """
@@ -62,13 +63,17 @@ def point_row(new: pd.DataFrame, old: pd.DataFrame, ttft: bool) -> list[str]:
     oa = old[old.system == "oracle_aggressive"].set_index("dataset.seed")
     n = new.set_index("dataset.seed")
     seeds = sorted(set(n.index) & set(ds.index) & set(oa.index))
-    gap = [(ds.loc[s, "tpot_ms_mean"] - n.loc[s, "tpot_ms_mean"])
-           / (ds.loc[s, "tpot_ms_mean"] - oa.loc[s, "tpot_ms_mean"]) for s in seeds]
+    def closed(col: str) -> list[float]:
+        return [(ds.loc[s, col] - n.loc[s, col]) / (ds.loc[s, col] - oa.loc[s, col])
+                for s in seeds]
+
+    gap, byte_gap = closed("tpot_ms_mean"), closed("h2d_bytes_total")
     byt = paired(new, old, "deepspeed", "h2d_bytes_total") / 100.0 + 1.0
     cells = [f"{new['copy_to_compute'].iloc[0]:.3g}", f"{best}",
              interval(paired(new, old, best, "tpot_ms_mean")),
              interval(paired(new, old, "finemoe", "ttft_ms_mean")) if ttft else "n/a",
              f"{np.mean(gap):.2f}" if seeds else "-",
+             f"{np.mean(byte_gap):.2f}" if seeds else "-",
              f"{np.mean(byt):.3f}",
              f"{new['hit_rate'].mean():.3f} / {ds['hit_rate'].mean():.3f} / "
              f"{oa['hit_rate'].mean():.3f}",
@@ -81,10 +86,10 @@ def main(shipped: str, fresh: str, system: str = "prefetch_if_pays") -> None:
     new = new[(new.system == system) & (new.status == "ok")]
     ttft = bool(new["ttft_ms_mean"].notna().any())
     head = ("| copy/compute | best exact | TPOT vs best exact, % | TTFT vs FineMoE, % | "
-            "gap LRU→oracle_aggr. closed | bytes / LRU | hit: this / LRU / oracle_aggr. | "
-            "query µs | n |")
+            "gap LRU→oracle_aggr. closed | byte gap closed | bytes / LRU | "
+            "hit: this / LRU / oracle_aggr. | query µs | n |")
     for cap, part in new.groupby("cache_capacity"):
-        print(f"\nbudget {cap:g}\n\n{head}\n|" + "---|" * 9)
+        print(f"\nbudget {cap:g}\n\n{head}\n|" + "---|" * 10)
         for link, pt in sorted(part.groupby("hardware.h2d_gbps"), key=lambda t: -t[0]):
             ref = old[(old["cache_capacity"] == cap) & (old["hardware.h2d_gbps"] == link)]
             print("| " + " | ".join(point_row(pt, ref, ttft)) + " |")
