@@ -55,7 +55,8 @@ _COLOURS = {"deepspeed": "tab:red", "finemoe": "tab:blue", "finemoe_no_semantic"
             "finemoe_cpu": "tab:cyan", "finemoe_cpu_no_semantic": "tab:cyan",
             # the rivals that prefetch, with the replay's execution.late_to_cpu (issue 27)
             "hybrimoe_late_cpu": "gold", "finemoe_cpu_late_cpu": "tab:gray",
-            "finemoe_cpu_no_semantic_late_cpu": "tab:gray", "prefetch_if_pays_cpu": "black"}
+            "finemoe_cpu_no_semantic_late_cpu": "tab:gray", "prefetch_if_pays_cpu": "black",
+            "prefetch_if_pays": "black"}
 
 
 def normalise(df: pd.DataFrame) -> pd.DataFrame:
