@@ -7,7 +7,14 @@ reads the runs at the profile's own link (:data:`LINK_GBPS`, where the embedded 
 copy/compute 0.27 and the real one at 3.6) and at the Fig. 10 budget. Per seed, paired as every
 other cell: TPOT against the best exact non-oracle system at that point (the lowest mean TPOT
 of :data:`EXACT`), TTFT against FineMoE's (where the trace has a prefill), and the share of the
-TPOT gap between on-demand LRU (``deepspeed``) and ``oracle_aggressive`` it closes. Torch-free.
+TPOT gap between on-demand LRU (``deepspeed``) and ``oracle_aggressive`` it closes.
+
+The ``f-cpu-*`` rows (:func:`beyond_cpu_rows`, claim ``beyond_cpu``: ``+experiment=
+regime_map_cpu`` and ``regime_map_cpu_real``) hold ``prefetch_if_pays_cpu``, the variant whose
+missed experts may run on the host CPU, against the best *other* system of the CPU map (every
+system there: copy-only, CPU placements and any variant a sweep added) at a CPU of the paper's
+era (:data:`CPU_GBPS`) and the Fig. 10 budget: TPOT against the lowest mean TPOT, TTFT against
+the lowest mean TTFT. Torch-free.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ EXACT = ("deepspeed", "mixtral_offloading", "promoe", "moe_infinity", "finemoe",
          "finemoe_no_semantic")
 LINK_GBPS = 32.0  #: ``hardware.h2d_gbps`` of the cells: rtx3090_pcie4's own link
 VERDICT = {-1: "**ahead**", 0: "**≈ 0**", 1: "**behind**"}
+CPU_SYSTEM = "prefetch_if_pays_cpu"  #: the ``f-cpu-*`` rows' system
+CPU_GBPS = 60.0  #: ``hardware.cpu.dram_gbps`` of those cells: a CPU of the paper's era
 
 
 def at_link(runs: pd.DataFrame) -> pd.DataFrame:
@@ -104,4 +113,48 @@ def beyond_rows(data: dict[tuple[str, Regime], Setting], row: type) -> list:
         out.append(row(f"f-{q}-{SYSTEM}", f"Beyond the paper (issue 27): {SYSTEM} {title} "
                        f"(cache {FIG10_BUDGET:.0%}, {LINK_GBPS:g} GB/s)",
                        "– (not in the paper)", cells))
+    return out
+
+
+def at_cpu(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs at :data:`CPU_GBPS` (all of them when the sweep has no CPU column)."""
+    col = "hardware.cpu.dram_gbps"
+    if col not in runs:
+        return runs
+    return runs[(pd.to_numeric(runs[col], errors="coerce") - CPU_GBPS).abs() < 1e-9]
+
+
+def best_other(runs: pd.DataFrame, metric: str) -> str | None:
+    """The system other than :data:`CPU_SYSTEM` of lowest mean ``metric`` (None: none)."""
+    names = runs["system"].dropna().astype(str).unique() if "system" in runs else []
+    means = {s: level(runs, "system", s, metric).mean for s in names if s != CPU_SYSTEM}
+    means = {s: m for s, m in means.items() if math.isfinite(m)}
+    return min(means, key=lambda s: means[s]) if means else None
+
+
+def _cpu_cell(runs: pd.DataFrame, metric: str) -> str:
+    if ok_rows(runs, "system", CPU_SYSTEM).empty:
+        return f"not measured: no run of {CPU_SYSTEM} at a {CPU_GBPS:g} GB/s CPU"
+    other = best_other(runs, metric)
+    st = paired(runs, "system", CPU_SYSTEM, other, metric) if other else Stat(math.nan, math.nan, 0)
+    if not st.ok():
+        return ("n/a: the trace has no prefill (TTFT not available)"
+                if metric == "ttft_ms_mean" else "n/a: no other system ran")
+    return f"{st.change()} {VERDICT[st.sign()]} vs {other}"
+
+
+def beyond_cpu_rows(data: dict[tuple[str, Regime], Setting], row: type) -> list:
+    """The ``f-cpu-*`` rows (module docstring); "not measured" where no CPU-map sweep of
+    the setting was given."""
+    out = []
+    for q, metric in (("tpot", "tpot_ms_mean"), ("ttft", "ttft_ms_mean")):
+        cells: dict[Regime, str] = {}
+        for regime in REGIMES:
+            s = data.get(("beyond_cpu", regime))
+            cells[regime] = ("not measured" if s is None
+                             else _cpu_cell(at_cpu(at_budget(s.runs, FIG10_BUDGET)), metric))
+        out.append(row(f"f-cpu-{q}-{CPU_SYSTEM}",
+                       f"Beyond the paper (issue 27): {CPU_SYSTEM} {q.upper()} vs the best "
+                       f"other system of the CPU map (cache {FIG10_BUDGET:.0%}, "
+                       f"{CPU_GBPS:g} GB/s CPU)", "– (not in the paper)", cells))
     return out

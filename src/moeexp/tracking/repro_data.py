@@ -51,6 +51,8 @@ CLAIMS: dict[str, tuple[str, ...]] = {
     "paper_testbed": ("fig10",),
     # beyond the paper: issue 27's system on the regime maps (moeexp.tracking.repro_beyond)
     "regime_map": ("beyond",), "regime_map_real": ("beyond",),
+    # ... and its CPU-execution variant on the CPU maps (repro_beyond.beyond_cpu_rows)
+    "regime_map_cpu": ("beyond_cpu",), "regime_map_cpu_real": ("beyond_cpu",),
 }
 
 #: The budget (fraction of expert memory) of the Fig. 10 comparison.

@@ -47,7 +47,7 @@ import pandas as pd
 from moeexp.atomic import write_text
 from moeexp.tracking.compare import PAPER_BASELINES, PAPER_CHANGES
 from moeexp.tracking.intervals import SEED_KEY
-from moeexp.tracking.repro_beyond import beyond_rows
+from moeexp.tracking.repro_beyond import beyond_cpu_rows, beyond_rows
 from moeexp.tracking.repro_data import (
     CLAIMS,
     FIG10_BUDGET,
@@ -281,7 +281,7 @@ def ablation_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
 def build_rows(data: dict[tuple[str, Regime], Setting]) -> list[Row]:
     """Every row of the table, in the paper's order, then the rows beyond the paper."""
     return (fig10_rows(data) + fig12_rows(data) + ablation_rows(data)
-            + beyond_rows(data, Row))
+            + beyond_rows(data, Row) + beyond_cpu_rows(data, Row))
 
 
 def old_why(text: str) -> dict[str, str]:
@@ -302,7 +302,7 @@ def _regime_line(data: dict[tuple[str, Regime], Setting]) -> str:
     parts = []
     for regime in REGIMES:
         vals = [s.runs["copy_to_compute"] for (c, r), s in data.items()
-                if r == regime and c != "beyond" and "copy_to_compute" in s.runs]
+                if r == regime and not c.startswith("beyond") and "copy_to_compute" in s.runs]
         ctc = pd.to_numeric(pd.concat(vals, ignore_index=True), errors="coerce").dropna() \
             if vals else pd.Series(dtype=float)
         parts.append(f"{regime}: {ctc.median():.3g}" if len(ctc) else f"{regime}: –")
@@ -314,7 +314,7 @@ def sources(data: dict[tuple[str, Regime], Setting]) -> str:
     """The sweep directories, commits, runs and seeds behind every (claim, setting)."""
     lines = ["| claim | setting | sweep dirs | commits | runs | seeds | test requests |",
              "|---|---|---|---|---|---|---|"]
-    order = ["fig10", "fig12", "cache", "predictor", "store", "beyond"]
+    order = ["fig10", "fig12", "cache", "predictor", "store", "beyond", "beyond_cpu"]
     for (claim, regime), s in sorted(data.items(), key=lambda kv: (
             order.index(kv[0][0]), list(REGIMES).index(kv[0][1]))):
         seeds = sorted({str(x) for x in s.runs.get(SEED_KEY, [])})
@@ -347,7 +347,9 @@ def render(rows: Sequence[Row], data: dict[tuple[str, Regime], Setting],
         "`>` it is worse; **holds** = every step `<`, **partly** = some `≈`, **differs** = "
         "some `>`. The `f-*` rows (beyond the paper, `moeexp.tracking.repro_beyond`) are "
         "`prefetch_if_pays`'s changes against the named system, paired the same way, from "
-        f"the regime-map sweeps at the profile's own link. {_regime_line(data)}\n")
+        f"the regime-map sweeps at the profile's own link; the `f-cpu-*` rows "
+        f"`prefetch_if_pays_cpu`'s against the best other system of the CPU maps at a "
+        f"60 GB/s CPU. {_regime_line(data)}\n")
     dirs = " ".join(dict.fromkeys(d for s in data.values() for d in s.dirs))
     return (f"{BEGIN}\n\n" + "\n".join(lines) + "\n" + legend + "\n**Sources** (regenerate "
             f"with `make reproduction SWEEPS=\"{dirs}\"`):\n\n" + sources(data) + f"\n{END}\n")

@@ -59,3 +59,53 @@ def test_gap_closed_is_per_seed_and_needs_all_three_systems(tmp_path: Path) -> N
     st = gap_closed(runs)
     assert st.n == 3 and st.mean == pytest.approx(0.475)
     assert not gap_closed(runs[runs.system != "oracle_aggressive"]).ok()
+
+
+# CPU map: TPOT / TTFT ms per system at a 60 GB/s CPU and 25 % (seed s adds s * 0.1 to the
+# CPU system's); at 200 GB/s and at 50 % everything is 100x, so those cells are never read
+CPU_TPOT = {"deepspeed": 20.0, "ktransformers": 10.0, "hybrimoe_late_cpu": 11.0,
+            "prefetch_if_pays_cpu": 9.0}
+CPU_TTFT = {"deepspeed": 200.0, "ktransformers": 120.0, "hybrimoe_late_cpu": 100.0,
+            "prefetch_if_pays_cpu": 99.0}
+
+
+def _cpu_map(model: str = "tiny", exp: str = "regime_map_cpu") -> list[dict[str, object]]:
+    rows = []
+    for seed in range(3):
+        for bw in (60.0, 200.0):
+            for cap in (0.25, 0.5):
+                for system, tpot in CPU_TPOT.items():
+                    k = (1.0 if (bw, cap) == (60.0, 0.25) else 100.0)
+                    d = 0.1 * seed if system == "prefetch_if_pays_cpu" else 0.0
+                    rows.append({"dataset.seed": seed, "system": system, "experiment": exp,
+                                 "model": model, "cost_as_model": "mixtral_8x7b"
+                                 if model == "tiny" else "", "status": "ok",
+                                 "cache_capacity": cap, "hardware.cpu.dram_gbps": bw,
+                                 "tpot_ms_mean": (tpot + d) * k,
+                                 "ttft_ms_mean": (CPU_TTFT[system] + d) * k if model == "tiny"
+                                 else float("nan"), "copy_to_compute": 12.0})
+    return rows
+
+
+def test_cpu_rows_pair_the_cpu_system_against_the_best_other_one(tmp_path: Path) -> None:
+    """f-cpu-*: prefetch_if_pays_cpu at a 60 GB/s CPU and 25 % against the lowest mean TPOT
+    (ktransformers) and the lowest mean TTFT (hybrimoe_late_cpu) of every other system, per
+    seed; the embedded CPU map sits in the projected setting (Mixtral cost), the real one in
+    the real setting, which has no TTFT; settings without a CPU map: not measured."""
+    data = load([_sweep(tmp_path, "cpu", _cpu_map()),
+                 _sweep(tmp_path, "cpu_real", _cpu_map("gpt_oss_20b", "regime_map_cpu_real"))])
+    assert sorted(data) == [("beyond_cpu", "projected"), ("beyond_cpu", "real")]
+    rows = {r.rid: r for r in build_rows(data) if r.rid.startswith("f-cpu-")}
+    tpot = rows["f-cpu-tpot-prefetch_if_pays_cpu"].cells
+    # 9.0 / 9.1 / 9.2 against 10.0: -10, -9, -8 %
+    assert tpot["projected"].startswith("-9.0 % [") and "**ahead** vs ktransformers" in tpot["projected"]
+    assert "vs ktransformers" in tpot["real"] and tpot["embedded"] == "not measured"
+    ttft = rows["f-cpu-ttft-prefetch_if_pays_cpu"].cells
+    # 99.0 / 99.1 / 99.2 against 100: the interval holds 0 only if it spans it; it does not
+    assert "vs hybrimoe_late_cpu" in ttft["projected"]
+    assert ttft["real"].startswith("n/a: the trace has no prefill")
+    # without the CPU system's runs the cell says so
+    other = load([_sweep(tmp_path, "cpu2", [r for r in _cpu_map()
+                                             if r["system"] != "prefetch_if_pays_cpu"])])
+    cells = {r.rid: r for r in build_rows(other)}["f-cpu-tpot-prefetch_if_pays_cpu"].cells
+    assert cells["projected"].startswith("not measured: no run of prefetch_if_pays_cpu")
