@@ -20,6 +20,7 @@ the lowest mean TTFT. Torch-free.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import pandas as pd
 
@@ -48,20 +49,29 @@ CPU_SYSTEM = "prefetch_if_pays_cpu"  #: the ``f-cpu-*`` rows' system
 CPU_GBPS = 60.0  #: ``hardware.cpu.dram_gbps`` of those cells: a CPU of the paper's era
 
 
-def at_link(runs: pd.DataFrame) -> pd.DataFrame:
-    """The runs at :data:`LINK_GBPS` (all of them when the sweep has no link column)."""
-    col = "hardware.h2d_gbps"
+def _at(runs: pd.DataFrame, col: str, value: float) -> pd.DataFrame:
+    """The runs whose ``col`` is ``value`` (all of them when the sweep has no such column)."""
     if col not in runs:
         return runs
-    return runs[(pd.to_numeric(runs[col], errors="coerce") - LINK_GBPS).abs() < 1e-9]
+    return runs[(pd.to_numeric(runs[col], errors="coerce") - value).abs() < 1e-9]
+
+
+def at_link(runs: pd.DataFrame) -> pd.DataFrame:
+    """The runs at :data:`LINK_GBPS` (all of them when the sweep has no link column)."""
+    return _at(runs, "hardware.h2d_gbps", LINK_GBPS)
+
+
+def _lowest(runs: pd.DataFrame, names: Iterable[str], metric: str) -> str | None:
+    """Of ``names``, the system of lowest mean ``metric`` among ``runs`` (None: none ran)."""
+    means = {s: level(runs, "system", s, metric).mean for s in names
+             if not ok_rows(runs, "system", s).empty}
+    means = {s: m for s, m in means.items() if math.isfinite(m)}
+    return min(means, key=lambda s: means[s]) if means else None
 
 
 def best_exact(runs: pd.DataFrame) -> str | None:
     """The exact non-oracle system of lowest mean TPOT among ``runs`` (None: none ran)."""
-    means = {s: level(runs, "system", s, "tpot_ms_mean").mean for s in EXACT
-             if s != SYSTEM and not ok_rows(runs, "system", s).empty}
-    means = {s: m for s, m in means.items() if math.isfinite(m)}
-    return min(means, key=lambda s: means[s]) if means else None
+    return _lowest(runs, (s for s in EXACT if s != SYSTEM), "tpot_ms_mean")
 
 
 def gap_closed(runs: pd.DataFrame) -> Stat:
@@ -118,18 +128,13 @@ def beyond_rows(data: dict[tuple[str, Regime], Setting], row: type) -> list:
 
 def at_cpu(runs: pd.DataFrame) -> pd.DataFrame:
     """The runs at :data:`CPU_GBPS` (all of them when the sweep has no CPU column)."""
-    col = "hardware.cpu.dram_gbps"
-    if col not in runs:
-        return runs
-    return runs[(pd.to_numeric(runs[col], errors="coerce") - CPU_GBPS).abs() < 1e-9]
+    return _at(runs, "hardware.cpu.dram_gbps", CPU_GBPS)
 
 
 def best_other(runs: pd.DataFrame, metric: str) -> str | None:
     """The system other than :data:`CPU_SYSTEM` of lowest mean ``metric`` (None: none)."""
     names = runs["system"].dropna().astype(str).unique() if "system" in runs else []
-    means = {s: level(runs, "system", s, metric).mean for s in names if s != CPU_SYSTEM}
-    means = {s: m for s, m in means.items() if math.isfinite(m)}
-    return min(means, key=lambda s: means[s]) if means else None
+    return _lowest(runs, (s for s in names if s != CPU_SYSTEM), metric)
 
 
 def _cpu_cell(runs: pd.DataFrame, metric: str) -> str:

@@ -47,7 +47,7 @@ import pandas as pd
 from moeexp.atomic import write_text
 from moeexp.tracking.compare import PAPER_BASELINES, PAPER_CHANGES
 from moeexp.tracking.intervals import SEED_KEY
-from moeexp.tracking.repro_beyond import beyond_cpu_rows, beyond_rows
+from moeexp.tracking.repro_beyond import CPU_GBPS, beyond_cpu_rows, beyond_rows
 from moeexp.tracking.repro_data import (
     CLAIMS,
     FIG10_BUDGET,
@@ -349,7 +349,7 @@ def render(rows: Sequence[Row], data: dict[tuple[str, Regime], Setting],
         "`prefetch_if_pays`'s changes against the named system, paired the same way, from "
         f"the regime-map sweeps at the profile's own link; the `f-cpu-*` rows "
         f"`prefetch_if_pays_cpu`'s against the best other system of the CPU maps at a "
-        f"60 GB/s CPU. {_regime_line(data)}\n")
+        f"{CPU_GBPS:g} GB/s CPU. {_regime_line(data)}\n")
     dirs = " ".join(dict.fromkeys(d for s in data.values() for d in s.dirs))
     return (f"{BEGIN}\n\n" + "\n".join(lines) + "\n" + legend + "\n**Sources** (regenerate "
             f"with `make reproduction SWEEPS=\"{dirs}\"`):\n\n" + sources(data) + f"\n{END}\n")
