@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 
 MODEL = "gpt_oss_20b"
 SYSTEMS: tuple[str, ...] = ("no_offload", "deepspeed", "mixtral_offloading", "moe_infinity",
-                            "finemoe", "oracle")
+                            "finemoe", "prefetch_if_pays", "oracle")
 CAPACITIES: tuple[float, ...] = (0.125, 0.25, 0.5)
 #: The dry run's arch: gpt-oss-20b's L, J, K (the trace's) with everything else shrunk.
 DRY_ARCH = {"hidden_size": 64, "intermediate_size": 64, "num_attention_heads": 4,
@@ -62,7 +62,7 @@ ROW_KEYS = ("tpot_ms_mean", "hit_rate", "h2d_bytes_total", "stall_ms_total",
             "stall_demand_ms_total", "stall_late_prefetch_ms_total", "stall_link_ms_total",
             "h2d_demand_bytes_per_token", "prefetch_used_bytes_per_token",
             "prefetch_waste_bytes_per_token", "prefetches_issued", "demand_loads_total",
-            "prediction_recall", "accesses_total")
+            "prediction_recall", "accesses_total", "predictor_query_us_mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,7 +343,7 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
     t0 = time.perf_counter()
     est = engine_settings(settings, bandwidth_bps=emulated_bps)
     with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, est, system=system,
-                         routing=replay) as om:
+                         routing=replay, cost=cost) as om:
         series = replay_requests(om, replay, prompt_kv=True)
         em = om.metrics()
     wall = time.perf_counter() - t0
@@ -417,11 +417,11 @@ def _summary_md(res: dict[str, Any]) -> str:
         lines.append(f"- {k}: " + ", ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}"
                                             for a, b in res[k].items()))
     lines += ["", "| system | capacity | engine TPOT ms | sim TPOT ms | TPOT err % | engine hit | "
-              "sim hit | engine H2D GB | stall demand/late/link ms | status |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+              "sim hit | engine H2D GB | stall demand/late/link ms | predictor µs/call | status |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["systems"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['system']} | {r['capacity']:.3f} | | | | | | | | {r['reason']} |")
+            lines.append(f"| {r['system']} | {r['capacity']:.3f} | | | | | | | | | {r['reason']} |")
             continue
         lines.append(
             f"| {r['system']} | {r['capacity']:.3f} | {r['engine_tpot_ms_mean']:.2f} | "
@@ -429,7 +429,7 @@ def _summary_md(res: dict[str, Any]) -> str:
             f"{r['engine_hit_rate']:.3f} | {r['sim_hit_rate']:.3f} | "
             f"{r['engine_h2d_bytes_total'] / 1e9:.3f} | {r['engine_stall_demand_ms_total']:.1f}/"
             f"{r['engine_stall_late_prefetch_ms_total']:.1f}/{r['engine_stall_link_ms_total']:.1f}"
-            f" | ok |")
+            f" | {r['engine_predictor_query_us_mean']:.0f} | ok |")
     lines += ["", f"simulator TPOT error, mean over systems: {res['tpot_error_pct_mean']:.1f} %",
               ""]
     return "\n".join(lines)
@@ -497,6 +497,31 @@ def run() -> dict[str, Any]:
                        "moeexp.bench.real_scale --dry-run for its CPU check)")
 
 
+def _systems_arg(text: str) -> tuple[str, ...]:
+    """``--systems``: each name a ``conf/system`` YAML (ConfigError naming the valid ones)."""
+    from moeexp.paths import group_options
+
+    valid = group_options("system")
+    names = tuple(n.strip() for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in valid]
+    if not names or bad:
+        raise ConfigError(f"--systems: unknown system(s) {bad or [text]}; valid: "
+                          f"{', '.join(sorted(valid))}")
+    return names
+
+
+def _capacities_arg(text: str) -> tuple[float, ...]:
+    """``--capacities``: fractions of expert memory in (0, 1] (ConfigError otherwise)."""
+    try:
+        caps = tuple(float(c) for c in text.split(",") if c.strip())
+    except ValueError:
+        caps = ()
+    if not caps or any(not 0 < c <= 1 for c in caps):
+        raise ConfigError(f"--capacities: {text!r} is not a comma-separated list of fractions "
+                          "of expert memory in (0, 1], e.g. 0.25,0.5")
+    return caps
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m moeexp.bench.real_scale",
                                  description=__doc__.split("\n")[0])
@@ -507,12 +532,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--test-requests", type=int, default=None)
     ap.add_argument("--passes", type=int, default=None)
+    ap.add_argument("--systems", default=None,
+                    help=f"comma-separated systems (default: {','.join(SYSTEMS)})")
+    ap.add_argument("--capacities", default=None,
+                    help="comma-separated fractions of expert memory, each in (0, 1] "
+                         f"(default: {','.join(str(c) for c in CAPACITIES)})")
+    ap.add_argument("--max-wall-s", type=float, default=None,
+                    help="no new system run starts after this many seconds (default 480)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     out = args.out or Path("results/real_scale") / time.strftime("%Y-%m-%d_%H-%M-%S")
     s = Settings.dry(out) if args.dry_run else Settings(out=out, device=args.device)
-    over = {k: v for k, v in (("test_requests", args.test_requests), ("passes", args.passes))
-            if v is not None}
+    over: dict[str, Any] = {k: v for k, v in (("test_requests", args.test_requests),
+                                               ("passes", args.passes),
+                                               ("max_wall_s", args.max_wall_s)) if v is not None}
+    if args.systems is not None:
+        over["systems"] = _systems_arg(args.systems)
+    if args.capacities is not None:
+        over["capacities"] = _capacities_arg(args.capacities)
     s = dataclasses.replace(s, **over)
     res = run_real_scale(s)
     sys.stdout.write(_summary_md(res) + f"\noutputs in {out}\n")

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 from moeexp.bench import real_scale
+from moeexp.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +40,7 @@ def test_dry_run_rows(dry) -> None:
     byte and always hits."""
     _, res = dry
     rows = {(r["system"], r["capacity"]): r for r in res["systems"]}
-    assert len(rows) == 1 + 5 * 3
+    assert len(rows) == 1 + 6 * 3
     for cap in real_scale.CAPACITIES:
         na = rows[("mixtral_offloading", cap)]
         assert na["status"] == "not_applicable" and "speculative" in na["reason"]
@@ -47,12 +48,16 @@ def test_dry_run_rows(dry) -> None:
         ds = rows[("deepspeed", cap)]
         assert ds["engine_hit_rate"] == ds["sim_hit_rate"]
         assert ds["engine_h2d_bytes_total"] == ds["sim_h2d_bytes_total"] > 0
-        for system in ("deepspeed", "moe_infinity", "finemoe_no_semantic", "oracle"):
+        for system in ("deepspeed", "moe_infinity", "finemoe_no_semantic", "prefetch_if_pays",
+                       "oracle"):
             r = rows[(system, cap)]
             assert np.isfinite(r["engine_tpot_ms_mean"]) and np.isfinite(r["tpot_error_pct"])
             parts = (r["engine_stall_demand_ms_total"] + r["engine_stall_late_prefetch_ms_total"]
                      + r["engine_stall_link_ms_total"])
             assert parts == pytest.approx(r["engine_stall_ms_total"], rel=1e-6, abs=1e-9)
+        # issue 27's policy is handed the calibrated cost model and its decisions are timed
+        assert rows[("prefetch_if_pays", cap)]["engine_predictor_query_us_mean"] > 0
+        assert rows[("prefetch_if_pays", cap)]["engine_prefetches_issued"] > 0
     ref = rows[("no_offload", 1.0)]
     assert ref["engine_hit_rate"] == 1.0 and ref["engine_h2d_bytes_total"] == 0.0
     assert res["h2d"]["h2d_engine_gbps"] > 0 and res["h2d"]["h2d_plain_gbps"] > 0
@@ -97,3 +102,20 @@ def test_failed_calibration_keeps_the_engine_numbers(tmp_path, monkeypatch) -> N
     assert np.isnan(row["sim_tpot_ms_mean"]) and np.isnan(row["tpot_error_pct"])
     assert np.isnan(res["tpot_error_pct_mean"])
     assert (tmp_path / "summary.md").is_file()
+
+
+def test_flags_pick_systems_and_capacities(tmp_path) -> None:
+    """--systems and --capacities narrow the run; a misspelled system or a capacity out of
+    (0, 1] is refused, naming what is valid."""
+    out = tmp_path / "one"
+    assert real_scale.main(["--dry-run", "--out", str(out), "--systems", "deepspeed",
+                            "--capacities", "0.5", "--max-wall-s", "300"]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert [(r["system"], r["capacity"]) for r in res["systems"]] == [("deepspeed", 0.5)]
+    assert res["settings"]["max_wall_s"] == 300
+    with pytest.raises(ConfigError, match="valid: .*prefetch_if_pays"):
+        real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--systems", "lru_typo"])
+    for bad in ("0", "1.5", "a,b", ""):
+        with pytest.raises(ConfigError, match="fractions of expert memory"):
+            real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--capacities", bad])
+    assert not (tmp_path / "x").exists()
