@@ -84,6 +84,9 @@ class Settings:
     copy_repeats: int = 4
     seed: int = 0
     max_wall_s: float = 480.0  # no new system run starts after this (the lease is 10 min)
+    #: a calibration.json of an earlier run of this model (its out folder) used instead of
+    #: profiling the engine in this process; None = profile (and save calibration.json)
+    calibration: Path | None = None
     #: CPU only: the engine's emulated host-to-device link (bytes/s), also in the profile;
     #: a CPU memcpy of a small expert is all noise, its fitted bandwidth undefined
     emulated_bps: float | None = None
@@ -209,12 +212,36 @@ def _calibrate(model: Any, adapter: Any, s: Settings) -> tuple[Any, dict[str, fl
     calib = fit_profile(samples, num_layers=dims.num_layers, hidden_size=dims.hidden_size,
                         intermediate_size=dims.intermediate_size, expert_bytes=dims.expert_bytes,
                         meta={"device": str(device), "model": MODEL})
-    cost = CalibratedCostModel.from_calibration(calib, dims, dtype_bytes=2)
+    calib.save(s.out / "calibration.json")  # reusable: --calibration
+    return CalibratedCostModel.from_calibration(calib, dims, dtype_bytes=2), _fit_summary(calib)
+
+
+def _fit_summary(calib: Any) -> dict[str, float]:
+    """The fitted coefficients results.json and summary.md report (µs, GB/s)."""
     fit = {f"calib_{k[:-2]}_us": getattr(calib, k) * 1e6
            for k in ("layer_s", "dense_token_s", "expert_s", "expert_token_s", "decode_pass_s",
                      "copy_latency_s")}
     fit["calib_copy_gbps"] = calib.copy_bytes_per_s / 1e9
-    return cost, fit
+    return fit
+
+
+def _load_calibration(path: Path, adapter: Any) -> tuple[Any, dict[str, Any]]:
+    """A saved calibration (an earlier run's ``calibration.json``) as the cost model, checked
+    against this model's dimensions (ConfigError naming the mismatch)."""
+    from moeexp.costmodel.fitted import CalibratedCostModel, CalibratedProfile
+    from moeexp.traces.recorder import trace_dims
+
+    calib = CalibratedProfile.load(path)
+    dims = trace_dims(adapter, 0)
+    want = {"num_layers": dims.num_layers, "hidden_size": dims.hidden_size,
+            "intermediate_size": dims.intermediate_size, "expert_bytes": dims.expert_bytes}
+    bad = {k: (getattr(calib, k), v) for k, v in want.items() if getattr(calib, k) != v}
+    if bad:
+        raise ConfigError(f"--calibration {path}: fitted on another model ("
+                          + ", ".join(f"{k} {a} there, {b} here" for k, (a, b) in bad.items())
+                          + "); use a calibration.json of a run with the same settings")
+    cost = CalibratedCostModel.from_calibration(calib, dims, dtype_bytes=2)
+    return cost, {**_fit_summary(calib), "calib_file": str(path)}
 
 
 def _plain_tpot_ms(model: Any, adapter: Any, test: Any) -> float:
@@ -452,14 +479,18 @@ def run_real_scale(s: Settings) -> dict[str, Any]:
         "environment": _environment(s.device), "model_build_s": built,
         "model": adapter.describe(), "test_requests": len(test.requests), "passes": s.passes,
         "store_requests": len(store.requests)}
+    loaded = _load_calibration(s.calibration, adapter) if s.calibration is not None else None
     res["h2d"] = _h2d_bandwidth(model, adapter, s)
     _free_device()
     cost: Any = None
     fits, why = _fits_on_device(model, adapter)  # the profile holds every expert resident
     try:
-        if not fits:
+        if loaded is not None:
+            cost, res["calibration"] = loaded
+        elif not fits:
             raise ConfigError(f"the calibration profiles every expert resident: {why}")
-        cost, res["calibration"] = _calibrate(model, adapter, s)
+        else:
+            cost, res["calibration"] = _calibrate(model, adapter, s)
     except (ConfigError, torch.cuda.OutOfMemoryError) as exc:  # keep the engine's numbers
         log.error("calibration failed, the simulator is skipped: %s", exc)
         res["calibration"] = {"error": str(exc)}
@@ -537,6 +568,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacities", default=None,
                     help="comma-separated fractions of expert memory, each in (0, 1] "
                          f"(default: {','.join(str(c) for c in CAPACITIES)})")
+    ap.add_argument("--calibration", type=Path, default=None,
+                    help="an earlier run's calibration.json, used instead of profiling the "
+                         "engine in this process")
     ap.add_argument("--max-wall-s", type=float, default=None,
                     help="no new system run starts after this many seconds (default 480)")
     args = ap.parse_args(argv)
@@ -545,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
     s = Settings.dry(out) if args.dry_run else Settings(out=out, device=args.device)
     over: dict[str, Any] = {k: v for k, v in (("test_requests", args.test_requests),
                                                ("passes", args.passes),
-                                               ("max_wall_s", args.max_wall_s)) if v is not None}
+                                               ("max_wall_s", args.max_wall_s),
+                                               ("calibration", args.calibration))
+                           if v is not None}
     if args.systems is not None:
         over["systems"] = _systems_arg(args.systems)
     if args.capacities is not None:

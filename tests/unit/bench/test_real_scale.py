@@ -24,7 +24,8 @@ def test_dry_run_writes_one_folder_labelled_not_exact(dry) -> None:
     exact), ran on the CPU at reduced size, and started each decode-only request with its
     prompt's length in the KV cache."""
     out, res = dry
-    assert {p.name for p in out.iterdir()} == {"results.json", "systems.csv", "summary.md"}
+    assert {p.name for p in out.iterdir()} == {"results.json", "systems.csv", "summary.md",
+                                               "calibration.json"}
     assert res["routing_source"] == "replay" and res["exact"] is False
     assert res["replay_prompt_in_kv"] is True
     assert res["settings"]["dry_run"] is True and res["settings"]["device"] == "cpu"
@@ -118,4 +119,28 @@ def test_flags_pick_systems_and_capacities(tmp_path) -> None:
     for bad in ("0", "1.5", "a,b", ""):
         with pytest.raises(ConfigError, match="fractions of expert memory"):
             real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--capacities", bad])
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_saved_calibration_is_reused_and_checked(dry, tmp_path) -> None:
+    """--calibration reuses an earlier run's calibration.json (no profiling in this
+    process: the same fitted coefficients); one of another model is refused, naming the
+    mismatch, before anything runs."""
+    out, res = dry
+    again = tmp_path / "again"
+    assert real_scale.main(["--dry-run", "--out", str(again), "--systems", "deepspeed",
+                            "--capacities", "0.5", "--calibration",
+                            str(out / "calibration.json")]) == 0
+    res2 = json.loads((again / "results.json").read_text())
+    assert res2["calibration"]["calib_file"] == str(out / "calibration.json")
+    for k, v in res["calibration"].items():
+        assert res2["calibration"][k] == v
+    assert not (again / "calibration.json").exists()
+    assert np.isfinite(res2["systems"][0]["sim_tpot_ms_mean"])
+    other = json.loads((out / "calibration.json").read_text())
+    other["hidden_size"] += 1
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match="hidden_size 65 there, 64 here"):
+        real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--calibration",
+                         str(tmp_path / "other.json")])
     assert not (tmp_path / "x").exists()
