@@ -193,6 +193,10 @@ class Engine:
         self.queue = self.queues[0]
         self.psets = PredictionSets()
         self.jobs: dict[Key, CopyJob] = {}
+        #: the jobs of ``jobs`` whose copy may not have landed (a landed copy stays landed:
+        #: :meth:`_in_flight` drops it, so the scans for copies in flight cost what is in
+        #: flight, not every resident expert)
+        self._unlanded: dict[Key, CopyJob] = {}
         self.unused_prefetch: set[Key] = set()
         self.cur_layer = -1
         self.protected: set[Key] = set()
@@ -308,6 +312,7 @@ class Engine:
     # ---- residency (call with the lock held) ------------------------------------------
     def _evict(self, key: Key) -> None:
         job = self.jobs.pop(key, None)
+        self._unlanded.pop(key, None)
         if job is not None and not self.copier.is_ready(job):
             raise RuntimeError(f"{self.cache.name} evicted {key} while its copy is in flight")
         if key in self.unused_prefetch:
@@ -320,8 +325,21 @@ class Engine:
     def _protect(self, keys: set[Key]) -> set[Key]:
         """``keys`` plus every key whose copy has not landed (their slots are being written)
         and the execution policy's pinned experts."""
-        out = keys | {k for k, j in self.jobs.items() if not self.copier.is_ready(j)}
+        out = keys | self._in_flight().keys()
         return out | self.pinned if self.pinned else out
+
+    def _track(self, key: Key, job: CopyJob) -> None:
+        """``key``'s copy is ``job`` (lock held)."""
+        self.jobs[key] = job
+        self._unlanded[key] = job
+
+    def _in_flight(self) -> dict[Key, CopyJob]:
+        """The jobs whose copy has not landed (lock held; the live mapping: copy it before
+        releasing the lock). A job found landed leaves it for good."""
+        done = [k for k, j in self._unlanded.items() if self.copier.is_ready(j)]
+        for k in done:
+            del self._unlanded[k]
+        return self._unlanded
 
     def _account_slot(self) -> None:
         used = self.pool.occupied * self.spec.nbytes
@@ -353,7 +371,7 @@ class Engine:
                     self._evict(victim)
                 slot = self.pool.assign(key)
                 job = self.copiers[dev].started_prefetch(key, slot)
-                self.jobs[key] = job
+                self._track(key, job)
                 self.cache.on_insert(key, self.next_access, True)
                 self.unused_prefetch.add(key)
                 self.counters.prefetches += 1
@@ -371,7 +389,7 @@ class Engine:
                     raise ConfigError(f"{self.cache.name}: initial residents exceed the "
                                       f"capacity of {self.pool.num_slots} slots")
                 slot = self.pool.assign(key)
-                self.jobs[key] = self.link_of(key).submit(key, slot)
+                self._track(key, self.link_of(key).submit(key, slot))
                 self.cache.on_insert(key, 0, False)
                 self.counters.preload_bytes += self.spec.nbytes
                 self.preload_by_device[self.device_of(key)] += self.spec.nbytes
@@ -470,7 +488,7 @@ class Engine:
         as wasted), as the simulator's ``Device.flush``."""
         paused, self.paused = self.paused, True
         try:
-            pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
+            pending = list(self._in_flight().values())
             if pending:
                 self._wait_unlocked(pending)
             for key in list(self.pool.slot_of):
@@ -601,7 +619,7 @@ class Engine:
         job = self.link_of(key).submit(key, slot, after=self._demand_tail)
         if self.chain_demand:  # one blocking demand thread: the next copy waits for this one
             self._demand_tail = job
-        self.jobs[key] = job
+        self._track(key, job)
         self.cache.on_insert(key, now, False)
         self.counters.demand_loads += 1
         self._account_slot()
@@ -622,7 +640,7 @@ class Engine:
         self._settling = True
         try:
             while True:
-                pending = [j for j in self.jobs.values() if not self.copier.is_ready(j)]
+                pending = list(self._in_flight().values())
                 if (not any(self.queues) or self.paused) and not pending:
                     return
                 self.wake_all()
@@ -637,8 +655,7 @@ class Engine:
         need it to collect them) and let the caller ask the policy again. Returns False
         when no copy is in flight (then nothing can free a slot). Prefetching resumes after
         the layer (:meth:`resume_prefetch`)."""
-        pending = [j for k, j in self.jobs.items()
-                   if k not in unreleased and not self.copier.is_ready(j)]
+        pending = [j for k, j in self._in_flight().items() if k not in unreleased]
         if not pending:
             return False
         self.paused = True
