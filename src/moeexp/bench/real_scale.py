@@ -26,6 +26,10 @@ environment, the settings), ``systems.csv`` (one row per system and capacity) an
 ``summary.md``. Results say ``routing_source: replay``, ``exact: false``: the model's
 weights are random, its routing the trace's.
 
+``--profile SYSTEM:CAPACITY``: after the systems, that system's engine run again under
+torch.profiler (the first test request's first 4 passes): ``profile_<system>_<cap>.txt``
+(operators by self CPU and device time) and ``.json`` (a Chrome trace of every thread).
+
 ``--dry-run``: the same code path on the CPU at a reduced size (gpt-oss's 24 layers, 32
 experts and top-4, hidden size 64, vocabulary 512), a few short requests: a check that the
 script runs, not a result.
@@ -87,6 +91,10 @@ class Settings:
     #: a calibration.json of an earlier run of this model (its out folder) used instead of
     #: profiling the engine in this process; None = profile (and save calibration.json)
     calibration: Path | None = None
+    #: (system, capacity) whose engine run is profiled again with torch.profiler (the
+    #: first request's first ``profile_passes`` passes), after the systems; None = none
+    profile: tuple[str, float] | None = None
+    profile_passes: int = 4
     #: CPU only: the engine's emulated host-to-device link (bytes/s), also in the profile;
     #: a CPU memcpy of a small expert is all noise, its fitted bandwidth undefined
     emulated_bps: float | None = None
@@ -417,6 +425,51 @@ def _systems(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
     return rows
 
 
+def _profile_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
+                    s: Settings) -> dict[str, Any]:
+    """torch.profiler over the engine serving ``s.profile``'s system at its capacity on the
+    first test request's first ``s.profile_passes`` passes: ``profile_<system>_<cap>.txt``
+    (the operators by self CPU time, then by self device time where there is a device) and
+    ``profile_<system>_<cap>.json`` (a Chrome trace: the compute, copy and worker threads
+    side by side). Returns where they are and the passes' TPOT."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from moeexp.engine.build import build_offloaded, engine_settings
+    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
+
+    assert s.profile is not None
+    system, cap = s.profile
+    one = truncate(test, 1, s.profile_passes)
+    if system == "finemoe" and "embed" not in one.capabilities:
+        system = "finemoe_no_semantic"
+    pred, pol, _, settings, lacks = _fitted(system, cap, store, one.dims, {})
+    if lacks:
+        return {"system": system, "capacity": cap,
+                "reason": f"not applicable: the trace lacks {', and '.join(lacks)}"}
+    cuda = next(model.parameters()).device.type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    replay = RoutingReplay(one, adapter)
+    est = engine_settings(settings, bandwidth_bps=s.emulated_bps)
+    with build_offloaded(model, adapter, copy.deepcopy(pred), pol, est, system=system,
+                         routing=replay, cost=cost) as om, profile(activities=acts) as prof:
+        series = replay_requests(om, replay, prompt_kv=True)
+    _free_device()
+    stem = f"profile_{system}_{cap:g}"
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+    if cuda:
+        table += "\n\n" + prof.key_averages().table(sort_by="self_device_time_total",
+                                                    row_limit=25)
+    write_text(s.out / f"{stem}.txt", table + "\n")
+    prof.export_chrome_trace(str(s.out / f"{stem}.json.part"))
+    (s.out / f"{stem}.json.part").replace(s.out / f"{stem}.json")  # atomic, as write_text
+    if cuda:
+        torch.cuda.synchronize()
+    return {"system": system, "capacity": cap, "passes": s.profile_passes,
+            "tpot_ms": float(np.mean(series.tpot_ms)), "table": f"{stem}.txt",
+            "trace": f"{stem}.json"}
+
+
 def _environment(device: str) -> dict[str, Any]:
     import platform
 
@@ -459,6 +512,11 @@ def _summary_md(res: dict[str, Any]) -> str:
             f" | {r['engine_predictor_query_us_mean']:.0f} | ok |")
     lines += ["", f"simulator TPOT error, mean over systems: {res['tpot_error_pct_mean']:.1f} %",
               ""]
+    if "profile" in res:
+        pr = res["profile"]
+        lines += [f"profile: {pr['system']} at {pr['capacity']:g}: "
+                  + (f"{pr['passes']} passes, TPOT {pr['tpot_ms']:.2f} ms under the profiler; "
+                     f"{pr['table']}, {pr['trace']}" if "table" in pr else pr["reason"]), ""]
     return "\n".join(lines)
 
 
@@ -503,6 +561,8 @@ def run_real_scale(s: Settings) -> dict[str, Any]:
     res["overhead"] = {"plain_tpot_ms": plain, "engine_no_offload_tpot_ms": eng,
                        "engine_over_plain": eng / plain if plain > 0 else float("nan")}
     res["systems"] = rows
+    if s.profile is not None:
+        res["profile"] = _profile_system(model, adapter, store, test, cost, s)
     ok = [r["tpot_error_pct"] for r in rows if r["status"] == "ok"
           and np.isfinite(r["tpot_error_pct"])]
     res["tpot_error_pct_mean"] = float(np.mean(ok)) if ok else float("nan")
@@ -541,6 +601,14 @@ def _systems_arg(text: str) -> tuple[str, ...]:
     return names
 
 
+def _profile_arg(text: str) -> tuple[str, float]:
+    """``--profile SYSTEM:CAPACITY`` (ConfigError naming what is valid)."""
+    name, sep, cap = text.partition(":")
+    if not sep:
+        raise ConfigError(f"--profile: {text!r} is not SYSTEM:CAPACITY, e.g. oracle:0.5")
+    return _systems_arg(name)[0], _capacities_arg(cap)[0]
+
+
 def _capacities_arg(text: str) -> tuple[float, ...]:
     """``--capacities``: fractions of expert memory in (0, 1] (ConfigError otherwise)."""
     try:
@@ -571,6 +639,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", type=Path, default=None,
                     help="an earlier run's calibration.json, used instead of profiling the "
                          "engine in this process")
+    ap.add_argument("--profile", default=None, metavar="SYSTEM:CAPACITY",
+                    help="after the systems, profile this system's engine run with "
+                         "torch.profiler (the first request's first 4 passes), e.g. oracle:0.5")
     ap.add_argument("--max-wall-s", type=float, default=None,
                     help="no new system run starts after this many seconds (default 480)")
     args = ap.parse_args(argv)
@@ -586,6 +657,8 @@ def main(argv: list[str] | None = None) -> int:
         over["systems"] = _systems_arg(args.systems)
     if args.capacities is not None:
         over["capacities"] = _capacities_arg(args.capacities)
+    if args.profile is not None:
+        over["profile"] = _profile_arg(args.profile)
     s = dataclasses.replace(s, **over)
     res = run_real_scale(s)
     sys.stdout.write(_summary_md(res) + f"\noutputs in {out}\n")

@@ -110,10 +110,20 @@ def test_flags_pick_systems_and_capacities(tmp_path) -> None:
     (0, 1] is refused, naming what is valid."""
     out = tmp_path / "one"
     assert real_scale.main(["--dry-run", "--out", str(out), "--systems", "deepspeed",
-                            "--capacities", "0.5", "--max-wall-s", "300"]) == 0
+                            "--capacities", "0.5", "--max-wall-s", "300",
+                            "--profile", "oracle:0.25"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert [(r["system"], r["capacity"]) for r in res["systems"]] == [("deepspeed", 0.5)]
     assert res["settings"]["max_wall_s"] == 300
+    # --profile: the oracle's engine run again under torch.profiler, a table and a trace
+    pr = res["profile"]
+    assert (pr["system"], pr["capacity"], pr["passes"]) == ("oracle", 0.25, 4)
+    assert pr["tpot_ms"] > 0
+    assert "Self CPU" in (out / "profile_oracle_0.25.txt").read_text()
+    assert json.loads((out / "profile_oracle_0.25.json").read_text())["traceEvents"]
+    assert "profile: oracle at 0.25" in (out / "summary.md").read_text()
+    with pytest.raises(ConfigError, match="SYSTEM:CAPACITY"):
+        real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--profile", "oracle"])
     with pytest.raises(ConfigError, match="valid: .*prefetch_if_pays"):
         real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--systems", "lru_typo"])
     for bad in ("0", "1.5", "a,b", ""):
