@@ -193,10 +193,7 @@ class Engine:
         self.queue = self.queues[0]
         self.psets = PredictionSets()
         self.jobs: dict[Key, CopyJob] = {}
-        #: the jobs of ``jobs`` whose copy may not have landed (a landed copy stays landed:
-        #: :meth:`_in_flight` drops it, so the scans for copies in flight cost what is in
-        #: flight, not every resident expert)
-        self._unlanded: dict[Key, CopyJob] = {}
+        self._unlanded: dict[Key, CopyJob] = {}  # of jobs, maybe in flight: _in_flight
         self.unused_prefetch: set[Key] = set()
         self.cur_layer = -1
         self.protected: set[Key] = set()
@@ -335,7 +332,9 @@ class Engine:
 
     def _in_flight(self) -> dict[Key, CopyJob]:
         """The jobs whose copy has not landed (lock held; the live mapping: copy it before
-        releasing the lock). A job found landed leaves it for good."""
+        releasing the lock). A job found landed leaves it for good (a landed copy stays
+        landed), so the scans for copies in flight cost what is in flight, not every
+        resident expert."""
         done = [k for k, j in self._unlanded.items() if self.copier.is_ready(j)]
         for k in done:
             del self._unlanded[k]
