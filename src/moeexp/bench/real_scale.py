@@ -95,6 +95,9 @@ class Settings:
     #: first request's first ``profile_passes`` passes), after the systems; None = none
     profile: tuple[str, float] | None = None
     profile_passes: int = 4
+    #: the engine's predictor on a worker thread (EngineSettings.predictor_async, the
+    #: default) or inline on the compute thread (``--predictor-inline``)
+    predictor_async: bool = True
     #: CPU only: the engine's emulated host-to-device link (bytes/s), also in the profile;
     #: a CPU memcpy of a small expert is all noise, its fitted bandwidth undefined
     emulated_bps: float | None = None
@@ -354,8 +357,8 @@ def _tpot_error_pct(sim: Sequence[float], eng: Sequence[float]) -> float:
 
 
 def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, system: str,
-                capacity: float, fits: dict[str, Any], emulated_bps: float | None
-                ) -> dict[str, Any]:
+                capacity: float, fits: dict[str, Any], emulated_bps: float | None,
+                predictor_async: bool = True) -> dict[str, Any]:
     """The engine (routing replay) and the simulator on one system and capacity."""
 
     from moeexp.engine.build import build_offloaded, engine_settings
@@ -376,7 +379,7 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
             return {**row, "status": "not_applicable", "reason": why}
     replay = RoutingReplay(test, adapter)
     t0 = time.perf_counter()
-    est = engine_settings(settings, bandwidth_bps=emulated_bps)
+    est = engine_settings(settings, bandwidth_bps=emulated_bps, predictor_async=predictor_async)
     with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, est, system=system,
                          routing=replay, cost=cost) as om:
         series = replay_requests(om, replay, prompt_kv=True)
@@ -418,7 +421,7 @@ def _systems(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
                 continue
             try:
                 rows.append(_one_system(model, adapter, store, test, cost, system, cap, fits,
-                                        s.emulated_bps))
+                                        s.emulated_bps, s.predictor_async))
             except ConfigError as exc:  # e.g. a capacity below top-k experts
                 rows.append({"system": system, "capacity": cap, "status": "not_applicable",
                              "reason": str(exc)})
@@ -450,7 +453,8 @@ def _profile_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
     cuda = next(model.parameters()).device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     replay = RoutingReplay(one, adapter)
-    est = engine_settings(settings, bandwidth_bps=s.emulated_bps)
+    est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
+                          predictor_async=s.predictor_async)
     with build_offloaded(model, adapter, copy.deepcopy(pred), pol, est, system=system,
                          routing=replay, cost=cost) as om, profile(activities=acts) as prof:
         series = replay_requests(om, replay, prompt_kv=True)
@@ -642,6 +646,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default=None, metavar="SYSTEM:CAPACITY",
                     help="after the systems, profile this system's engine run with "
                          "torch.profiler (the first request's first 4 passes), e.g. oracle:0.5")
+    ap.add_argument("--predictor-inline", action="store_true",
+                    help="run the engine's predictor inline on the compute thread instead "
+                         "of on its worker thread (EngineSettings.predictor_async=False)")
     ap.add_argument("--max-wall-s", type=float, default=None,
                     help="no new system run starts after this many seconds (default 480)")
     args = ap.parse_args(argv)
@@ -659,6 +666,8 @@ def main(argv: list[str] | None = None) -> int:
         over["capacities"] = _capacities_arg(args.capacities)
     if args.profile is not None:
         over["profile"] = _profile_arg(args.profile)
+    if args.predictor_inline:
+        over["predictor_async"] = False
     s = dataclasses.replace(s, **over)
     res = run_real_scale(s)
     sys.stdout.write(_summary_md(res) + f"\noutputs in {out}\n")

@@ -111,10 +111,11 @@ def test_flags_pick_systems_and_capacities(tmp_path) -> None:
     out = tmp_path / "one"
     assert real_scale.main(["--dry-run", "--out", str(out), "--systems", "deepspeed",
                             "--capacities", "0.5", "--max-wall-s", "300",
-                            "--profile", "oracle:0.25"]) == 0
+                            "--profile", "oracle:0.25", "--predictor-inline"]) == 0
     res = json.loads((out / "results.json").read_text())
     assert [(r["system"], r["capacity"]) for r in res["systems"]] == [("deepspeed", 0.5)]
     assert res["settings"]["max_wall_s"] == 300
+    assert res["settings"]["predictor_async"] is False  # --predictor-inline
     # --profile: the oracle's engine run again under torch.profiler, a table and a trace
     pr = res["profile"]
     assert (pr["system"], pr["capacity"], pr["passes"]) == ("oracle", 0.25, 4)
