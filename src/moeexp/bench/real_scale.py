@@ -30,6 +30,11 @@ weights are random, its routing the trace's.
 torch.profiler (the first test request's first 4 passes): ``profile_<system>_<cap>.txt``
 (operators by self CPU and device time) and ``.json`` (a Chrome trace of every thread).
 
+``--feed``: also each predictor's feeding cost on the engine (every expert resident, the
+predictor against none, per MoE layer) and the simulator charged with it
+(``simulate(predictor_feed_s=...)``): columns ``feed_us_per_layer``,
+``sim_feed_tpot_ms_mean``, ``tpot_error_feed_pct``.
+
 ``--dry-run``: the same code path on the CPU at a reduced size (gpt-oss's 24 layers, 32
 experts and top-4, hidden size 64, vocabulary 512), a few short requests: a check that the
 script runs, not a result.
@@ -98,6 +103,9 @@ class Settings:
     #: the engine's predictor on a worker thread (EngineSettings.predictor_async, the
     #: default) or inline on the compute thread (``--predictor-inline``)
     predictor_async: bool = True
+    #: also measure each predictor's feeding cost on the engine (every expert resident,
+    #: with the predictor against without) and simulate with it (``--feed``)
+    feed: bool = False
     #: CPU only: the engine's emulated host-to-device link (bytes/s), also in the profile;
     #: a CPU memcpy of a small expert is all noise, its fitted bandwidth undefined
     emulated_bps: float | None = None
@@ -357,8 +365,7 @@ def _tpot_error_pct(sim: Sequence[float], eng: Sequence[float]) -> float:
 
 
 def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, system: str,
-                capacity: float, fits: dict[str, Any], emulated_bps: float | None,
-                predictor_async: bool = True) -> dict[str, Any]:
+                capacity: float, fits: dict[str, Any], s: Settings) -> dict[str, Any]:
     """The engine (routing replay) and the simulator on one system and capacity."""
 
     from moeexp.engine.build import build_offloaded, engine_settings
@@ -379,7 +386,8 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
             return {**row, "status": "not_applicable", "reason": why}
     replay = RoutingReplay(test, adapter)
     t0 = time.perf_counter()
-    est = engine_settings(settings, bandwidth_bps=emulated_bps, predictor_async=predictor_async)
+    est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
+                          predictor_async=s.predictor_async)
     with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, est, system=system,
                          routing=replay, cost=cost) as om:
         series = replay_requests(om, replay, prompt_kv=True)
@@ -390,6 +398,7 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
     nan = float("nan")
     sm: dict[str, Any] = {k: nan for k in ROW_KEYS}
     sim_tpot = [nan] * len(series.request_id)
+    pol_feed = copy.deepcopy(pol_s)  # unused by a replay yet: --feed's simulation
     if cost is not None:  # None: the calibration failed (results.json says why)
         sim = simulate(test, copy.deepcopy(pred), pol_s, cost, progress=False)
         sm = sim.metrics
@@ -400,11 +409,53 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
     for k in ROW_KEYS:
         row[f"engine_{k}"], row[f"sim_{k}"] = float(em[k]), float(sm[k])
     row["hit_rate_diff"] = row["sim_hit_rate"] - row["engine_hit_rate"]
+    if s.feed and cost is not None and system != "no_offload":
+        row.update(_feed_columns(model, adapter, store, test, cost, pred, pol_feed, s, series))
     log.info("%-20s %5.1f%%  TPOT engine %.2f sim %.2f ms (err %.1f%%)  hit engine %.3f sim "
              "%.3f  h2d %.2f GB", system, capacity * 100, row["engine_tpot_ms_mean"],
              row["sim_tpot_ms_mean"], row["tpot_error_pct"], row["engine_hit_rate"],
              row["sim_hit_rate"], row["engine_h2d_bytes_total"] / 1e9)
     return row
+
+
+def _feed_columns(model: Any, adapter: Any, store: Any, test: Any, cost: Any, pred: Any,
+                  pol: Any, s: Settings, series: Any) -> dict[str, float]:
+    """``--feed``: what feeding ``pred`` costs the engine per MoE layer, measured on the test
+    passes with every expert resident (no copy, no stall): TPOT with the predictor minus
+    TPOT with none, over the layers, clipped at 0 (``engine.profile.profile_feed``'s
+    measure, under routing replay); then the simulator with that cost charged on every
+    layer's critical path (``simulate(predictor_feed_s=...)``). Keys ``feed_us_per_layer``,
+    ``sim_feed_tpot_ms_mean``, ``tpot_error_feed_pct``; NaN for a system without a
+    predictor, or where the experts do not fit on the device."""
+    from moeexp.engine.build import build_offloaded, engine_settings
+    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
+    from moeexp.simulator import simulate
+
+    nan = float("nan")
+    out = {"feed_us_per_layer": nan, "sim_feed_tpot_ms_mean": nan, "tpot_error_feed_pct": nan}
+    if pred.name == "none" or not _fits_on_device(model, adapter)[0]:
+        return out
+    tpot = {}
+    for label in ("without", "with", "without_again"):
+        none, resident, _, settings, _ = _fitted("no_offload", 1.0, store, test.dims, {})
+        use = copy.deepcopy(pred) if label == "with" else none
+        est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
+                              predictor_async=s.predictor_async)
+        replay = RoutingReplay(test, adapter)
+        with build_offloaded(model, adapter, use, resident, est, system="feed",
+                             routing=replay, cost=cost) as om:
+            tpot[label] = float(np.mean(replay_requests(om, replay, prompt_kv=True).tpot_ms))
+        _free_device()
+    base = (tpot["without"] + tpot["without_again"]) / 2  # one on each side of "with"
+    feed_s = max(0.0, (tpot["with"] - base) / 1e3 / test.dims.num_layers)
+    sim = simulate(test, copy.deepcopy(pred), pol, cost, progress=False,
+                   predictor_feed_s=feed_s)
+    by_id = dict(zip(sim.series["request_id"], sim.series["tpot_ms"], strict=True))
+    out.update(feed_us_per_layer=feed_s * 1e6,
+               sim_feed_tpot_ms_mean=float(sim.metrics["tpot_ms_mean"]),
+               tpot_error_feed_pct=_tpot_error_pct([by_id[r] for r in series.request_id],
+                                                   series.tpot_ms))
+    return out
 
 
 def _systems(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
@@ -420,8 +471,7 @@ def _systems(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
                              "reason": f"skipped: past the time budget of {s.max_wall_s:.0f} s"})
                 continue
             try:
-                rows.append(_one_system(model, adapter, store, test, cost, system, cap, fits,
-                                        s.emulated_bps, s.predictor_async))
+                rows.append(_one_system(model, adapter, store, test, cost, system, cap, fits, s))
             except ConfigError as exc:  # e.g. a capacity below top-k experts
                 rows.append({"system": system, "capacity": cap, "status": "not_applicable",
                              "reason": str(exc)})
@@ -516,6 +566,16 @@ def _summary_md(res: dict[str, Any]) -> str:
             f" | {r['engine_predictor_query_us_mean']:.0f} | ok |")
     lines += ["", f"simulator TPOT error, mean over systems: {res['tpot_error_pct_mean']:.1f} %",
               ""]
+    fed = [r for r in res["systems"] if np.isfinite(r.get("feed_us_per_layer", np.nan))]
+    if fed:
+        lines += ["--feed: each predictor's feeding cost on the engine (every expert resident), "
+                  "and the simulator charged with it:", "",
+                  "| system | capacity | feed µs/layer | engine TPOT ms | sim+feed TPOT ms | "
+                  "TPOT err % (without / with feed) |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['system']} | {r['capacity']:.3f} | {r['feed_us_per_layer']:.0f} | "
+                  f"{r['engine_tpot_ms_mean']:.2f} | {r['sim_feed_tpot_ms_mean']:.2f} | "
+                  f"{r['tpot_error_pct']:.1f} / {r['tpot_error_feed_pct']:.1f} |" for r in fed]
+        lines.append("")
     if "profile" in res:
         pr = res["profile"]
         lines += [f"profile: {pr['system']} at {pr['capacity']:g}: "
@@ -649,6 +709,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--predictor-inline", action="store_true",
                     help="run the engine's predictor inline on the compute thread instead "
                          "of on its worker thread (EngineSettings.predictor_async=False)")
+    ap.add_argument("--feed", action="store_true",
+                    help="also measure each predictor's feeding cost on the engine (every "
+                         "expert resident, with against without it) and simulate with it")
     ap.add_argument("--max-wall-s", type=float, default=None,
                     help="no new system run starts after this many seconds (default 480)")
     args = ap.parse_args(argv)
@@ -668,6 +731,8 @@ def main(argv: list[str] | None = None) -> int:
         over["profile"] = _profile_arg(args.profile)
     if args.predictor_inline:
         over["predictor_async"] = False
+    if args.feed:
+        over["feed"] = True
     s = dataclasses.replace(s, **over)
     res = run_real_scale(s)
     sys.stdout.write(_summary_md(res) + f"\noutputs in {out}\n")

@@ -155,3 +155,20 @@ def test_a_saved_calibration_is_reused_and_checked(dry, tmp_path) -> None:
         real_scale.main(["--dry-run", "--out", str(tmp_path / "x"), "--calibration",
                          str(tmp_path / "other.json")])
     assert not (tmp_path / "x").exists()
+
+
+def test_feed_measures_the_predictor_hand_off_and_simulates_with_it(tmp_path) -> None:
+    """--feed: the predictor's feeding cost measured on the engine with every expert
+    resident (>= 0 µs per layer), the simulator run again with it charged per layer (its
+    TPOT no lower than without), reported in systems.csv and summary.md; a system without a
+    predictor has none."""
+    out = tmp_path / "feed"
+    assert real_scale.main(["--dry-run", "--out", str(out), "--systems", "deepspeed,oracle",
+                            "--capacities", "0.5", "--passes", "2", "--feed"]) == 0
+    rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())["systems"]}
+    assert np.isnan(rows["deepspeed"]["feed_us_per_layer"])
+    o = rows["oracle"]
+    assert np.isfinite(o["feed_us_per_layer"]) and o["feed_us_per_layer"] >= 0
+    assert o["sim_feed_tpot_ms_mean"] >= o["sim_tpot_ms_mean"] - 1e-9
+    assert np.isfinite(o["tpot_error_feed_pct"])
+    assert "| oracle | 0.500 |" in (out / "summary.md").read_text().split("--feed:")[1]
