@@ -207,10 +207,6 @@ def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cac
         raise ConfigError(f"execution={execution.name} serves misses on the CPU or by "
                           "streaming; restricted routing (eMoE) never serves a miss: use "
                           "execution=copy with it")
-    if execution.late_to_cpu:
-        raise ConfigError(f"execution={execution.name}: late_to_cpu=true is modelled by the "
-                          "simulator's replay only; the engine waits for a copy in flight "
-                          "(set execution.late_to_cpu=false)")
     if cost is None and execution.needs_cpu():
         raise ConfigError(f"execution={execution.name} needs a cost model with a cpu: block "
                           "(offload(..., hardware=...))")
@@ -225,7 +221,7 @@ def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cac
     miss_s = execution.miss_s(cost) if cost is not None else None
     if miss_s is not None:
         for c in cache.caches if isinstance(cache, DeviceCaches) else [cache]:
-            c.set_miss_cost(miss_s)
+            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu)
     return pinned
 
 

@@ -34,7 +34,9 @@ prediction's copies start as soon as the copy thread is free (thread timing deci
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -285,6 +287,9 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     waits = [i for i, s in enumerate(states) if s == "copying"]
     absent = [i for i, s in enumerate(states) if s == "absent"]
     copy, off = _place(eng, layer, keys, hits, waits, absent, rows_of, pass_tokens)
+    if waits and eng.host is not None and eng.host.policy.late_to_cpu:
+        assert rows_of is not None
+        waits, off = _late_to_cpu(eng, keys, waits, rows_of, off, pos0)
     pend = _Pending(eng, keys, compute_rows, busy)
     for group, hit in ((hits, True), (waits, False)):
         for i in group:
@@ -305,6 +310,41 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
         hit_set = {keys[i] for i in hits}
         c.access_log.extend((layer, k[1], k in hit_set) for k in keys)
     return pinned, streamed, not (copy or waits), off
+
+
+def _late_to_cpu(eng: Engine, keys: list[Key], waits: list[int], rows_of: list[int],
+                 off: Placement | None, pos0: int) -> tuple[list[int], Placement | None]:
+    """``execution.late_to_cpu`` (lock held): each expert of ``waits`` (copy in flight), in
+    order, that the host CPU would finish sooner than the device, computed on the CPU. The
+    CPU's end: the layer's CPU experts so far and this one (``cpu_miss_s`` of their rows);
+    the device's: the copy's remaining time (its start + the cost model's ``copy_s``, by the
+    wall clock) + its ``expert_s``. A wall-clock form of the simulator's rule
+    (:meth:`moeexp.simulator.exec_device.ExecDevice._late_on_cpu`, which also adds the
+    device's chain of hits before it). The copy still lands and stays cached; the access is
+    a miss and does not count the prefetch as used. Returns the waits the device keeps and
+    the placement with the moved experts on the CPU."""
+    host = eng.host
+    assert host is not None and host.cost is not None
+    cost = host.cost
+    rows = {keys[i][1]: rows_of[i] for i in range(len(keys))}
+    cpu = list(off.cpu) if off is not None else []
+    cpu_end = sum(cost.cpu_miss_s(rows[e]) for e in cpu)
+    now = time.perf_counter()
+    keep: list[int] = []
+    for i in waits:
+        key, n = keys[i], rows_of[i]
+        remaining = max(0.0, eng.jobs[key].started_at + cost.copy_s - now)
+        end = cpu_end + cost.cpu_miss_s(n)
+        if end < remaining + cost.expert_s(n):
+            cpu.append(key[1])
+            cpu_end = end
+            eng.cache.on_access(key, pos0 + i, False)
+            eng.counters.cpu_late_experts += 1
+        else:
+            keep.append(i)
+    if len(keep) == len(waits):
+        return waits, off
+    return keep, (replace(off, cpu=tuple(cpu)) if off is not None else Placement(cpu=tuple(cpu)))
 
 
 def _restricted(eng: Engine, layer: int, idx: torch.Tensor, weights: torch.Tensor,

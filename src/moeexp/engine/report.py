@@ -130,7 +130,9 @@ def execution_metrics(engine: Engine) -> dict[str, Any]:
     rows), ``stream_h2d_bytes_total`` (experts copied for one pass only; not part of
     ``h2d_bytes_total``), ``gpu_pinned_experts`` (kept on the device for the run); and the
     engine's own ``cpu_transfer_ms_total`` (hidden states both ways), ``stream_copies_total``,
-    ``stream_ms_total``, ``execution`` (the policy's name) and ``cpu_model_ms_total``: what
+    ``stream_ms_total``, ``execution`` (the policy's name), with ``late_to_cpu``
+    ``cpu_late_experts_total`` (in-flight experts computed on the CPU, part of
+    ``cpu_expert_calls``), and ``cpu_model_ms_total``: what
     the policy's cost model predicts for these very calls (the sum of
     :meth:`~moeexp.costmodel.roofline.CostModel.cpu_expert_s` over each call's rows; NaN
     without a CPU block): the calibration's check of the simulator's CPU times against the
@@ -144,7 +146,9 @@ def execution_metrics(engine: Engine) -> dict[str, Any]:
             model_ms = sum(cost.cpu_expert_s(n) for n, _ in c.cpu_samples) * 1e3
         except ConfigError:  # no kernel efficiency for the format: nothing to predict
             pass
-    return {"execution": "copy" if host is None else host.policy.name,
+    late = ({"cpu_late_experts_total": float(c.cpu_late_experts)}
+            if host is not None and host.policy.late_to_cpu else {})
+    return late | {"execution": "copy" if host is None else host.policy.name,
             "cpu_model_ms_total": model_ms,
             "cpu_expert_calls": float(c.cpu_expert_calls),
             "cpu_ms_total": c.cpu_s * 1e3,

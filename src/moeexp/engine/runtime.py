@@ -145,6 +145,7 @@ class Counters:
     access_log: list[tuple[int, int, bool]] = field(default_factory=list)
     # missed experts served off the slot pool (moeexp.engine.host_experts)
     cpu_expert_calls: int = 0  # (layer call, expert) pairs computed on the host CPU
+    cpu_late_experts: int = 0  # of them, in-flight copies' experts (execution.late_to_cpu)
     cpu_tokens: int = 0  # routing rows computed on the host CPU
     cpu_s: float = 0.0  # host expert kernel wall time
     cpu_transfer_s: float = 0.0  # hidden states to the host and outputs back
