@@ -287,8 +287,8 @@ def _serve(eng: Engine, layer: int, keys: list[Key], pos0: int,
     waits = [i for i, s in enumerate(states) if s == "copying"]
     absent = [i for i, s in enumerate(states) if s == "absent"]
     copy, off = _place(eng, layer, keys, hits, waits, absent, rows_of, pass_tokens)
-    if waits and eng.host is not None and eng.host.policy.late_to_cpu:
-        assert rows_of is not None
+    if waits and eng.host is not None and eng.host.policy.late_to_cpu and not eng.all_experts:
+        assert rows_of is not None and len(rows_of) == len(keys)
         waits, off = _late_to_cpu(eng, keys, waits, rows_of, off, pos0)
     pend = _Pending(eng, keys, compute_rows, busy)
     for group, hit in ((hits, True), (waits, False)):
