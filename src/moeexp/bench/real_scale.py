@@ -43,18 +43,19 @@ script runs, not a result.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from moeexp.atomic import write_json, write_text
+from moeexp.atomic import atomic_path, write_json, write_text
 from moeexp.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -364,17 +365,44 @@ def _tpot_error_pct(sim: Sequence[float], eng: Sequence[float]) -> float:
     return float(np.mean([abs(a - b) / b for a, b in pairs]) * 100) if pairs else float("nan")
 
 
+def _runnable(system: str, trace: Any) -> str:
+    """The system as run on ``trace``: ``finemoe`` without its semantic search where the
+    trace has no embedding outputs (its semantic search keys on them)."""
+    return "finemoe_no_semantic" if system == "finemoe" and "embed" not in trace.capabilities \
+        else system
+
+
+def _engine_run(model: Any, adapter: Any, trace: Any, pred: Any, pol: Any,
+                settings: Mapping[str, Any], cost: Any, s: Settings, system: str,
+                around: Any = None) -> tuple[Any, dict[str, Any]]:
+    """The engine serving ``trace`` under routing replay with ``pred`` and ``pol`` (the run's
+    emulated link and predictor thread; the cost model handed over as the simulator hands
+    it), inside ``around`` (a context manager, e.g. a profiler) if given: (the per-request
+    series, the engine's metrics). Frees the device after."""
+    from moeexp.engine.build import build_offloaded, engine_settings
+    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
+
+    replay = RoutingReplay(trace, adapter)
+    est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
+                          predictor_async=s.predictor_async)
+    inside = around if around is not None else contextlib.nullcontext()
+    with build_offloaded(model, adapter, pred, pol, est, system=system, routing=replay,
+                         cost=cost) as om, inside:
+        series = replay_requests(om, replay, prompt_kv=True)
+        metrics = om.metrics()
+    del om
+    _free_device()
+    return series, metrics
+
+
 def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, system: str,
                 capacity: float, fits: dict[str, Any], s: Settings) -> dict[str, Any]:
     """The engine (routing replay) and the simulator on one system and capacity."""
-
-    from moeexp.engine.build import build_offloaded, engine_settings
-    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
     from moeexp.simulator import simulate
 
     row: dict[str, Any] = {"system": system, "capacity": capacity}
-    if system == "finemoe" and "embed" not in test.capabilities:
-        system = "finemoe_no_semantic"  # its semantic search keys on embedding outputs
+    if _runnable(system, test) != system:
+        system = _runnable(system, test)
         row.update(system=system, requested="finemoe")
     pred, pol_e, pol_s, settings, lacks = _fitted(system, capacity, store, test.dims, fits)
     if lacks:
@@ -384,21 +412,14 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
         ok, why = _fits_on_device(model, adapter)
         if not ok:
             return {**row, "status": "not_applicable", "reason": why}
-    replay = RoutingReplay(test, adapter)
     t0 = time.perf_counter()
-    est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
-                          predictor_async=s.predictor_async)
-    with build_offloaded(model, adapter, copy.deepcopy(pred), pol_e, est, system=system,
-                         routing=replay, cost=cost) as om:
-        series = replay_requests(om, replay, prompt_kv=True)
-        em = om.metrics()
+    series, em = _engine_run(model, adapter, test, copy.deepcopy(pred), pol_e, settings, cost, s,
+                             system)
     wall = time.perf_counter() - t0
-    del om
-    _free_device()
     nan = float("nan")
     sm: dict[str, Any] = {k: nan for k in ROW_KEYS}
     sim_tpot = [nan] * len(series.request_id)
-    pol_feed = copy.deepcopy(pol_s)  # unused by a replay yet: --feed's simulation
+    pol_feed = copy.deepcopy(pol_s) if s.feed else None  # unused by a replay yet
     if cost is not None:  # None: the calibration failed (results.json says why)
         sim = simulate(test, copy.deepcopy(pred), pol_s, cost, progress=False)
         sm = sim.metrics
@@ -409,7 +430,7 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
     for k in ROW_KEYS:
         row[f"engine_{k}"], row[f"sim_{k}"] = float(em[k]), float(sm[k])
     row["hit_rate_diff"] = row["sim_hit_rate"] - row["engine_hit_rate"]
-    if s.feed and cost is not None and system != "no_offload":
+    if pol_feed is not None and cost is not None and system != "no_offload":
         row.update(_feed_columns(model, adapter, store, test, cost, pred, pol_feed, s, series))
     log.info("%-20s %5.1f%%  TPOT engine %.2f sim %.2f ms (err %.1f%%)  hit engine %.3f sim "
              "%.3f  h2d %.2f GB", system, capacity * 100, row["engine_tpot_ms_mean"],
@@ -427,8 +448,6 @@ def _feed_columns(model: Any, adapter: Any, store: Any, test: Any, cost: Any, pr
     layer's critical path (``simulate(predictor_feed_s=...)``). Keys ``feed_us_per_layer``,
     ``sim_feed_tpot_ms_mean``, ``tpot_error_feed_pct``; NaN for a system without a
     predictor, or where the experts do not fit on the device."""
-    from moeexp.engine.build import build_offloaded, engine_settings
-    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
     from moeexp.simulator import simulate
 
     nan = float("nan")
@@ -439,13 +458,8 @@ def _feed_columns(model: Any, adapter: Any, store: Any, test: Any, cost: Any, pr
     for label in ("without", "with", "without_again"):
         none, resident, _, settings, _ = _fitted("no_offload", 1.0, store, test.dims, {})
         use = copy.deepcopy(pred) if label == "with" else none
-        est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
-                              predictor_async=s.predictor_async)
-        replay = RoutingReplay(test, adapter)
-        with build_offloaded(model, adapter, use, resident, est, system="feed",
-                             routing=replay, cost=cost) as om:
-            tpot[label] = float(np.mean(replay_requests(om, replay, prompt_kv=True).tpot_ms))
-        _free_device()
+        run, _ = _engine_run(model, adapter, test, use, resident, settings, cost, s, "feed")
+        tpot[label] = float(np.mean(run.tpot_ms))
     base = (tpot["without"] + tpot["without_again"]) / 2  # one on each side of "with"
     feed_s = max(0.0, (tpot["with"] - base) / 1e3 / test.dims.num_layers)
     sim = simulate(test, copy.deepcopy(pred), pol, cost, progress=False,
@@ -485,40 +499,28 @@ def _profile_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any,
     (the operators by self CPU time, then by self device time where there is a device) and
     ``profile_<system>_<cap>.json`` (a Chrome trace: the compute, copy and worker threads
     side by side). Returns where they are and the passes' TPOT."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from moeexp.engine.build import build_offloaded, engine_settings
-    from moeexp.engine.routing_replay import RoutingReplay, replay_requests
-
     assert s.profile is not None
-    system, cap = s.profile
     one = truncate(test, 1, s.profile_passes)
-    if system == "finemoe" and "embed" not in one.capabilities:
-        system = "finemoe_no_semantic"
+    system, cap = _runnable(s.profile[0], one), s.profile[1]
     pred, pol, _, settings, lacks = _fitted(system, cap, store, one.dims, {})
     if lacks:
         return {"system": system, "capacity": cap,
                 "reason": f"not applicable: the trace lacks {', and '.join(lacks)}"}
     cuda = next(model.parameters()).device.type == "cuda"
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    replay = RoutingReplay(one, adapter)
-    est = engine_settings(settings, bandwidth_bps=s.emulated_bps,
-                          predictor_async=s.predictor_async)
-    with build_offloaded(model, adapter, copy.deepcopy(pred), pol, est, system=system,
-                         routing=replay, cost=cost) as om, profile(activities=acts) as prof:
-        series = replay_requests(om, replay, prompt_kv=True)
-    _free_device()
+    prof = profile(activities=acts)
+    series, _ = _engine_run(model, adapter, one, copy.deepcopy(pred), pol, settings, cost, s,
+                            system, around=prof)
     stem = f"profile_{system}_{cap:g}"
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
     if cuda:
         table += "\n\n" + prof.key_averages().table(sort_by="self_device_time_total",
                                                     row_limit=25)
     write_text(s.out / f"{stem}.txt", table + "\n")
-    prof.export_chrome_trace(str(s.out / f"{stem}.json.part"))
-    (s.out / f"{stem}.json.part").replace(s.out / f"{stem}.json")  # atomic, as write_text
-    if cuda:
-        torch.cuda.synchronize()
+    with atomic_path(s.out / f"{stem}.json", suffix=".json") as tmp:
+        prof.export_chrome_trace(str(tmp))
     return {"system": system, "capacity": cap, "passes": s.profile_passes,
             "tpot_ms": float(np.mean(series.tpot_ms)), "table": f"{stem}.txt",
             "trace": f"{stem}.json"}
