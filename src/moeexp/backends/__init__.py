@@ -52,6 +52,10 @@ class SimBackend:
         serving: the batching loop's budgets and SLO targets for a continuous scheduler
             (``scheduler=fcfs|emoe``; keys of
             :class:`~moeexp.serving.settings.ServingSettings`); ignored by ``static``.
+        predictor_feed_us: host µs charged on the critical path of every MoE layer of a
+            pass handed to a predictor (any but ``none``): what feeding it costs a
+            host-bound engine (``simulate(predictor_feed_s=...)``; the H200 engine's fitted
+            gap was ~1280, ``experiments/real_scale/README.md``); 0 = free (the default).
 
     With ``scheduler=static`` (the default) it runs :func:`moeexp.simulator.simulate` as
     before; otherwise :func:`moeexp.simulator.continuous.serve` with the scheduler fitted
@@ -65,8 +69,13 @@ class SimBackend:
     progress: bool = True
     cost_profile: str | None = None
     serving: Mapping[str, Any] | None = None
+    predictor_feed_us: float = 0.0
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.predictor_feed_us, (int, float))
+                and 0 <= self.predictor_feed_us < float("inf")):
+            raise ConfigError(f"backend=sim: predictor_feed_us must be a finite number >= 0 "
+                              f"(µs per MoE layer fed), got {self.predictor_feed_us!r}")
         if self.batch_size < 1:
             raise ConfigError(f"backend=sim: batch_size must be >= 1, got {self.batch_size}")
         if self.arrival_rate is not None and not self.arrival_rate > 0:
@@ -96,11 +105,15 @@ class SimBackend:
                        seed=ctx.seed, progress=self.progress,
                        num_requests=self.num_online_requests if online else None,
                        topology=ctx.topology, mechanics=ctx.mechanics,
-                       execution=ctx.execution)
+                       execution=ctx.execution, predictor_feed_s=self._feed_s(ctx))
         metrics: dict[str, Any] = dict(res.metrics)
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
         return BackendResult(metrics, dict(res.series))
+
+    def _feed_s(self, ctx: BackendContext) -> float:
+        """Seconds per MoE layer fed: ``predictor_feed_us`` unless the predictor is none."""
+        return 0.0 if ctx.predictor.name == "none" else float(self.predictor_feed_us) * 1e-6
 
     def _serve(self, ctx: BackendContext, cost: Any) -> BackendResult:
         """Continuous batching under ``ctx.scheduler`` (a policy needing the whole future
@@ -114,7 +127,8 @@ class SimBackend:
                     profile, settings=self.settings(), kv_bytes_per_token=ctx.kv_bytes_per_token,
                     arrival_rate=self.arrival_rate, restricted_routing=self.restricted_routing,
                     seed=ctx.seed, progress=self.progress,
-                    num_requests=self.num_online_requests if online else None)
+                    num_requests=self.num_online_requests if online else None,
+                    predictor_feed_s=self._feed_s(ctx))
         metrics: dict[str, Any] = {
             **res.metrics, "serving_token_ms": profile.token_s * 1e3,
             "serving_token_batched_ms": profile.token_s_batched * 1e3,

@@ -70,7 +70,7 @@ class SystemEntry:
     name: str
     system: str
     predictor: str | None = None
-    cache: str | None = None
+    cache: str | Mapping[str, Any] | None = None  # a conf/cache name, or keys over the system's
     scheduler: str | None = None
     execution: str | None = None
 
@@ -89,7 +89,7 @@ class SimVsEngineSettings:
     Attributes:
         systems: names of conf/system bundles, or mappings ``{name, system, predictor?,
             cache?, scheduler?, execution?}`` (e.g. ``static`` = deepspeed with the static
-            cache; ``scheduler`` only in serving mode; ``execution`` a conf/execution
+            cache; ``cache`` a conf/cache name or a mapping of keys over the system's cache; ``scheduler`` only in serving mode; ``execution`` a conf/execution
             option, priced by the calibrated CPU block: :mod:`moeexp.backends.cpu_calibration`).
         capacity: the expert budget of every system (cache.capacity syntax).
         prefetch_distance: ``${model.prefetch_distance}`` for predictor configs.
@@ -109,7 +109,9 @@ class SimVsEngineSettings:
             :func:`moeexp.engine.profile.profile_feed`) per MoE layer in the simulator.
             False (default): the idealisation of algorithms.md (prediction is free on the
             critical path), which the simulator uses everywhere else. Predictors that need
-            the future (oracle) are not measured (0).
+            the future (oracle) are not measured (0). The engine's predictor is told the
+            same cost (``Predictor.set_feed_cost``): ``prefetch_if_pays`` rests its
+            predictor where feeding it costs more than it saves (:mod:`moeexp.cache.feed_gate`).
         outlier_mads: None fits mean times (the default: the engine's runs have the same
             slow tail); a number drops samples beyond that many MADs first.
         calibration_dir: None (default) profiles the engine in every job; a directory
@@ -416,7 +418,9 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
     from moeexp.engine.serve import serve_engine  # torch
 
     cache_o: dict[str, Any] = {"capacity": s.capacity}
-    if entry.cache:
+    if isinstance(entry.cache, Mapping):  # keys over the system's cache (e.g. an ablation)
+        cache_o.update(entry.cache)
+    elif entry.cache:
         cache_o["name"] = entry.cache
     pcfg, ccfg, sys_settings = resolve_system(
         entry.system, entry.predictor, cache_o, model={"prefetch_distance": s.prefetch_distance})
@@ -437,6 +441,7 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                                     s.decode_tokens_for(ctx.prompts))
         feed_s = profile_feed(ctx.loaded, feed_reqs, objs[0][0], settings=s.engine_settings(),
                               warmup=s.warmup)
+        objs[1][0].set_feed_cost(feed_s)  # the engine's policy weighs its own measured feed
     from moeexp.backends.cpu_calibration import cpu_columns, entry_executions
 
     execs = entry_executions(entry.execution, cost, ctx.store)

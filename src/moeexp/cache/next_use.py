@@ -64,6 +64,12 @@ link (x < w, s -> 0) it prefetches whatever is more likely needed than its victi
 a cost model (another predictor, or an engine built without one) only the first condition
 gates.
 
+**Whether to run the predictor at all** (:meth:`set_feed_cost`, issue 27's eleventh stage):
+where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
+FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
+on the same accesses) are worth less than that cost; resting, the cache evicts the least
+recently used. No feed cost, no gate.
+
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
 
@@ -83,6 +89,7 @@ import numpy as np
 
 from moeexp.cache.base import CACHES, CachePolicy, Key
 from moeexp.cache.belady import PrefetchRefused
+from moeexp.cache.feed_gate import FeedGate
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
@@ -99,6 +106,9 @@ class NextUseCache(CachePolicy):
         capacity_slots, num_layers, num_experts: as every policy.
         gate: False: take every prefetch that has a victim of later expected use (no cost
             rule; the ablation row of the gate).
+        feed_gate: rest the predictor for whole passes where feeding it costs more than
+            it saves (:meth:`set_feed_cost`; nothing happens without a feed cost); False:
+            always fed (the ablation row of the feed gate).
         warm: load the store split's most used experts before the first request
             (:meth:`initial_residents`: the ``capacity_slots`` of highest popularity P,
             as kTransformers pins them); False: start empty (as LRU). Made for one
@@ -107,13 +117,13 @@ class NextUseCache(CachePolicy):
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
-                 gate: bool = True, warm: bool = False) -> None:
+                 gate: bool = True, warm: bool = False, feed_gate: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
-        if not isinstance(gate, bool) or not isinstance(warm, bool):
-            raise ConfigError(f"next_use: gate and warm must be true or false, got {gate!r}, "
-                              f"{warm!r}")
-        self.gate, self.warm = gate, warm
+        for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate)):
+            if not isinstance(val, bool):
+                raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
+        self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
@@ -135,6 +145,7 @@ class NextUseCache(CachePolicy):
         self._bounds: list[tuple[int, float]] = []  # (h, upper bound of its target)
         self._copies = 0  # copies since the start (demand and prefetch)
         self._steps = 0  # layer changes since the start
+        self.feed_gate: FeedGate | None = None  # set_feed_cost > 0
 
     # ---- learning and cost ----------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -184,6 +195,39 @@ class NextUseCache(CachePolicy):
                               f"{seconds}")
         self.miss_s = float(seconds)
         self.late_capped = bool(late_to_cpu)
+
+    def set_feed_cost(self, seconds: float) -> None:
+        """Host seconds per MoE layer of feeding the predictor (module doc, Whether to run
+        the predictor at all): > 0 makes the :class:`~moeexp.cache.feed_gate.FeedGate`
+        (after :meth:`fit` and :meth:`set_link`); 0 removes it."""
+        if not (seconds >= 0 and math.isfinite(seconds)):
+            raise ConfigError(f"next_use: a feed cost must be a finite number >= 0 s, got "
+                              f"{seconds}")
+        if seconds == 0 or not self.use_feed_gate:
+            self.feed_gate = None
+            return
+        if self.copy_s is None:
+            raise ConfigError("next_use: set_feed_cost() needs the copy time first "
+                              "(set_link, from the predictor's bind)")
+        self.feed_gate = FeedGate(capacity_slots=self.capacity_slots,
+                                  num_layers=self.num_layers, num_experts=self.num_experts,
+                                  feed_s=seconds, miss_s=self._miss(),
+                                  initial=self.initial_residents())
+
+    def _miss(self) -> float:
+        """m: what a miss costs (the copy, or the CPU's computing it where cheaper)."""
+        assert self.copy_s is not None
+        return self.copy_s if self.miss_s is None else min(self.copy_s, self.miss_s)
+
+    def feeding(self) -> bool:
+        """Whether the pass that begins is handed to the predictor (always without a feed
+        cost); asked once per pass, by the predictor's :meth:`~moeexp.predictors.base.
+        Predictor.feeding`."""
+        gate = self.feed_gate
+        if gate is None:
+            return True
+        gate.miss_s = self._miss()  # set_miss_cost may come after set_feed_cost
+        return gate.pass_begins()
 
     def initial_residents(self) -> list[Key]:
         """With ``warm``: the ``capacity_slots`` experts of highest store popularity P, most
@@ -241,11 +285,15 @@ class NextUseCache(CachePolicy):
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
+        if self.feed_gate is not None:
+            self.feed_gate.insert(key, now)
         self._copies += 1
         if prefetched:
             self._pref.add(key)
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
+        if self.feed_gate is not None:
+            self.feed_gate.access(key, now, hit)
         if key[0] != self.cur:  # a new layer: close the last one's count
             self.need = NEED_DECAY * self.need + (1.0 - NEED_DECAY) * self._count
             self._count, self.cur, self._E = 0, key[0], None
@@ -332,6 +380,14 @@ class NextUseCache(CachePolicy):
 
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         prefetch = incoming not in protected
+        gate = self.feed_gate
+        if gate is not None and not gate.fed:  # the predictor rests: on-demand LRU
+            if prefetch:
+                self.refused += 1
+                raise PrefetchRefused("%s: the predictor rests; no prefetch of %s", self.name,
+                                      incoming)
+            return None if self.has_room(incoming) else self.lowest_priority(
+                incoming, protected, gate.last)
         if self.has_room(incoming):
             if prefetch and not self._pays(incoming, None):
                 self.refused += 1
@@ -346,6 +402,9 @@ class NextUseCache(CachePolicy):
         return v
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
+        gate = self.feed_gate
+        if gate is not None and not gate.fed:  # resting: the least recently used
+            return min(candidates, key=lambda k: (gate.last[k], k[0], k[1]))
         E = self.expected_next_use()
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
 

@@ -28,6 +28,8 @@ from moeexp.predictors.base import Prediction, Predictor
 log = logging.getLogger(__name__)
 
 _HOOKS = ("start_request", "start_iteration", "observe_layer", "end_iteration", "end_request")
+#: the hooks of one pass, not called while the predictor rests (``Predictor.feeding``)
+PASS_HOOKS = frozenset({"start_iteration", "observe_layer", "end_iteration"})
 
 
 def overrides(predictor: Predictor, hook: str) -> bool:
@@ -57,18 +59,29 @@ class PredictorRunner:
         self._thread: threading.Thread | None = None
         #: called by the worker (no lock held) after a hook returned a Prediction
         self.on_result: Callable[[], None] | None = None
+        #: the running pass is not handed to the predictor (:meth:`begin_pass`)
+        self.resting = False
+        self.rested_passes = 0
         if asynchronous and any(self.active.values()):
             self._thread = threading.Thread(target=self._run, name="moeexp-predictor", daemon=True)
             self._thread.start()
 
+    def begin_pass(self) -> None:
+        """Ask the predictor whether the pass that begins is handed to it
+        (``Predictor.feeding``, on the engine's thread); while it rests, the pass's hooks
+        (:data:`PASS_HOOKS`) are neither built nor submitted."""
+        self.resting = self.any_active and not self.predictor.feeding()
+        self.rested_passes += self.resting
+
     def wants(self, hook: str) -> bool:
-        """False when the hook is the base-class no-op (the engine then skips its inputs)."""
-        return self.active[hook]
+        """False when the hook is the base-class no-op, or a pass hook while the predictor
+        rests (the engine then skips its inputs)."""
+        return self.active[hook] and not (self.resting and hook in PASS_HOOKS)
 
     def submit(self, hook: str, arg: Any = None, tag: Any = None) -> None:
         """Run ``predictor.<hook>(arg)``; its Prediction (if any) is kept with ``tag``."""
         self._raise_if_failed()
-        if not self.active[hook]:
+        if not self.wants(hook):
             return
         if self._thread is None:
             self._call(hook, arg, tag)

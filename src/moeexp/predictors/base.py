@@ -17,6 +17,11 @@ engine) decides *when* bytes move; the predictor never sees bytes, time or torch
 read the run's *prices* (:meth:`Predictor.bind`: the cost model, with its copy and compute
 times, before the first request; the simulator calls it), never the mechanism's clock.
 
+A predictor may also rest for a whole pass (:meth:`Predictor.feeding`, asked by the mechanism
+as each pass begins): the pass's ``start_iteration``, ``observe_layer`` and ``end_iteration``
+are then not called, and the host cost of feeding it (:meth:`Predictor.set_feed_cost`) is not
+paid. The default predictor is always fed.
+
 ``predicted`` in a Prediction lists, per layer, the experts the predictor believes will be
 used even when it does not prefetch them (used for ``prediction_recall``); by default the
 prefetched experts count as predicted.
@@ -171,6 +176,21 @@ class Predictor:
         calls it, and the engine when it is given a cost model). A policy that owns both
         decisions (``reuse_prob`` with the ``next_use`` cache) reads the copy and compute
         times here. Default: nothing."""
+
+    def set_feed_cost(self, seconds: float) -> None:
+        """What feeding this predictor costs the run per MoE layer of a pass it is fed
+        (host seconds on the critical path: the simulator's ``predictor_feed_s``, or the
+        engine's cost measured by :func:`moeexp.engine.profile.profile_feed`), before the
+        first request; 0 = free. A policy that weighs running its predictor at all against
+        that cost (``reuse_prob`` with the ``next_use`` cache) reads it here. Default:
+        nothing."""
+
+    def feeding(self) -> bool:
+        """Whether the pass about to begin is handed to this predictor (asked once per pass,
+        before ``start_iteration``; False: the pass's ``start_iteration``, ``observe_layer``
+        and ``end_iteration`` are skipped, and the simulator charges no feed cost for it).
+        Default: always."""
+        return True
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         return Prediction()

@@ -137,6 +137,7 @@ class ReuseProbability(Predictor):
         self._wcoef = np.zeros((0, 0))  # float64[H, F]: the within models, stacked
         self._wicpt = np.zeros(0)  # float64[H]
         self._fol: tuple[int, np.ndarray] | None = None  # (layer, follow column): _next_p
+        self._feed_s = 0.0  # set_feed_cost: host seconds per layer fed
 
     # ---- learning ---------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -184,6 +185,22 @@ class ReuseProbability(Predictor):
             c.set_link(copy_s=float(cost.copy_s), window_s=None)
             if len(self._wicpt):
                 c.set_horizons(HORIZONS)
+        self.set_feed_cost(self._feed_s)
+
+    def set_feed_cost(self, seconds: float) -> None:
+        """Feeding this predictor costs ``seconds`` per MoE layer: the bound ``next_use``
+        caches weigh resting it (:mod:`moeexp.cache.feed_gate`); callable before or after
+        :meth:`bind`."""
+        self._feed_s = float(seconds)
+        for c in self._caches:
+            if hasattr(c, "set_feed_cost"):
+                c.set_feed_cost(self._feed_s)
+
+    def feeding(self) -> bool:
+        """Whether the pass that begins is fed: every bound ``next_use`` cache is asked
+        (once each) and all must agree; always without a cache or a feed cost."""
+        votes = [c.feeding() for c in self._caches if hasattr(c, "feeding")]
+        return all(votes)
 
     # ---- hooks ------------------------------------------------------------------------
     def start_request(self, ctx: RequestStart) -> Prediction:
@@ -369,4 +386,9 @@ class ReuseProbability(Predictor):
     def stats(self) -> dict[str, float]:
         q = self._query_ns / 1e3 / self._queries if self._queries else float("nan")
         rows = float(self.models.rows) if self.models is not None else 0.0
-        return {"query_us_mean": q, "fit_rows": rows}
+        out = {"query_us_mean": q, "fit_rows": rows}
+        for c in self._caches[:1]:  # the feed gate's counts (only where there is one)
+            gate = getattr(c, "feed_gate", None)
+            if gate is not None:
+                out.update(gate.stats())
+        return out

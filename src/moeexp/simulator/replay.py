@@ -248,6 +248,7 @@ class Replay:
         self.tr, self.predictor, self.cache, self.cost, self.plan = trace, predictor, caches[0], cost, plan
         self.caches = caches
         self.restricted, self.feed_s = restricted, feed_s
+        predictor.set_feed_cost(feed_s)  # a policy that weighs feeding its predictor at all
         self.L = trace.dims.num_layers
         J = trace.dims.num_experts
         mech = mechanics or Mechanics()
@@ -343,23 +344,27 @@ class Replay:
         # begin_iteration, or the previous pass's last layer would drop them as passed.
         for rp in req_preds:
             self.take(rp, t, -1)
-        ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
-                             embed=None if self.tr.embed is None
-                             else self.tr.embed[gd.rows].astype(np.float32),
-                             token_request=gd.token_request,
-                             future=gd.future() if self.want_future else None)
-        self.take(self.timed(self.predictor.start_iteration, ctx), t, -1)
-        end, hits, misses, stall = self.layers(gd, t)
+        fed = self.predictor.feeding()  # False: the predictor rests this pass (no feed cost)
+        if fed:
+            ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
+                                 embed=None if self.tr.embed is None
+                                 else self.tr.embed[gd.rows].astype(np.float32),
+                                 token_request=gd.token_request,
+                                 future=gd.future() if self.want_future else None)
+            self.take(self.timed(self.predictor.start_iteration, ctx), t, -1)
+        end, hits, misses, stall = self.layers(gd, t, fed)
         self.dev.end_iteration()
         if self.flush:
             self.dev.flush()
-        self.predictor.end_iteration()
+        if fed:
+            self.predictor.end_iteration()
         self.tally.iteration(hits, misses, stall, end - t)
         return end
 
-    def layers(self, gd: GroupData, t: float) -> tuple[float, int, int, float]:
-        """Every MoE layer of pass ``gd`` from time ``t``: dense part, ``observe_layer``,
-        the layer's experts. Returns (end s, hits, misses, stall s). The hot loop: what it
+    def layers(self, gd: GroupData, t: float, fed: bool = True) -> tuple[float, int, int, float]:
+        """Every MoE layer of pass ``gd`` from time ``t``: dense part, ``observe_layer``
+        (and the feed cost) unless the predictor rests (``fed`` False), the layer's experts.
+        Returns (end s, hits, misses, stall s). The hot loop: what it
         uses is bound to locals first, and what the observations carry is cast to float32
         once per pass (layer-major, so each layer's slice is contiguous)."""
         dev, timed, take, observe = self.dev, self.timed, self.take, self.predictor.observe_layer
@@ -373,11 +378,11 @@ class Replay:
         if self.exec_dev is not None:
             self.exec_dev.begin_pass(counts, self.tr.topk_idx[rows])
         restricted, serve, pos = self.restricted, dev.serve_layer, self.pos
-        dense = gd.dense_s + self.feed_s
+        dense = gd.dense_s + self.feed_s if fed else gd.dense_s
         hits = misses = 0
         stall = 0.0
-        seen = layer_observations(probs, arrays, counts, spec, hidden)
-        if self.predictor.previews:  # a speed hook: the same predictions, batched numpy;
+        seen = layer_observations(probs, arrays, counts, spec, hidden) if fed else []
+        if fed and self.predictor.previews:  # a speed hook: the same predictions, batched numpy;
             q0 = perf_counter()  # its time counts as the observe_layer calls' it saves
             self.predictor.preview_pass(seen)
             timed.seconds += perf_counter() - q0
@@ -385,7 +390,8 @@ class Replay:
             needed = experts[layer]
             t += dense
             dev.advance(t)
-            take(timed(observe, seen[layer]), t, layer)
+            if fed:
+                take(timed(observe, seen[layer]), t, layer)
             account(for_layer(layer), needed)
             if restricted:
                 t, h, m, s = self.serve_restricted(gd, layer, pos, t)

@@ -259,3 +259,31 @@ def test_residency_cycle_sets_each_pass_residency(store_of) -> None:
     assert m["routing_dropped_rate"] == pytest.approx(0.25)  # half of the passes lose half
     assert torch.allclose(out[0], ref, atol=1e-5) and torch.allclose(out[2], ref, atol=1e-5)
     assert not torch.allclose(out[1], ref, atol=1e-3) and torch.equal(out[1], out[3])
+
+
+def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> None:
+    """prefetch_if_pays told a feed cost no miss can pay for (10 s a layer): the engine asks
+    ``Predictor.feeding`` as each pass begins and, once the feed gate has measured one window,
+    submits none of the resting passes' hooks (the predictor's layer count stops growing);
+    greedy tokens equal the plain model's."""
+    from moeexp.cache.feed_gate import WARMUP, WINDOW
+
+    model = toy_model("mixtral")
+    new = 10
+    with torch.no_grad():
+        refs = [model.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
+                for n, s in PROMPTS]
+    with offload(model, system="prefetch_if_pays", capacity=0.5, store=store_of("mixtral"),
+                 predictor={"spec": "off"}, hardware="rtx3090_pcie4",
+                 predictor_async=False) as om:
+        runner = om.engine.runner
+        runner.predictor.set_feed_cost(10.0)
+        assert om.engine.cache.feed_gate is not None
+        outs = [om.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
+                for n, s in PROMPTS]
+    passes = len(PROMPTS) * new
+    assert runner.rested_passes == passes - (WARMUP + WINDOW)
+    assert runner.predictor._queries == (WARMUP + WINDOW) * om.engine.L
+    assert runner.predictor.stats()["feed_switches"] == 1.0
+    for out, ref in zip(outs, refs, strict=True):
+        assert torch.equal(out, ref)

@@ -203,3 +203,38 @@ def test_horizon_hands_the_cache_within_rows_and_false_hands_none() -> None:
         for layer in (1, 2):  # never below this pass's probability
             assert (seen[layer] >= out.scores[layer][None, :] - 1e-12).all()
         assert (np.diff(seen[0], axis=0) >= -1e-12).all()  # more passes, more likely
+
+
+def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_without_a_cost() -> None:
+    """With a feed cost above anything the misses could cost (f = 10 copies per layer, top-2
+    routing: at most 2 misses a layer), ``prefetch_if_pays`` feeds its predictor for one
+    window only and is then faster than the same system always fed. Without a feed cost,
+    the gate changes nothing: every metric equals the run with ``feed_gate=false``."""
+    from moeexp.cache.feed_gate import WARMUP, WINDOW
+
+    tr = trace()
+    c = cost(tr, 1.0)
+
+    def run(feed: float, feed_gate: bool):  # type: ignore[no-untyped-def]
+        pred = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
+        cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8,
+                             feed_gate=feed_gate)
+        pred.fit(tr.split("store"))
+        cache.fit(tr.split("store"))
+        return simulate(tr.split("test"), pred, cache, c, progress=False,
+                        predictor_feed_s=feed).metrics
+
+    f = 10 * c.copy_s
+    gated, always = run(f, True), run(f, False)
+    passes = tr.split("test").num_iterations
+    assert gated["predictor_feed_switches"] == 1.0
+    assert gated["predictor_feed_rested_share"] == pytest.approx(1 - (WARMUP + WINDOW) / passes)
+    assert gated["tpot_ms_mean"] < always["tpot_ms_mean"]
+    assert gated["prefetches_issued"] < always["prefetches_issued"]
+    assert "predictor_feed_switches" not in always
+    free_on, free_off = run(0.0, True), run(0.0, False)
+    wall = {"sim_wall_s", "accesses_per_s", "predictor_query_us_mean"}
+    assert free_on.keys() == free_off.keys()
+    for k in free_on.keys() - wall:
+        a, b = free_on[k], free_off[k]
+        assert a == b or (a != a and b != b), k  # NaN where undefined

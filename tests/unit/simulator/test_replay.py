@@ -233,3 +233,61 @@ def test_predictor_feed_shifts_every_layer() -> None:
     assert fed["hit_rate"] == base["hit_rate"]
     with pytest.raises(ConfigError, match="predictor_feed_s"):
         run(-1.0)
+
+
+class _Resting(Predictor):
+    """Fed on the passes ``fed(i)`` says (i counts passes from 0); counts its hooks."""
+
+    name = "resting"
+
+    def __init__(self, *, dims, fed) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(dims=dims)
+        self.fed, self.i, self.feed_cost = fed, -1, None
+        self.calls = {"start_iteration": 0, "observe_layer": 0, "end_iteration": 0}
+
+    def set_feed_cost(self, seconds: float) -> None:
+        self.feed_cost = seconds
+
+    def feeding(self) -> bool:
+        self.i += 1
+        return bool(self.fed(self.i))
+
+    def start_iteration(self, ctx):  # type: ignore[no-untyped-def]
+        self.calls["start_iteration"] += 1
+        return super().start_iteration(ctx)
+
+    def observe_layer(self, obs):  # type: ignore[no-untyped-def]
+        self.calls["observe_layer"] += 1
+        return super().observe_layer(obs)
+
+    def end_iteration(self) -> None:
+        self.calls["end_iteration"] += 1
+
+
+def test_a_resting_predictor_sees_none_of_the_pass_and_costs_no_feed() -> None:
+    """Predictor.feeding False: the pass's start_iteration, observe_layer and end_iteration
+    are skipped and its layers are not charged predictor_feed_s; the predictor is told the
+    feed cost. Resting every pass prices as the feed-free run; every other pass, half."""
+    tr = random_trace(num_requests=3, num_layers=4, num_experts=8, top_k=2, output_len=5, seed=2)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), tr.dims)
+
+    def run(feed: float, fed):  # type: ignore[no-untyped-def]
+        pred = _Resting(dims=tr.dims, fed=fed)
+        cache = LRUCache(capacity_slots=capacity_slots(0.5, tr.dims), num_layers=4, num_experts=8)
+        m = simulate(tr, pred, cache, cost, progress=False, predictor_feed_s=feed).metrics
+        return m, pred
+
+    free, _ = run(0.0, lambda i: True)
+    never, p_never = run(250e-6, lambda i: False)
+    always, p_always = run(250e-6, lambda i: True)
+    half, p_half = run(250e-6, lambda i: i % 2 == 0)
+    assert p_never.feed_cost == 250e-6
+    assert p_never.calls == {"start_iteration": 0, "observe_layer": 0, "end_iteration": 0}
+    passes = p_always.calls["start_iteration"]
+    assert passes == tr.num_iterations and p_always.calls["observe_layer"] == 4 * passes
+    assert p_half.calls["start_iteration"] == (passes + 1) // 2
+    assert p_half.calls["observe_layer"] == 4 * p_half.calls["start_iteration"]
+    for k in ("tpot_ms_mean", "ttft_ms_mean", "hit_rate"):
+        assert never[k] == free[k]
+    assert always["tpot_ms_mean"] - free["tpot_ms_mean"] == pytest.approx(1.0, abs=1e-9)
+    assert 0 < half["tpot_ms_mean"] - free["tpot_ms_mean"] < 1.0

@@ -1,0 +1,169 @@
+"""Whether feeding the predictor pays: the part of ``prefetch_if_pays`` that weighs running
+its predictor at all (issue 27's eleventh stage; algorithms.md §12).
+
+On a host-bound engine, handing every MoE layer to a predictor costs host time on the
+critical path: f seconds per layer fed (the simulator's ``predictor_feed_s``; on the engine
+the cost :func:`moeexp.engine.profile.profile_feed` measures, every expert resident, with the
+predictor against without). The predictor earns it back only through the misses it removes.
+The gate weighs the two per layer, in seconds:
+
+* **saving** B: the misses an on-demand LRU cache of the same capacity would have had on the
+  same accesses (the *shadow*, kept here) minus this cache's misses, times m, what a miss
+  costs (the copy time, or the cheaper CPU computation where the execution may compute a
+  miss there: ``NextUseCache.set_miss_cost``), per layer, over a window of :data:`WINDOW`
+  fed passes after :data:`WARMUP` passes in which the predictor's state catches up;
+* **bound** b: the shadow's misses per layer times m (an average over recent passes, decay
+  :data:`DECAY` per pass): the most that any predictor could save.
+
+At each pass's start (:meth:`FeedGate.pass_begins`):
+
+* fed, with a window complete: rest if B < f, else feed on (a new window); the window's
+  share r = B / b is kept;
+* resting: feed again when r · b > f (the last measured share of the present bound would
+  pay), or, after ``WINDOW · 2^k`` passes of rest (k the windows in a row that did not pay,
+  at most :data:`MAX_BACKOFF`), to measure again, if b > f.
+
+While it rests the cache evicts the least recently used expert (:attr:`FeedGate.last`; the
+predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU.
+With f = 0 there is no gate: every pass is fed and nothing is kept (every run without a
+feed cost is bit-identical to the policy before the gate).
+
+B is an estimate that errs towards feeding: a prefetched hit counts a whole miss saved,
+though a late copy saves only part of one, and the link time that prefetches take from
+demand loads is not charged (the prefetch gate weighs that per prefetch).
+
+Why hand-written: a counter, an ordered dict and five numbers; nothing to fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import numpy as np
+
+from moeexp.errors import ConfigError
+
+Key = tuple[int, int]
+
+WINDOW = 16  #: fed passes a saving is measured over
+WARMUP = 2  #: fed passes after a rest before the window counts
+MAX_BACKOFF = 8  #: most doublings of a rest before the gate measures again
+DECAY = 0.9  #: per-pass decay of the bound's average
+
+
+class FeedGate:
+    """The shadow LRU, the window's counts and the decision (module doc).
+
+    Args:
+        capacity_slots: the cache's capacity (the shadow's).
+        num_layers, num_experts: L, J.
+        feed_s: f, seconds per MoE layer fed (> 0).
+        miss_s: m, seconds a miss costs (> 0; the cache updates :attr:`miss_s` when its
+            execution's miss cost changes).
+        initial: keys resident before the first request (a warm cache), oldest first.
+    """
+
+    def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
+                 feed_s: float, miss_s: float, initial: list[Key] | None = None) -> None:
+        for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
+            if not (v > 0 and math.isfinite(v)):
+                raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
+        self.capacity, self.feed_s, self.miss_s = capacity_slots, float(feed_s), float(miss_s)
+        self.shadow: OrderedDict[Key, None] = OrderedDict((k, None) for k in initial or [])
+        #: float64[L, J]: the mechanism's clock at each key's last insert or access (-1:
+        #: never); the resting cache evicts the lowest
+        self.last = np.full((num_layers, num_experts), -1.0)
+        self.fed = True
+        self.resting_passes = self.fed_passes = self.switches = 0
+        self.saving_s = math.nan  # B of the last complete window, s per layer
+        self.share = 0.0  # r of the last complete window
+        self.bound = math.nan  # shadow misses per layer, averaged (b / m)
+        self._since = 0  # passes in the present state, the one that begins included
+        self._backoff = 0  # k
+        self._rest = WINDOW  # passes of the running rest before the gate measures again
+        self._win = [0, 0, 0]  # the window's shadow misses, own misses, layers
+        self._pass = [0, 0, 0]  # the running pass's
+        self._layer = -1  # layer of the latest access (-1: a pass began)
+        self._started = False
+
+    # ---- events (the cache forwards them) -------------------------------------------
+    def insert(self, key: Key, now: int) -> None:
+        """``key`` became resident (a demand load or a prefetch) at clock ``now``."""
+        self.last[key] = now
+
+    def access(self, key: Key, now: int, hit: bool) -> None:
+        """A layer used ``key``; ``hit``: it was resident (and ready) in this cache."""
+        self.last[key] = now
+        p = self._pass
+        if key[0] != self._layer:
+            self._layer = key[0]
+            p[2] += 1
+        if not hit:
+            p[1] += 1
+        shadow = self.shadow
+        if key in shadow:
+            shadow.move_to_end(key)
+            return
+        p[0] += 1
+        shadow[key] = None
+        if len(shadow) > self.capacity:
+            shadow.popitem(last=False)
+
+    # ---- the decision ---------------------------------------------------------------
+    def pass_begins(self) -> bool:
+        """Fold the pass that ended into the counts; True: feed the pass that begins."""
+        if self._started:
+            self._fold()
+        self._started = True
+        self._since += 1
+        f, m = self.feed_s, self.miss_s
+        if self.fed:
+            win = self._win
+            if self._since > WARMUP + WINDOW and win[2]:
+                saving = (win[0] - win[1]) * m / win[2]
+                bound = win[0] * m / win[2]
+                self.saving_s = saving
+                self.share = max(0.0, saving / bound) if bound > 0 else 0.0
+                self._win = [0, 0, 0]
+                self._since = WARMUP + 1
+                if saving < f:  # rest WINDOW * 2^k passes, k the failed windows in a row
+                    self._rest = WINDOW * 2 ** self._backoff
+                    self._backoff = min(MAX_BACKOFF, self._backoff + 1)
+                    self._switch(False)
+                else:
+                    self._backoff = 0
+        else:
+            b = (self.bound if math.isfinite(self.bound) else 0.0) * m
+            if self.share * b > f or (self._since > self._rest and b > f):
+                self._switch(True)
+        if self.fed:
+            self.fed_passes += 1
+        else:
+            self.resting_passes += 1
+        return self.fed
+
+    def _fold(self) -> None:
+        """The pass that ended: into the window (fed, past the warm-up) and the bound."""
+        p = self._pass
+        if p[2]:
+            rate = p[0] / p[2]
+            self.bound = rate if not math.isfinite(self.bound) else (
+                DECAY * self.bound + (1.0 - DECAY) * rate)
+        if self.fed and self._since > WARMUP:
+            for i in range(3):
+                self._win[i] += p[i]
+        self._pass = [0, 0, 0]
+        self._layer = -1
+
+    def _switch(self, fed: bool) -> None:
+        self.fed, self._since = fed, 1  # the pass that begins is the new state's first
+        self.switches += 1
+
+    def stats(self) -> dict[str, float]:
+        """Flat metrics (``predictor_feed_*`` in a run's metrics)."""
+        n = self.fed_passes + self.resting_passes
+        return {"feed_s_per_layer": self.feed_s, "feed_rested_share":
+                self.resting_passes / n if n else math.nan,
+                "feed_switches": float(self.switches),
+                "feed_saving_us_per_layer": self.saving_s * 1e6}

@@ -1,0 +1,129 @@
+"""FeedGate: rest the predictor where feeding it costs more than the misses it removes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from moeexp.cache import CACHES
+from moeexp.cache.belady import PrefetchRefused
+from moeexp.cache.feed_gate import WARMUP, WINDOW, FeedGate
+from moeexp.errors import ConfigError
+
+
+def gate(feed_s: float = 1.0, miss_s: float = 1.0, capacity: int = 2) -> FeedGate:
+    return FeedGate(capacity_slots=capacity, num_layers=2, num_experts=8, feed_s=feed_s,
+                    miss_s=miss_s)
+
+
+def run_pass(g: FeedGate, keys: list[tuple[int, int]], hits: list[bool], now: int) -> int:
+    """One pass's accesses (layer by layer); returns the clock after it."""
+    for k, h in zip(keys, hits, strict=True):
+        g.access(k, now, h)
+        now += 1
+    return now
+
+
+# a stream no 2-slot LRU hits: 4 distinct keys per layer cycle, 2 per layer
+CYCLE = [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(0, 2), (1, 2)], [(0, 3), (1, 3)]]
+
+
+def test_a_predictor_that_removes_no_miss_rests_after_one_window() -> None:
+    g = gate(feed_s=0.1, miss_s=1.0)
+    now, fed = 0, []
+    for i in range(WARMUP + WINDOW + 5):
+        fed.append(g.pass_begins())
+        keys = CYCLE[i % 4]
+        now = run_pass(g, keys, [False] * 2, now)  # every access misses, as in the shadow
+    assert all(fed[:WARMUP + WINDOW]) and not any(fed[WARMUP + WINDOW:])
+    assert g.saving_s == pytest.approx(0.0) and g.share == 0.0
+    assert g.bound == pytest.approx(1.0)  # every shadow access a miss: 1 per layer
+    assert g.stats()["feed_switches"] == 1.0
+
+
+def test_a_predictor_that_removes_the_misses_stays_fed_and_a_cheap_feed_too() -> None:
+    g = gate(feed_s=0.5, miss_s=1.0)
+    now = 0
+    for i in range(4 * (WARMUP + WINDOW)):
+        assert g.pass_begins()
+        now = run_pass(g, CYCLE[i % 4], [True] * 2, now)  # the cache hits what LRU misses
+    assert g.saving_s == pytest.approx(1.0) and g.share == pytest.approx(1.0)
+    assert g.stats()["feed_rested_share"] == 0.0
+
+
+def test_rests_double_and_a_probe_needs_a_bound_above_the_feed() -> None:
+    g = gate(feed_s=0.1, miss_s=1.0)
+    now, fed = 0, []
+    for i in range(400):
+        fed.append(g.pass_begins())
+        now = run_pass(g, CYCLE[i % 4], [False] * 2, now)
+    starts = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
+    stops = [i for i in range(1, len(fed)) if not fed[i] and fed[i - 1]]
+    rests = [b - a for a, b in zip(stops, starts, strict=False)]
+    assert rests[:3] == [WINDOW, 2 * WINDOW, 4 * WINDOW]
+    assert all(b - a == WARMUP + WINDOW for a, b in zip(starts, stops[1:], strict=False))
+    # a bound below the feed (no predictor could pay): no probe at all
+    g = gate(feed_s=2.0, miss_s=1.0)
+    now, fed = 0, []
+    for i in range(400):
+        fed.append(g.pass_begins())
+        now = run_pass(g, CYCLE[i % 4], [False] * 2, now)
+    assert sum(1 for i in range(1, len(fed)) if fed[i] and not fed[i - 1]) == 0
+    assert not any(fed[WARMUP + WINDOW:])
+
+
+def test_the_shadow_is_an_lru_of_the_capacity_and_bad_costs_are_refused() -> None:
+    g = gate(capacity=2)
+    g.pass_begins()
+    for k in [(0, 0), (0, 1), (0, 0), (0, 2), (0, 1)]:
+        g.access(k, 0, True)
+    assert list(g.shadow) == [(0, 2), (0, 1)]  # (0, 0) was the least recent
+    assert g._pass[0] == 4  # (0, 0), (0, 1), (0, 2) cold, (0, 1) evicted and missed again
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ConfigError, match="feed_s"):
+            gate(feed_s=bad)
+        with pytest.raises(ConfigError, match="miss_s"):
+            gate(miss_s=bad)
+
+
+def next_use(**kw):
+    c = CACHES.build("next_use", capacity_slots=2, num_layers=2, num_experts=8, **kw)
+    c.set_link(copy_s=1.0, window_s=0.5)
+    return c
+
+
+def test_next_use_without_a_feed_cost_has_no_gate_and_resting_it_is_lru() -> None:
+    c = next_use()
+    c.set_feed_cost(0.0)
+    assert c.feed_gate is None and all(c.feeding() for _ in range(50))
+    off = next_use(feed_gate=False)
+    off.set_feed_cost(0.1)
+    assert off.feed_gate is None and off.feeding()
+    with pytest.raises(ConfigError, match="feed cost"):
+        c.set_feed_cost(-1.0)
+    with pytest.raises(ConfigError, match="feed_gate"):
+        CACHES.build("next_use", capacity_slots=2, num_layers=2, num_experts=8,
+                     feed_gate="no")
+    fresh = CACHES.build("next_use", capacity_slots=2, num_layers=2, num_experts=8)
+    with pytest.raises(ConfigError, match="copy time"):
+        fresh.set_feed_cost(0.1)
+    c.set_feed_cost(0.1)
+    g = c.feed_gate
+    assert g is not None
+    g.fed = False  # resting: the least recently used goes, and no prefetch is taken
+    now = 0
+    for k in [(0, 5), (1, 2)]:
+        c.on_insert(k, now, False)
+        c.on_access(k, now, False)
+        now += 1
+    c.on_access((0, 5), now, True)  # (1, 2) is now the least recent
+    c.P[1, 2] = 1.0  # its predicted next use would keep it
+    c.P[0, 5] = 0.0
+    c._E = None
+    assert c.victim((1, 7), {(1, 7)}, now + 1) == (1, 2)
+    with pytest.raises(PrefetchRefused):
+        c.victim((1, 6), set(), now + 1)
+    assert c.choose([(0, 5), (1, 2)], (1, 7), now + 1) == (1, 2)
+    g.fed = True  # fed: the predicted next use decides again
+    assert c.victim((1, 7), {(1, 7)}, now + 1) == (0, 5)
