@@ -431,7 +431,8 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
         row[f"engine_{k}"], row[f"sim_{k}"] = float(em[k]), float(sm[k])
     row["hit_rate_diff"] = row["sim_hit_rate"] - row["engine_hit_rate"]
     if pol_feed is not None and cost is not None and system != "no_offload":
-        row.update(_feed_columns(model, adapter, store, test, cost, pred, pol_feed, s, series))
+        row.update(_feed_columns(model, adapter, store, test, cost, pred, pol_feed, s, series,
+                                 settings))
     log.info("%-20s %5.1f%%  TPOT engine %.2f sim %.2f ms (err %.1f%%)  hit engine %.3f sim "
              "%.3f  h2d %.2f GB", system, capacity * 100, row["engine_tpot_ms_mean"],
              row["sim_tpot_ms_mean"], row["tpot_error_pct"], row["engine_hit_rate"],
@@ -440,14 +441,18 @@ def _one_system(model: Any, adapter: Any, store: Any, test: Any, cost: Any, syst
 
 
 def _feed_columns(model: Any, adapter: Any, store: Any, test: Any, cost: Any, pred: Any,
-                  pol: Any, s: Settings, series: Any) -> dict[str, float]:
+                  pol: Any, s: Settings, series: Any, settings: Mapping[str, Any]
+                  ) -> dict[str, float]:
     """``--feed``: what feeding ``pred`` costs the engine per MoE layer, measured on the test
     passes with every expert resident (no copy, no stall): TPOT with the predictor minus
     TPOT with none, over the layers, clipped at 0 (``engine.profile.profile_feed``'s
     measure, under routing replay); then the simulator with that cost charged on every
     layer's critical path (``simulate(predictor_feed_s=...)``). Keys ``feed_us_per_layer``,
     ``sim_feed_tpot_ms_mean``, ``tpot_error_feed_pct``; NaN for a system without a
-    predictor, or where the experts do not fit on the device."""
+    predictor, or where the experts do not fit on the device. A policy that weighs its feed
+    (``next_use`` with ``feed_gate``, :mod:`moeexp.cache.feed_gate`) is served again told
+    that cost, as the simulator is: ``engine_gated_tpot_ms_mean``, ``engine_gated_hit_rate``,
+    ``engine_gated_rested_share``, and the simulator's error is against that run."""
     from moeexp.simulator import simulate
 
     nan = float("nan")
@@ -456,12 +461,20 @@ def _feed_columns(model: Any, adapter: Any, store: Any, test: Any, cost: Any, pr
         return out
     tpot = {}
     for label in ("without", "with", "without_again"):
-        none, resident, _, settings, _ = _fitted("no_offload", 1.0, store, test.dims, {})
+        none, resident, _, plain, _ = _fitted("no_offload", 1.0, store, test.dims, {})
         use = copy.deepcopy(pred) if label == "with" else none
-        run, _ = _engine_run(model, adapter, test, use, resident, settings, cost, s, "feed")
+        run, _ = _engine_run(model, adapter, test, use, resident, plain, cost, s, "feed")
         tpot[label] = float(np.mean(run.tpot_ms))
     base = (tpot["without"] + tpot["without_again"]) / 2  # one on each side of "with"
     feed_s = max(0.0, (tpot["with"] - base) / 1e3 / test.dims.num_layers)
+    if getattr(pol, "use_feed_gate", False) and feed_s > 0:  # a policy that weighs the feed:
+        gated = copy.deepcopy(pred)  # the engine again, told what it measured
+        gated.set_feed_cost(feed_s)
+        series, em = _engine_run(model, adapter, test, gated, copy.deepcopy(pol), settings,
+                                 cost, s, "feed_gate")
+        out.update(engine_gated_tpot_ms_mean=float(em["tpot_ms_mean"]),
+                   engine_gated_hit_rate=float(em["hit_rate"]),
+                   engine_gated_rested_share=float(gated.stats()["feed_rested_share"]))
     sim = simulate(test, copy.deepcopy(pred), pol, cost, progress=False,
                    predictor_feed_s=feed_s)
     by_id = dict(zip(sim.series["request_id"], sim.series["tpot_ms"], strict=True))
@@ -572,10 +585,12 @@ def _summary_md(res: dict[str, Any]) -> str:
     if fed:
         lines += ["--feed: each predictor's feeding cost on the engine (every expert resident), "
                   "and the simulator charged with it:", "",
-                  "| system | capacity | feed µs/layer | engine TPOT ms | sim+feed TPOT ms | "
-                  "TPOT err % (without / with feed) |", "|---|---|---|---|---|---|"]
+                  "| system | capacity | feed µs/layer | engine TPOT ms | engine told the feed: "
+                  "TPOT ms / rested share | sim+feed TPOT ms | TPOT err % (without / with feed) |",
+                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['system']} | {r['capacity']:.3f} | {r['feed_us_per_layer']:.0f} | "
-                  f"{r['engine_tpot_ms_mean']:.2f} | {r['sim_feed_tpot_ms_mean']:.2f} | "
+                  f"{r['engine_tpot_ms_mean']:.2f} | {_gated(r)} | "
+                  f"{r['sim_feed_tpot_ms_mean']:.2f} | "
                   f"{r['tpot_error_pct']:.1f} / {r['tpot_error_feed_pct']:.1f} |" for r in fed]
         lines.append("")
     if "profile" in res:
@@ -584,6 +599,13 @@ def _summary_md(res: dict[str, Any]) -> str:
                   + (f"{pr['passes']} passes, TPOT {pr['tpot_ms']:.2f} ms under the profiler; "
                      f"{pr['table']}, {pr['trace']}" if "table" in pr else pr["reason"]), ""]
     return "\n".join(lines)
+
+
+def _gated(row: Mapping[str, Any]) -> str:
+    """The summary's cell for a policy served again told its feed cost ("–": not one)."""
+    if "engine_gated_tpot_ms_mean" not in row:
+        return "–"
+    return f"{row['engine_gated_tpot_ms_mean']:.2f} / {row['engine_gated_rested_share']:.2f}"
 
 
 def run_real_scale(s: Settings) -> dict[str, Any]:

@@ -163,12 +163,23 @@ def test_feed_measures_the_predictor_hand_off_and_simulates_with_it(tmp_path) ->
     TPOT no lower than without), reported in systems.csv and summary.md; a system without a
     predictor has none."""
     out = tmp_path / "feed"
-    assert real_scale.main(["--dry-run", "--out", str(out), "--systems", "deepspeed,oracle",
-                            "--capacities", "0.5", "--passes", "2", "--feed"]) == 0
+    assert real_scale.main(["--dry-run", "--out", str(out), "--systems",
+                            "deepspeed,oracle,prefetch_if_pays", "--capacities", "0.5",
+                            "--passes", "2", "--feed"]) == 0
     rows = {r["system"]: r for r in json.loads((out / "results.json").read_text())["systems"]}
     assert np.isnan(rows["deepspeed"]["feed_us_per_layer"])
     o = rows["oracle"]
     assert np.isfinite(o["feed_us_per_layer"]) and o["feed_us_per_layer"] >= 0
     assert o["sim_feed_tpot_ms_mean"] >= o["sim_tpot_ms_mean"] - 1e-9
     assert np.isfinite(o["tpot_error_feed_pct"])
-    assert "| oracle | 0.500 |" in (out / "summary.md").read_text().split("--feed:")[1]
+    assert "engine_gated_tpot_ms_mean" not in o  # the oracle does not weigh its feed
+    table = (out / "summary.md").read_text().split("--feed:")[1]
+    assert "| oracle | 0.500 |" in table
+    # prefetch_if_pays weighs its feed: served again told it (where a feed was measured)
+    p = rows["prefetch_if_pays"]
+    gated = "engine_gated_tpot_ms_mean" in p
+    assert gated == (p["feed_us_per_layer"] > 0)
+    if gated:
+        assert np.isfinite(p["engine_gated_tpot_ms_mean"])
+        assert 0.0 <= p["engine_gated_rested_share"] <= 1.0
+        assert "| prefetch_if_pays | 0.500 |" in table
