@@ -464,8 +464,8 @@ class Engine:
                 f"the trace of exactly these passes (same prompts, exact decoding)")
 
     def begin_iteration(self) -> None:
-        self.runner.begin_pass()  # whether this pass is handed to the predictor
         with self.lock:
+            self.runner.begin_pass()  # whether this pass is handed to the predictor
             self.iteration += 1
             if self.residency_cycle is not None:
                 self.residency = self.residency_cycle[self.iteration % len(self.residency_cycle)]
