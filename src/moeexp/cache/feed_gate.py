@@ -15,7 +15,8 @@ The gate weighs the two per layer, in seconds:
 * **bound** b: the shadow's misses per layer times m (an average over recent passes, decay
   :data:`DECAY` per pass): the most that any predictor could save.
 
-At each pass's start (:meth:`FeedGate.pass_begins`):
+At each pass's start (:meth:`FeedGate.pass_begins`), starting at rest for :data:`WARMUP`
+passes (the bound needs passes; a predictor no miss could pay for is never fed):
 
 * fed, with a window complete: rest if B < f, else feed on (a new window); the window's
   share r = B / b is kept;
@@ -74,14 +75,14 @@ class FeedGate:
         #: float64[L, J]: the mechanism's clock at each key's last insert or access (-1:
         #: never); the resting cache evicts the lowest
         self.last = np.full((num_layers, num_experts), -1.0)
-        self.fed = True
+        self.fed = False  # it starts resting: the first passes measure the bound
         self.resting_passes = self.fed_passes = self.switches = 0
         self.saving_s = math.nan  # B of the last complete window, s per layer
         self.share = 0.0  # r of the last complete window
         self.bound = math.nan  # shadow misses per layer, averaged (b / m)
         self._since = 0  # passes in the present state, the one that begins included
         self._backoff = 0  # k
-        self._rest = WINDOW  # passes of the running rest before the gate measures again
+        self._rest = WARMUP  # passes of the running rest before the gate measures again
         self._win = [0, 0, 0]  # the window's shadow misses, own misses, layers
         self._pass = [0, 0, 0]  # the running pass's
         self._layer = -1  # layer of the latest access (-1: a pass began)

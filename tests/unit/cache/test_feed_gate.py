@@ -29,48 +29,45 @@ def run_pass(g: FeedGate, keys: list[tuple[int, int]], hits: list[bool], now: in
 CYCLE = [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(0, 2), (1, 2)], [(0, 3), (1, 3)]]
 
 
-def test_a_predictor_that_removes_no_miss_rests_after_one_window() -> None:
-    g = gate(feed_s=0.1, miss_s=1.0)
+def passes(g: FeedGate, n: int, hit: bool) -> list[bool]:
+    """``n`` passes of :data:`CYCLE` (2 layers, every access a miss for a 2-slot LRU), each
+    access a hit of this cache or not; what :meth:`FeedGate.pass_begins` said for each."""
     now, fed = 0, []
-    for i in range(WARMUP + WINDOW + 5):
+    for i in range(n):
         fed.append(g.pass_begins())
-        keys = CYCLE[i % 4]
-        now = run_pass(g, keys, [False] * 2, now)  # every access misses, as in the shadow
-    assert all(fed[:WARMUP + WINDOW]) and not any(fed[WARMUP + WINDOW:])
+        now = run_pass(g, CYCLE[i % 4], [hit] * 2, now)
+    return fed
+
+
+def test_a_predictor_that_removes_no_miss_is_fed_for_one_window_then_rests() -> None:
+    g = gate(feed_s=0.1, miss_s=1.0)
+    fed = passes(g, 2 * WARMUP + WINDOW + 5, hit=False)  # this cache misses as the shadow
+    # at rest while the bound is measured, then one window (warm-up included), then rest
+    assert fed == [False] * WARMUP + [True] * (WARMUP + WINDOW) + [False] * 5
     assert g.saving_s == pytest.approx(0.0) and g.share == 0.0
     assert g.bound == pytest.approx(1.0)  # every shadow access a miss: 1 per layer
-    assert g.stats()["feed_switches"] == 1.0
+    assert g.stats()["feed_switches"] == 2.0
 
 
-def test_a_predictor_that_removes_the_misses_stays_fed_and_a_cheap_feed_too() -> None:
+def test_a_predictor_that_removes_the_misses_stays_fed() -> None:
     g = gate(feed_s=0.5, miss_s=1.0)
-    now = 0
-    for i in range(4 * (WARMUP + WINDOW)):
-        assert g.pass_begins()
-        now = run_pass(g, CYCLE[i % 4], [True] * 2, now)  # the cache hits what LRU misses
+    fed = passes(g, 4 * (WARMUP + WINDOW), hit=True)  # the cache hits what LRU misses
+    assert fed == [False] * WARMUP + [True] * (len(fed) - WARMUP)
     assert g.saving_s == pytest.approx(1.0) and g.share == pytest.approx(1.0)
-    assert g.stats()["feed_rested_share"] == 0.0
 
 
-def test_rests_double_and_a_probe_needs_a_bound_above_the_feed() -> None:
+def test_rests_double_and_a_bound_below_the_feed_is_never_fed() -> None:
     g = gate(feed_s=0.1, miss_s=1.0)
-    now, fed = 0, []
-    for i in range(400):
-        fed.append(g.pass_begins())
-        now = run_pass(g, CYCLE[i % 4], [False] * 2, now)
+    fed = passes(g, 400, hit=False)
     starts = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
     stops = [i for i in range(1, len(fed)) if not fed[i] and fed[i - 1]]
-    rests = [b - a for a, b in zip(stops, starts, strict=False)]
-    assert rests[:3] == [WINDOW, 2 * WINDOW, 4 * WINDOW]
-    assert all(b - a == WARMUP + WINDOW for a, b in zip(starts, stops[1:], strict=False))
-    # a bound below the feed (no predictor could pay): no probe at all
+    rests = [b - a for a, b in zip(stops, starts[1:], strict=False)]
+    assert starts[0] == WARMUP and rests[:3] == [WINDOW, 2 * WINDOW, 4 * WINDOW]
+    assert all(b - a == WARMUP + WINDOW for a, b in zip(starts, stops, strict=False))
+    # a bound below the feed (no predictor could pay): never fed, not even a window
     g = gate(feed_s=2.0, miss_s=1.0)
-    now, fed = 0, []
-    for i in range(400):
-        fed.append(g.pass_begins())
-        now = run_pass(g, CYCLE[i % 4], [False] * 2, now)
-    assert sum(1 for i in range(1, len(fed)) if fed[i] and not fed[i - 1]) == 0
-    assert not any(fed[WARMUP + WINDOW:])
+    assert not any(passes(g, 400, hit=False))
+    assert g.stats()["feed_rested_share"] == 1.0
 
 
 def test_the_shadow_is_an_lru_of_the_capacity_and_bad_costs_are_refused() -> None:
