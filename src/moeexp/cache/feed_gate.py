@@ -12,17 +12,19 @@ The gate weighs the two per layer, in seconds:
   costs (the copy time, or the cheaper CPU computation where the execution may compute a
   miss there: ``NextUseCache.set_miss_cost``), per layer, over a window of :data:`WINDOW`
   fed passes after :data:`WARMUP` passes in which the predictor's state catches up;
-* **bound** b: the shadow's misses per layer times m (an average over recent passes, decay
-  :data:`DECAY` per pass): the most that any predictor could save.
+* **bound** b: the shadow's misses per layer times m: the most that any predictor could
+  save; b_short averages recent passes (decay :data:`DECAY` per pass), b_long the run
+  (decay :data:`DECAY_LONG`).
 
 At each pass's start (:meth:`FeedGate.pass_begins`), starting at rest for :data:`WARMUP`
 passes (the bound needs passes; a predictor no miss could pay for is never fed):
 
-* fed, with a window complete: rest if B < f, else feed on (a new window); the window's
-  share r = B / b is kept;
-* resting: feed again when r · b > f (the last measured share of the present bound would
-  pay), or, after ``WINDOW · 2^k`` passes of rest (k the windows in a row that did not pay,
-  at most :data:`MAX_BACKOFF`), to measure again, if b > f.
+* fed, with a window complete: rest if B < f, else feed on (a new window); the share of
+  the bound that the predictor removes, r = ΣB / Σb over every window so far, is kept;
+* resting: feed again when r · b_short > f (that share of the present bound would pay), or,
+  after ``WINDOW · 2^k`` passes of rest (k the windows in a row that did not pay, at most
+  :data:`MAX_BACKOFF`), to measure again, if b_long > f (a burst of misses, as at a
+  request's start, does not buy a window).
 
 While it rests the cache evicts the least recently used expert (:attr:`FeedGate.last`; the
 predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU.
@@ -50,7 +52,8 @@ Key = tuple[int, int]
 WINDOW = 16  #: fed passes a saving is measured over
 WARMUP = 2  #: fed passes after a rest before the window counts
 MAX_BACKOFF = 8  #: most doublings of a rest before the gate measures again
-DECAY = 0.9  #: per-pass decay of the bound's average
+DECAY = 0.9  #: per-pass decay of the bound's short average
+DECAY_LONG = 0.99  #: per-pass decay of the bound's long average
 
 
 class FeedGate:
@@ -78,8 +81,10 @@ class FeedGate:
         self.fed = False  # it starts resting: the first passes measure the bound
         self.resting_passes = self.fed_passes = self.switches = 0
         self.saving_s = math.nan  # B of the last complete window, s per layer
-        self.share = 0.0  # r of the last complete window
-        self.bound = math.nan  # shadow misses per layer, averaged (b / m)
+        self.share = 0.0  # r, over every complete window
+        self.bound = math.nan  # shadow misses per layer, short average (b_short / m)
+        self.bound_long = math.nan  # the same, long average (b_long / m)
+        self._pooled = [0, 0]  # every complete window's shadow misses saved, shadow misses
         self._since = 0  # passes in the present state, the one that begins included
         self._backoff = 0  # k
         self._rest = WARMUP  # passes of the running rest before the gate measures again
@@ -123,9 +128,11 @@ class FeedGate:
             win = self._win
             if self._since > WARMUP + WINDOW and win[2]:
                 saving = (win[0] - win[1]) * m / win[2]
-                bound = win[0] * m / win[2]
                 self.saving_s = saving
-                self.share = max(0.0, saving / bound) if bound > 0 else 0.0
+                pooled = self._pooled
+                pooled[0] += win[0] - win[1]
+                pooled[1] += win[0]
+                self.share = max(0.0, pooled[0] / pooled[1]) if pooled[1] else 0.0
                 self._win = [0, 0, 0]
                 self._since = WARMUP + 1
                 if saving < f:  # rest WINDOW * 2^k passes, k the failed windows in a row
@@ -134,9 +141,9 @@ class FeedGate:
                     self._switch(False)
                 else:
                     self._backoff = 0
-        else:
-            b = (self.bound if math.isfinite(self.bound) else 0.0) * m
-            if self.share * b > f or (self._since > self._rest and b > f):
+        elif math.isfinite(self.bound):
+            if (self.share * self.bound * m > f
+                    or (self._since > self._rest and self.bound_long * m > f)):
                 self._switch(True)
         if self.fed:
             self.fed_passes += 1
@@ -149,8 +156,11 @@ class FeedGate:
         p = self._pass
         if p[2]:
             rate = p[0] / p[2]
-            self.bound = rate if not math.isfinite(self.bound) else (
-                DECAY * self.bound + (1.0 - DECAY) * rate)
+            if not math.isfinite(self.bound):
+                self.bound = self.bound_long = rate
+            else:
+                self.bound = DECAY * self.bound + (1.0 - DECAY) * rate
+                self.bound_long = DECAY_LONG * self.bound_long + (1.0 - DECAY_LONG) * rate
         if self.fed and self._since > WARMUP:
             for i in range(3):
                 self._win[i] += p[i]

@@ -124,3 +124,21 @@ def test_next_use_without_a_feed_cost_has_no_gate_and_resting_it_is_lru() -> Non
     assert c.choose([(0, 5), (1, 2)], (1, 7), now + 1) == (1, 2)
     g.fed = True  # fed: the predicted next use decides again
     assert c.victim((1, 7), {(1, 7)}, now + 1) == (0, 5)
+
+
+def test_a_burst_of_misses_does_not_buy_a_window() -> None:
+    """Probes read the run's long average of the bound: after a window that saved nothing,
+    a stream the shadow LRU mostly hits (bound long below f) gets no further window from
+    bursts of misses every 100 passes, though each burst lifts the short average above f."""
+    g = gate(feed_s=0.2, miss_s=1.0)
+    now, fed, short = 0, [], []
+    hot = [(0, 0), (1, 0)]  # fits in the 2-slot shadow: no miss once loaded
+    for i in range(1200):
+        fed.append(g.pass_begins())
+        short.append(g.bound)
+        burst = i < 20 or i % 100 in (50, 51, 52)
+        now = run_pass(g, CYCLE[i % 4] if burst else hot, [False] * 2 if burst else [True] * 2,
+                       now)
+    assert fed[WARMUP] and g.saving_s == 0.0  # the first window: fed, saved nothing
+    assert not any(fed[400:])
+    assert max(short[400:]) > 0.2 > g.bound_long  # the bursts show in the short average only
