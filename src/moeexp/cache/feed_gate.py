@@ -14,10 +14,13 @@ The gate weighs the two per layer, in seconds:
   fed passes after :data:`WARMUP` passes in which the predictor's state catches up;
 * **bound** b: the shadow's misses per layer times m: the most that any predictor could
   save; b_short averages recent passes (decay :data:`DECAY` per pass), b_long the run
-  (decay :data:`DECAY_LONG`).
+  (decay :data:`DECAY_LONG`). Both count from the first pass that begins with the shadow
+  full: a cold cache's compulsory misses happen once a run and would inflate b_long for
+  hundreds of passes.
 
-At each pass's start (:meth:`FeedGate.pass_begins`), starting at rest for :data:`WARMUP`
-passes (the bound needs passes; a predictor no miss could pay for is never fed):
+At each pass's start (:meth:`FeedGate.pass_begins`), starting at rest until the bound has
+been measured (the shadow full, then :data:`WARMUP` passes; a predictor no miss could pay
+for is never fed):
 
 * fed, with a window complete: rest if B < f, else feed on (a new window); the share of
   the bound that the predictor removes, r = ΣB / Σb over every window so far, is kept;
@@ -92,6 +95,7 @@ class FeedGate:
         self._pass = [0, 0, 0]  # the running pass's
         self._layer = -1  # layer of the latest access (-1: a pass began)
         self._started = False
+        self._warm = len(self.shadow) >= capacity_slots  # the shadow is full: b counts
 
     # ---- events (the cache forwards them) -------------------------------------------
     def insert(self, key: Key, now: int) -> None:
@@ -154,7 +158,7 @@ class FeedGate:
     def _fold(self) -> None:
         """The pass that ended: into the window (fed, past the warm-up) and the bound."""
         p = self._pass
-        if p[2]:
+        if p[2] and self._warm:
             rate = p[0] / p[2]
             if not math.isfinite(self.bound):
                 self.bound = self.bound_long = rate
@@ -166,6 +170,8 @@ class FeedGate:
                 self._win[i] += p[i]
         self._pass = [0, 0, 0]
         self._layer = -1
+        if not self._warm and len(self.shadow) >= self.capacity:
+            self._warm, self._since = True, 0  # at rest since the start: WARMUP passes of b
 
     def _switch(self, fed: bool) -> None:
         self.fed, self._since = fed, 1  # the pass that begins is the new state's first

@@ -27,6 +27,9 @@ def run_pass(g: FeedGate, keys: list[tuple[int, int]], hits: list[bool], now: in
 
 # a stream no 2-slot LRU hits: 4 distinct keys per layer cycle, 2 per layer
 CYCLE = [[(0, 0), (1, 0)], [(0, 1), (1, 1)], [(0, 2), (1, 2)], [(0, 3), (1, 3)]]
+#: passes at rest before the first window: one fills the 2-slot shadow (its compulsory
+#: misses are not counted), WARMUP more measure the bound
+FIRST = 1 + WARMUP
 
 
 def passes(g: FeedGate, n: int, hit: bool) -> list[bool]:
@@ -41,9 +44,10 @@ def passes(g: FeedGate, n: int, hit: bool) -> list[bool]:
 
 def test_a_predictor_that_removes_no_miss_is_fed_for_one_window_then_rests() -> None:
     g = gate(feed_s=0.1, miss_s=1.0)
-    fed = passes(g, 2 * WARMUP + WINDOW + 5, hit=False)  # this cache misses as the shadow
-    # at rest while the bound is measured, then one window (warm-up included), then rest
-    assert fed == [False] * WARMUP + [True] * (WARMUP + WINDOW) + [False] * 5
+    fed = passes(g, FIRST + WARMUP + WINDOW + 5, hit=False)  # this cache misses as the shadow
+    # at rest while the shadow fills and the bound is measured, then one window (its
+    # warm-up included), then rest
+    assert fed == [False] * FIRST + [True] * (WARMUP + WINDOW) + [False] * 5
     assert g.saving_s == pytest.approx(0.0) and g.share == 0.0
     assert g.bound == pytest.approx(1.0)  # every shadow access a miss: 1 per layer
     assert g.stats()["feed_switches"] == 2.0
@@ -52,7 +56,7 @@ def test_a_predictor_that_removes_no_miss_is_fed_for_one_window_then_rests() -> 
 def test_a_predictor_that_removes_the_misses_stays_fed() -> None:
     g = gate(feed_s=0.5, miss_s=1.0)
     fed = passes(g, 4 * (WARMUP + WINDOW), hit=True)  # the cache hits what LRU misses
-    assert fed == [False] * WARMUP + [True] * (len(fed) - WARMUP)
+    assert fed == [False] * FIRST + [True] * (len(fed) - FIRST)
     assert g.saving_s == pytest.approx(1.0) and g.share == pytest.approx(1.0)
 
 
@@ -62,7 +66,7 @@ def test_rests_double_and_a_bound_below_the_feed_is_never_fed() -> None:
     starts = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
     stops = [i for i in range(1, len(fed)) if not fed[i] and fed[i - 1]]
     rests = [b - a for a, b in zip(stops, starts[1:], strict=False)]
-    assert starts[0] == WARMUP and rests[:3] == [WINDOW, 2 * WINDOW, 4 * WINDOW]
+    assert starts[0] == FIRST and rests[:3] == [WINDOW, 2 * WINDOW, 4 * WINDOW]
     assert all(b - a == WARMUP + WINDOW for a, b in zip(starts, stops, strict=False))
     # a bound below the feed (no predictor could pay): never fed, not even a window
     g = gate(feed_s=2.0, miss_s=1.0)
@@ -139,6 +143,6 @@ def test_a_burst_of_misses_does_not_buy_a_window() -> None:
         burst = i < 20 or i % 100 in (50, 51, 52)
         now = run_pass(g, CYCLE[i % 4] if burst else hot, [False] * 2 if burst else [True] * 2,
                        now)
-    assert fed[WARMUP] and g.saving_s == 0.0  # the first window: fed, saved nothing
+    assert fed[FIRST] and g.saving_s == 0.0  # the first window: fed, saved nothing
     assert not any(fed[400:])
     assert max(short[400:]) > 0.2 > g.bound_long  # the bursts show in the short average only
