@@ -412,18 +412,25 @@ def _mape(sim: list[float], eng: list[float]) -> float:
     return float(np.mean([abs(a - b) / b for a, b in pairs]) * 100) if pairs else float("nan")
 
 
+def cache_choice(entry: SystemEntry, capacity: Any) -> dict[str, Any]:
+    """The cache overrides of ``entry`` for ``resolve_system``: the run's capacity, and the
+    entry's cache name or its keys over the system's cache (e.g. ``{feed_gate: false}``)."""
+    out: dict[str, Any] = {"capacity": capacity}
+    if isinstance(entry.cache, Mapping):
+        out.update(entry.cache)
+    elif entry.cache:
+        out["name"] = entry.cache
+    return out
+
+
 def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
                 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Both backends on one system; the summary row and the per-request rows."""
     from moeexp.engine.serve import serve_engine  # torch
 
-    cache_o: dict[str, Any] = {"capacity": s.capacity}
-    if isinstance(entry.cache, Mapping):  # keys over the system's cache (e.g. an ablation)
-        cache_o.update(entry.cache)
-    elif entry.cache:
-        cache_o["name"] = entry.cache
     pcfg, ccfg, sys_settings = resolve_system(
-        entry.system, entry.predictor, cache_o, model={"prefetch_distance": s.prefetch_distance})
+        entry.system, entry.predictor, cache_choice(entry, s.capacity),
+        model={"prefetch_distance": s.prefetch_distance})
     dims = ctx.trace.dims
     restricted = bool(sys_settings.get("restricted_routing", False))
     renorm = bool(sys_settings.get("renormalize", False))

@@ -1,4 +1,4 @@
-"""moeexp.backends.sim_vs_engine's settings: the multi-member pass profile."""
+"""moeexp.backends.sim_vs_engine's settings: the multi-member pass profile, the systems entries."""
 
 from __future__ import annotations
 
@@ -28,3 +28,20 @@ def test_pass_profile_defaults_to_the_full_sweep_and_replaces_given_keys() -> No
 def test_a_bad_pass_profile_is_refused_before_any_work(bad, match) -> None:
     with pytest.raises(ConfigError, match=match):
         SimVsEngineSettings.from_mapping({"systems": ["deepspeed"], "pass_profile": bad})
+
+
+def test_an_entry_cache_is_a_name_or_keys_over_the_systems_cache() -> None:
+    """``systems`` entries: ``cache`` a conf/cache name, or a mapping of keys over the
+    system's cache (an ablation such as ``{feed_gate: false}``), resolved as the run does."""
+    from moeexp.backends.sim_vs_engine import SimVsEngineSettings, cache_choice
+    from moeexp.systems import resolve_system
+
+    s = SimVsEngineSettings.from_mapping({"systems": [
+        "deepspeed", {"name": "static", "system": "deepspeed", "cache": "static"},
+        {"name": "pip_nogate", "system": "prefetch_if_pays", "cache": {"feed_gate": False}}]})
+    plain, static, nogate = s.systems
+    assert cache_choice(plain, 0.25) == {"capacity": 0.25}
+    assert cache_choice(static, 0.25) == {"capacity": 0.25, "name": "static"}
+    _, ccfg, _ = resolve_system(nogate.system, nogate.predictor, cache_choice(nogate, 0.5))
+    assert ccfg["name"] == "next_use" and ccfg["feed_gate"] is False
+    assert ccfg["capacity"] == 0.5
