@@ -478,6 +478,9 @@ def _one_system(ctx: Any, s: SimVsEngineSettings, entry: SystemEntry, cost: Any
         "engine_accesses_total": em["accesses_total"], "sim_accesses_total": sm["accesses_total"],
         "predictor": pcfg["name"], "cache": ccfg["name"],
         "sim_predictor_feed_us": feed_s * 1e6,
+        # a policy that weighs its feed: the share of passes its predictor rested (NaN: none)
+        "engine_feed_rested_share": float(em.get("predictor_feed_rested_share", np.nan)),
+        "sim_feed_rested_share": float(sm.get("predictor_feed_rested_share", np.nan)),
         **cpu_columns(entry.execution, em, sm),
     }
     reqs = [{"system": entry.name, "request_id": rid, "engine_ttft_ms": et, "sim_ttft_ms": st,
