@@ -26,8 +26,10 @@ for is never fed):
   the bound that the predictor removes, r = ΣB / Σb over every window so far, is kept;
 * resting: feed again when r · b_short > f (that share of the present bound would pay), or,
   after ``WINDOW · 2^k`` passes of rest (k the windows in a row that did not pay, at most
-  :data:`MAX_BACKOFF`), to measure again, if b_long > f (a burst of misses, as at a
-  request's start, does not buy a window).
+  :data:`MAX_BACKOFF`), to measure again, if r⁺ · b_long > f, with r⁺ = min(1, r + 1/√n)
+  an optimistic share after n windows (an upper confidence bound: the first window is
+  bought wherever b_long > f, later ones only while the share could still pay; a burst of
+  misses, as at a request's start, does not buy one).
 
 While it rests the cache evicts the least recently used expert (:attr:`FeedGate.last`; the
 predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU.
@@ -83,6 +85,7 @@ class FeedGate:
         self.last = np.full((num_layers, num_experts), -1.0)
         self.fed = False  # it starts resting: the first passes measure the bound
         self.resting_passes = self.fed_passes = self.switches = 0
+        self.windows = 0  # complete measuring windows
         self.saving_s = math.nan  # B of the last complete window, s per layer
         self.share = 0.0  # r, over every complete window
         self.bound = math.nan  # shadow misses per layer, short average (b_short / m)
@@ -133,6 +136,7 @@ class FeedGate:
             if self._since > WARMUP + WINDOW and win[2]:
                 saving = (win[0] - win[1]) * m / win[2]
                 self.saving_s = saving
+                self.windows += 1
                 pooled = self._pooled
                 pooled[0] += win[0] - win[1]
                 pooled[1] += win[0]
@@ -146,8 +150,9 @@ class FeedGate:
                 else:
                     self._backoff = 0
         elif math.isfinite(self.bound):
+            hope = min(1.0, self.share + self.windows ** -0.5) if self.windows else 1.0
             if (self.share * self.bound * m > f
-                    or (self._since > self._rest and self.bound_long * m > f)):
+                    or (self._since > self._rest and hope * self.bound_long * m > f)):
                 self._switch(True)
         if self.fed:
             self.fed_passes += 1

@@ -146,3 +146,13 @@ def test_a_burst_of_misses_does_not_buy_a_window() -> None:
     assert fed[FIRST] and g.saving_s == 0.0  # the first window: fed, saved nothing
     assert not any(fed[400:])
     assert max(short[400:]) > 0.2 > g.bound_long  # the bursts show in the short average only
+
+
+def test_windows_stop_once_even_an_optimistic_share_cannot_pay() -> None:
+    """A predictor measured to save nothing (r = 0) against a bound of 1 miss a layer and
+    f = 0.4: windows are bought while r + 1/sqrt(n) > f / b, that is for n = 1..6, and
+    never after the seventh (1/sqrt(7) < 0.4), however long the run."""
+    g = gate(feed_s=0.4, miss_s=1.0)
+    fed = passes(g, 6000, hit=False)
+    starts = sum(1 for i in range(1, len(fed)) if fed[i] and not fed[i - 1])
+    assert g.windows == 7 and starts == 7 and not any(fed[3000:])
