@@ -26,10 +26,11 @@ for is never fed):
   the bound that the predictor removes, r = ΣB / Σb over every window so far, is kept;
 * resting: feed again when r · b_short > f (that share of the present bound would pay), or,
   after ``WINDOW · 2^k`` passes of rest (k the windows in a row that did not pay, at most
-  :data:`MAX_BACKOFF`), to measure again, if r⁺ · b_long > f, with r⁺ = min(1, r + 1/√n)
-  an optimistic share after n windows (an upper confidence bound: the first window is
-  bought wherever b_long > f, later ones only while the share could still pay; a burst of
-  misses, as at a request's start, does not buy one).
+  :data:`MAX_BACKOFF`), to measure again, if r⁺ · b_long > f, with r⁺ an optimistic share:
+  1 before two windows, then min(1, r + 2 s / √n), s the standard deviation of the n
+  windows' own shares (an upper confidence bound on r: the first windows are bought
+  wherever b_long > f, later ones only while the share could still pay; a burst of misses,
+  as at a request's start, does not buy one).
 
 While it rests the cache evicts the least recently used expert (:attr:`FeedGate.last`; the
 predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU.
@@ -91,6 +92,7 @@ class FeedGate:
         self.bound = math.nan  # shadow misses per layer, short average (b_short / m)
         self.bound_long = math.nan  # the same, long average (b_long / m)
         self._pooled = [0, 0]  # every complete window's shadow misses saved, shadow misses
+        self._shares = [0.0, 0.0]  # sum and sum of squares of the windows' own shares
         self._since = 0  # passes in the present state, the one that begins included
         self._backoff = 0  # k
         self._rest = WARMUP  # passes of the running rest before the gate measures again
@@ -137,6 +139,9 @@ class FeedGate:
                 saving = (win[0] - win[1]) * m / win[2]
                 self.saving_s = saving
                 self.windows += 1
+                r_win = max(0.0, (win[0] - win[1]) / win[0]) if win[0] else 0.0
+                self._shares[0] += r_win  # the windows' own shares: sum, sum of squares
+                self._shares[1] += r_win * r_win
                 pooled = self._pooled
                 pooled[0] += win[0] - win[1]
                 pooled[1] += win[0]
@@ -150,7 +155,7 @@ class FeedGate:
                 else:
                     self._backoff = 0
         elif math.isfinite(self.bound):
-            hope = min(1.0, self.share + self.windows ** -0.5) if self.windows else 1.0
+            hope = self._hope()
             if (self.share * self.bound * m > f
                     or (self._since > self._rest and hope * self.bound_long * m > f)):
                 self._switch(True)
@@ -159,6 +164,15 @@ class FeedGate:
         else:
             self.resting_passes += 1
         return self.fed
+
+    def _hope(self) -> float:
+        """r⁺: 1 before two windows, then min(1, r + 2 s / √n) (module doc)."""
+        n = self.windows
+        if n < 2:
+            return 1.0
+        mean = self._shares[0] / n
+        var = max(0.0, (self._shares[1] - n * mean * mean) / (n - 1))
+        return min(1.0, self.share + 2.0 * math.sqrt(var / n))
 
     def _fold(self) -> None:
         """The pass that ended: into the window (fed, past the warm-up) and the bound."""
