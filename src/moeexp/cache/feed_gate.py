@@ -33,7 +33,11 @@ for is never fed):
   as at a request's start, does not buy one).
 
 While it rests the cache evicts the least recently used expert (:attr:`FeedGate.last`; the
-predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU.
+predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU. It
+also keeps the routing of the last :data:`HISTORY` rested passes (:meth:`FeedGate.rested`:
+bool[L, J] each, from the accesses it sees anyway), which the predictor takes when it is fed
+again to bring its running state up to date: without it, recency and averages are stale
+after a rest and the next window measures a predictor worse than LRU.
 With f = 0 there is no gate: every pass is fed and nothing is kept (every run without a
 feed cost is bit-identical to the policy before the gate).
 
@@ -47,7 +51,7 @@ Why hand-written: a counter, an ordered dict and five numbers; nothing to fit.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
@@ -60,6 +64,7 @@ WARMUP = 2  #: fed passes after a rest before the window counts
 MAX_BACKOFF = 8  #: most doublings of a rest before the gate measures again
 DECAY = 0.9  #: per-pass decay of the bound's short average
 DECAY_LONG = 0.99  #: per-pass decay of the bound's long average
+HISTORY = 64  #: rested passes whose routing is kept for the predictor's catch-up
 
 
 class FeedGate:
@@ -101,6 +106,8 @@ class FeedGate:
         self._layer = -1  # layer of the latest access (-1: a pass began)
         self._started = False
         self._warm = len(self.shadow) >= capacity_slots  # the shadow is full: b counts
+        self._used = np.zeros((num_layers, num_experts), dtype=bool)  # the resting pass's
+        self._rested: deque[np.ndarray] = deque(maxlen=HISTORY)  # rested passes' routing
 
     # ---- events (the cache forwards them) -------------------------------------------
     def insert(self, key: Key, now: int) -> None:
@@ -110,6 +117,8 @@ class FeedGate:
     def access(self, key: Key, now: int, hit: bool) -> None:
         """A layer used ``key``; ``hit``: it was resident (and ready) in this cache."""
         self.last[key] = now
+        if not self.fed:
+            self._used[key] = True
         p = self._pass
         if key[0] != self._layer:
             self._layer = key[0]
@@ -187,10 +196,20 @@ class FeedGate:
         if self.fed and self._since > WARMUP:
             for i in range(3):
                 self._win[i] += p[i]
+        if not self.fed and p[2]:  # a rested pass: its routing, for the catch-up
+            self._rested.append(self._used)
+            self._used = np.zeros_like(self._used)
         self._pass = [0, 0, 0]
         self._layer = -1
         if not self._warm and len(self.shadow) >= self.capacity:
             self._warm, self._since = True, 0  # at rest since the start: WARMUP passes of b
+
+    def rested(self) -> list[np.ndarray]:
+        """The routing of the rested passes kept since the last call, oldest first (bool[L,
+        J] each, at most :data:`HISTORY`); the predictor takes it when it is fed again."""
+        out = list(self._rested)
+        self._rested.clear()
+        return out
 
     def _switch(self, fed: bool) -> None:
         self.fed, self._since = fed, 1  # the pass that begins is the new state's first

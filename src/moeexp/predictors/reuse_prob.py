@@ -198,9 +198,18 @@ class ReuseProbability(Predictor):
 
     def feeding(self) -> bool:
         """Whether the pass that begins is fed: every bound ``next_use`` cache is asked
-        (once each) and all must agree; always without a cache or a feed cost."""
-        votes = [c.feeding() for c in self._caches if hasattr(c, "feeding")]
-        return all(votes)
+        (once each) and all must agree; always without a cache or a feed cost. Fed again
+        after a rest, the reuse state first catches up on the rested passes' routing that
+        the caches kept (:meth:`moeexp.cache.feed_gate.FeedGate.rested`)."""
+        gates = [c for c in self._caches if hasattr(c, "feeding")]
+        fed = all([c.feeding() for c in gates])
+        if fed:
+            kept = [g.feed_gate.rested() for g in gates if g.feed_gate is not None]
+            for used in (np.logical_or.reduce(p) for p in zip(*kept, strict=False)):
+                self.state.update_all(used.astype(np.float64))
+                if self._lrb is not None:
+                    self._lstate.update_all(used.astype(np.float64))
+        return fed
 
     # ---- hooks ------------------------------------------------------------------------
     def start_request(self, ctx: RequestStart) -> Prediction:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from moeexp.cache import CACHES
@@ -162,3 +163,26 @@ def test_windows_stop_once_even_an_optimistic_share_cannot_pay() -> None:
     g = gate(feed_s=0.4, miss_s=1.0)
     g.windows, g.share, g._shares = 4, 0.25, [1.0, 0.5]  # shares 0, 0, 0.5, 0.5
     assert g._hope() == pytest.approx(0.25 + 2 * math.sqrt((0.5 - 4 * 0.25 ** 2) / 3 / 4))
+
+
+def test_a_resting_gate_keeps_the_last_passes_routing_for_the_catch_up() -> None:
+    """While it rests, the gate keeps each rested pass's routing (bool[L, J], from the
+    accesses it sees), the last HISTORY of them; ``rested()`` hands them over oldest first
+    and forgets them. A fed pass keeps nothing."""
+    from moeexp.cache.feed_gate import HISTORY
+
+    g = gate(feed_s=2.0, miss_s=1.0)  # a bound below the feed: it never feeds
+    n = HISTORY + 6
+    assert not any(passes(g, n, hit=False))
+    g.pass_begins()  # folds the last pass
+    kept = g.rested()
+    assert len(kept) == HISTORY and g.rested() == []
+    for i, used in zip(range(n - HISTORY, n), kept, strict=True):
+        want = np.zeros((2, 8), dtype=bool)
+        for k in CYCLE[i % 4]:
+            want[k] = True
+        assert (used == want).all()
+    fed = gate(feed_s=0.5, miss_s=1.0)
+    passes(fed, 40, hit=True)  # fed from pass FIRST on
+    fed.pass_begins()
+    assert len(fed.rested()) == FIRST  # only the passes before the first window

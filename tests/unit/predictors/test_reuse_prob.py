@@ -240,3 +240,32 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
     for k in free_on.keys() - wall:
         a, b = free_on[k], free_off[k]
         assert a == b or (a != a and b != b), k  # NaN where undefined
+
+
+def test_fed_again_the_reuse_state_catches_up_on_the_rested_passes() -> None:
+    """When the gate feeds the predictor again, ``feeding`` first moves the reuse state on by
+    the rested passes' routing the cache kept (one ``update_all`` each, oldest first), so
+    recency and the averages are current; a fed pass with nothing kept leaves it alone."""
+    from moeexp.predictors.reuse_features import ReuseState
+
+    tr = trace()
+    pred = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
+    cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+    pred.fit(tr.split("store"))
+    cache.fit(tr.split("store"))
+    pred.bind(cost(tr, 1.0), [cache])
+    pred.set_feed_cost(1.0)
+    g = cache.feed_gate
+    assert g is not None
+    rng = np.random.default_rng(0)
+    kept = [rng.random((4, 8)) < 0.3 for _ in range(3)]
+    pred.state.update(0, np.ones(8))
+    want = ReuseState.zeros(4, 8)
+    want.update(0, np.ones(8))
+    for used in kept:
+        want.update_all(used.astype(np.float64))
+    g._rested.extend(kept)
+    g.fed = True  # the pass that begins is fed (a window is under way)
+    assert pred.feeding()
+    assert np.array_equal(pred.state.feat, want.feat) and np.array_equal(pred.state.rec, want.rec)
+    assert pred.feeding() and np.array_equal(pred.state.feat, want.feat)  # nothing kept now
