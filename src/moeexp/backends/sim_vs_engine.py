@@ -70,7 +70,7 @@ class SystemEntry:
     name: str
     system: str
     predictor: str | None = None
-    cache: str | Mapping[str, Any] | None = None  # a conf/cache name, or keys over the system's
+    cache: str | Mapping[str, Any] | None = None  # a name, or keys over the system's cache
     scheduler: str | None = None
     execution: str | None = None
 
@@ -89,7 +89,8 @@ class SimVsEngineSettings:
     Attributes:
         systems: names of conf/system bundles, or mappings ``{name, system, predictor?,
             cache?, scheduler?, execution?}`` (e.g. ``static`` = deepspeed with the static
-            cache; ``cache`` a conf/cache name or a mapping of keys over the system's cache; ``scheduler`` only in serving mode; ``execution`` a conf/execution
+            cache; ``cache`` a conf/cache name or a mapping of keys over the system's
+            cache; ``scheduler`` only in serving mode; ``execution`` a conf/execution
             option, priced by the calibrated CPU block: :mod:`moeexp.backends.cpu_calibration`).
         capacity: the expert budget of every system (cache.capacity syntax).
         prefetch_distance: ``${model.prefetch_distance}`` for predictor configs.

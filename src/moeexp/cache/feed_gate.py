@@ -143,36 +143,41 @@ class FeedGate:
         self._since += 1
         f, m = self.feed_s, self.miss_s
         if self.fed:
-            win = self._win
-            if self._since > WARMUP + WINDOW and win[2]:
-                saving = (win[0] - win[1]) * m / win[2]
-                self.saving_s = saving
-                self.windows += 1
-                r_win = max(0.0, (win[0] - win[1]) / win[0]) if win[0] else 0.0
-                self._shares[0] += r_win  # the windows' own shares: sum, sum of squares
-                self._shares[1] += r_win * r_win
-                pooled = self._pooled
-                pooled[0] += win[0] - win[1]
-                pooled[1] += win[0]
-                self.share = max(0.0, pooled[0] / pooled[1]) if pooled[1] else 0.0
-                self._win = [0, 0, 0]
-                self._since = WARMUP + 1
-                if saving < f:  # rest WINDOW * 2^k passes, k the failed windows in a row
-                    self._rest = WINDOW * 2 ** self._backoff
-                    self._backoff = min(MAX_BACKOFF, self._backoff + 1)
-                    self._switch(False)
-                else:
-                    self._backoff = 0
+            if self._since > WARMUP + WINDOW and self._win[2]:
+                self._close_window()
         elif math.isfinite(self.bound):
-            hope = self._hope()
             if (self.share * self.bound * m > f
-                    or (self._since > self._rest and hope * self.bound_long * m > f)):
+                    or (self._since > self._rest and self._hope() * self.bound_long * m > f)):
                 self._switch(True)
         if self.fed:
             self.fed_passes += 1
         else:
             self.resting_passes += 1
         return self.fed
+
+    def _close_window(self) -> None:
+        """A window is complete: its saving B, the shares r (pooled) and the window's own,
+        then rest ``WINDOW * 2^k`` passes if B < f (k the failed windows in a row), else a
+        new window."""
+        shadow, own, layers = self._win
+        saving = (shadow - own) * self.miss_s / layers
+        self.saving_s = saving
+        self.windows += 1
+        r_win = max(0.0, (shadow - own) / shadow) if shadow else 0.0
+        self._shares[0] += r_win  # the windows' own shares: sum, sum of squares
+        self._shares[1] += r_win * r_win
+        pooled = self._pooled
+        pooled[0] += shadow - own
+        pooled[1] += shadow
+        self.share = max(0.0, pooled[0] / pooled[1]) if pooled[1] else 0.0
+        self._win = [0, 0, 0]
+        self._since = WARMUP + 1  # the pass that begins is the next window's first
+        if saving < self.feed_s:
+            self._rest = WINDOW * 2 ** self._backoff
+            self._backoff = min(MAX_BACKOFF, self._backoff + 1)
+            self._switch(False)
+        else:
+            self._backoff = 0
 
     def _hope(self) -> float:
         """r⁺: 1 before two windows, then min(1, r + 2 s / √n) (module doc)."""

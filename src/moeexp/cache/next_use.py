@@ -374,7 +374,7 @@ class NextUseCache(CachePolicy):
             return 0.0
         x = self.copy_s
         w = self.window_s if self.window_s else x
-        m = x if self.miss_s is None else min(x, self.miss_s)
+        m = self._miss()
         waste = x * self.saturation()
         return waste / (min(m, w) + waste)
 
@@ -415,7 +415,7 @@ class NextUseCache(CachePolicy):
             return True
         x = self.copy_s
         w = self.window_s if self.window_s else x
-        m = x if self.miss_s is None else min(x, self.miss_s)  # what a miss costs
+        m = self._miss()  # what a miss costs
         pk = float(self.P[k])
         s = self.saturation()
         if self.miss_s is None:

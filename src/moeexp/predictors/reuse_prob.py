@@ -205,10 +205,11 @@ class ReuseProbability(Predictor):
         fed = all([c.feeding() for c in gates])
         if fed:
             kept = [g.feed_gate.rested() for g in gates if g.feed_gate is not None]
-            for used in (np.logical_or.reduce(p) for p in zip(*kept, strict=False)):
-                self.state.update_all(used.astype(np.float64))
+            for per_cache in zip(*kept, strict=False):  # one rested pass, every cache's keys
+                used = np.logical_or.reduce(per_cache).astype(np.float64)
+                self.state.update_all(used)
                 if self._lrb is not None:
-                    self._lstate.update_all(used.astype(np.float64))
+                    self._lstate.update_all(used)
         return fed
 
     # ---- hooks ------------------------------------------------------------------------
