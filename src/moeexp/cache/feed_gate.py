@@ -32,12 +32,16 @@ for is never fed):
   wherever b_long > f, later ones only while the share could still pay; a burst of misses,
   as at a request's start, does not buy one).
 
-While it rests the cache evicts the least recently used expert (:attr:`FeedGate.last`; the
-predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU. It
-also keeps the routing of the last :data:`HISTORY` rested passes (:meth:`FeedGate.rested`:
-bool[L, J] each, from the accesses it sees anyway), which the predictor takes when it is fed
-again to bring its running state up to date: without it, recency and averages are stale
-after a rest and the next window measures a predictor worse than LRU.
+While it rests the cache evicts the least recently used expert (:meth:`FeedGate.lru`: the
+cache's residents in the order of their last insert or use, as ``lru`` keeps them; the
+predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU
+exactly, decision for decision, on the simulator and on the engine (whose access clock is
+not the order of events: a layer's hits are used before its demand loads but ranked by
+expert). It also keeps the routing of the last :data:`HISTORY` rested passes
+(:meth:`FeedGate.rested`: bool[L, J] each, from the accesses it sees anyway), which the
+predictor takes when it is fed again to bring its running state up to date: without it,
+recency and averages are stale after a rest and the next window measures a predictor worse
+than LRU.
 With f = 0 there is no gate: every pass is fed and nothing is kept (every run without a
 feed cost is bit-identical to the policy before the gate).
 
@@ -52,6 +56,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import numpy as np
 
@@ -76,7 +81,8 @@ class FeedGate:
         feed_s: f, seconds per MoE layer fed (> 0).
         miss_s: m, seconds a miss costs (> 0; the cache updates :attr:`miss_s` when its
             execution's miss cost changes).
-        initial: keys resident before the first request (a warm cache), oldest first.
+        initial: keys resident before the first request (a warm cache), oldest first: the
+            shadow's start.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
@@ -86,9 +92,10 @@ class FeedGate:
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
         self.capacity, self.feed_s, self.miss_s = capacity_slots, float(feed_s), float(miss_s)
         self.shadow: OrderedDict[Key, None] = OrderedDict((k, None) for k in initial or [])
-        #: float64[L, J]: the mechanism's clock at each key's last insert or access (-1:
-        #: never); the resting cache evicts the lowest
-        self.last = np.full((num_layers, num_experts), -1.0)
+        #: the cache's residents, least recently inserted or used first (:meth:`lru`; the
+        #: cache's inserts fill it, a warm cache's preload included)
+        self.order: OrderedDict[Key, None] = OrderedDict()
+        self.num_layers, self.num_experts = num_layers, num_experts
         self.fed = False  # it starts resting: the first passes measure the bound
         self.resting_passes = self.fed_passes = self.switches = 0
         self.windows = 0  # complete measuring windows
@@ -106,19 +113,27 @@ class FeedGate:
         self._layer = -1  # layer of the latest access (-1: a pass began)
         self._started = False
         self._warm = len(self.shadow) >= capacity_slots  # the shadow is full: b counts
-        self._used = np.zeros((num_layers, num_experts), dtype=bool)  # the resting pass's
-        self._rested: deque[np.ndarray] = deque(maxlen=HISTORY)  # rested passes' routing
+        self._used: list[Key] = []  # the resting pass's accesses
+        self._rested: deque[list[Key]] = deque(maxlen=HISTORY)  # rested passes' accesses
 
     # ---- events (the cache forwards them) -------------------------------------------
-    def insert(self, key: Key, now: int) -> None:
-        """``key`` became resident (a demand load or a prefetch) at clock ``now``."""
-        self.last[key] = now
+    def insert(self, key: Key) -> None:
+        """``key`` became resident in the cache (a demand load or a prefetch)."""
+        order = self.order
+        order[key] = None
+        order.move_to_end(key)
 
-    def access(self, key: Key, now: int, hit: bool) -> None:
+    def evict(self, key: Key) -> None:
+        """``key`` left the cache."""
+        self.order.pop(key, None)
+
+    def access(self, key: Key, hit: bool) -> None:
         """A layer used ``key``; ``hit``: it was resident (and ready) in this cache."""
-        self.last[key] = now
+        order = self.order
+        if key in order:
+            order.move_to_end(key)
         if not self.fed:
-            self._used[key] = True
+            self._used.append(key)
         p = self._pass
         if key[0] != self._layer:
             self._layer = key[0]
@@ -133,6 +148,14 @@ class FeedGate:
         shadow[key] = None
         if len(shadow) > self.capacity:
             shadow.popitem(last=False)
+
+    def lru(self, allowed: Callable[[Key], bool]) -> Key | None:
+        """The least recently inserted or used resident for which ``allowed`` holds (the
+        resting cache's victim, as ``lru`` picks it); None if there is none."""
+        for key in self.order:
+            if allowed(key):
+                return key
+        return None
 
     # ---- the decision ---------------------------------------------------------------
     def pass_begins(self) -> bool:
@@ -203,7 +226,7 @@ class FeedGate:
                 self._win[i] += p[i]
         if not self.fed and p[2]:  # a rested pass: its routing, for the catch-up
             self._rested.append(self._used)
-            self._used = np.zeros_like(self._used)
+            self._used = []
         self._pass = [0, 0, 0]
         self._layer = -1
         if not self._warm and len(self.shadow) >= self.capacity:
@@ -212,7 +235,12 @@ class FeedGate:
     def rested(self) -> list[np.ndarray]:
         """The routing of the rested passes kept since the last call, oldest first (bool[L,
         J] each, at most :data:`HISTORY`); the predictor takes it when it is fed again."""
-        out = list(self._rested)
+        out = []
+        for keys in self._rested:
+            used = np.zeros((self.num_layers, self.num_experts), dtype=bool)
+            if keys:
+                used[tuple(np.asarray(keys).T)] = True
+            out.append(used)
         self._rested.clear()
         return out
 

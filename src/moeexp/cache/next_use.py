@@ -209,10 +209,13 @@ class NextUseCache(CachePolicy):
         if self.copy_s is None:
             raise ConfigError("next_use: set_feed_cost() needs the copy time first "
                               "(set_link, from the predictor's bind)")
-        self.feed_gate = FeedGate(capacity_slots=self.capacity_slots,
-                                  num_layers=self.num_layers, num_experts=self.num_experts,
-                                  feed_s=seconds, miss_s=self._miss(),
-                                  initial=self.initial_residents())
+        gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
+                        num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
+                        initial=self.initial_residents())
+        # made while the cache runs: its residents, in an order it knows none of (as if
+        # never used: lowest expert first); later inserts and uses order them
+        gate.order.update((k, None) for k in sorted(self.resident))
+        self.feed_gate = gate
 
     def _miss(self) -> float:
         """m: what a miss costs (the copy, or the CPU's computing it where cheaper)."""
@@ -286,14 +289,14 @@ class NextUseCache(CachePolicy):
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
         if self.feed_gate is not None:
-            self.feed_gate.insert(key, now)
+            self.feed_gate.insert(key)
         self._copies += 1
         if prefetched:
             self._pref.add(key)
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         if self.feed_gate is not None:
-            self.feed_gate.access(key, now, hit)
+            self.feed_gate.access(key, hit)
         if key[0] != self.cur:  # a new layer: close the last one's count
             self.need = NEED_DECAY * self.need + (1.0 - NEED_DECAY) * self._count
             self._count, self.cur, self._E = 0, key[0], None
@@ -307,6 +310,8 @@ class NextUseCache(CachePolicy):
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
         self._pref.discard(key)
+        if self.feed_gate is not None:
+            self.feed_gate.evict(key)
 
     # ---- decisions ------------------------------------------------------------------
     def expected_next_use(self) -> np.ndarray:
@@ -386,8 +391,13 @@ class NextUseCache(CachePolicy):
                 self.refused += 1
                 raise PrefetchRefused("%s: the predictor rests; no prefetch of %s", self.name,
                                       incoming)
-            return None if self.has_room(incoming) else self.lowest_priority(
-                incoming, protected, gate.last)
+            if self.has_room(incoming):
+                return None
+            v = gate.lru(lambda k: k not in protected)
+            if v is None:
+                raise ConfigError(f"{self.name}: no evictable expert for {incoming} (capacity "
+                                  f"{self.capacity_slots} slots, {len(protected)} protected)")
+            return v
         if self.has_room(incoming):
             if prefetch and not self._pays(incoming, None):
                 self.refused += 1
@@ -404,7 +414,11 @@ class NextUseCache(CachePolicy):
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         gate = self.feed_gate
         if gate is not None and not gate.fed:  # resting: the least recently used
-            return min(candidates, key=lambda k: (gate.last[k], k[0], k[1]))
+            allowed = set(candidates)
+            v = gate.lru(allowed.__contains__)
+            if v is None:
+                raise ValueError("no candidate is resident")
+            return v
         E = self.expected_next_use()
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
 

@@ -21,7 +21,7 @@ def gate(feed_s: float = 1.0, miss_s: float = 1.0, capacity: int = 2) -> FeedGat
 def run_pass(g: FeedGate, keys: list[tuple[int, int]], hits: list[bool], now: int) -> int:
     """One pass's accesses (layer by layer); returns the clock after it."""
     for k, h in zip(keys, hits, strict=True):
-        g.access(k, now, h)
+        g.access(k, h)
         now += 1
     return now
 
@@ -81,7 +81,7 @@ def test_the_shadow_is_an_lru_of_the_capacity_and_bad_costs_are_refused() -> Non
     g = gate(capacity=2)
     g.pass_begins()
     for k in [(0, 0), (0, 1), (0, 0), (0, 2), (0, 1)]:
-        g.access(k, 0, True)
+        g.access(k, True)
     assert list(g.shadow) == [(0, 2), (0, 1)]  # (0, 0) was the least recent
     assert g._pass[0] == 4  # (0, 0), (0, 1), (0, 2) cold, (0, 1) evicted and missed again
     for bad in (0.0, -1.0, math.inf, math.nan):
@@ -126,6 +126,15 @@ def test_next_use_without_a_feed_cost_has_no_gate_and_resting_it_is_lru() -> Non
     c.P[0, 5] = 0.0
     c._E = None
     assert c.victim((1, 7), {(1, 7)}, now + 1) == (1, 2)
+    assert c.victim((1, 7), {(1, 7), (1, 2)}, now + 1) == (0, 5)  # protected: the next
+    assert c.choose([(0, 5), (1, 2)], (1, 7), now + 1) == (1, 2)
+    # recency is the order of events, as lru's, not the access clock: the engine uses a
+    # layer's hits before its demand loads, with clocks ranked by expert
+    c.on_access((1, 2), now - 5, True)
+    assert c.victim((1, 7), {(1, 7)}, now + 1) == (0, 5)
+    c.on_evict((0, 5))
+    assert c.victim((1, 7), {(1, 7)}, now + 1) is None  # room again
+    c.on_insert((0, 5), now, False)  # back, the most recent
     with pytest.raises(PrefetchRefused):
         c.victim((1, 6), set(), now + 1)
     assert c.choose([(0, 5), (1, 2)], (1, 7), now + 1) == (1, 2)

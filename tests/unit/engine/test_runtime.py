@@ -264,9 +264,12 @@ def test_residency_cycle_sets_each_pass_residency(store_of) -> None:
 def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> None:
     """prefetch_if_pays told a feed cost no miss can pay for (10 s a layer): the engine asks
     ``Predictor.feeding`` as each pass begins and submits none of a resting pass's hooks, so
-    the predictor never sees a layer; greedy tokens equal the plain model's."""
+    the predictor never sees a layer; greedy tokens equal the plain model's, and every
+    eviction is on-demand LRU's: the same hits, misses and bytes as ``deepspeed`` (recency
+    in the order of events, not the engine's access clock, which ranks a layer's hits and
+    demand loads by expert)."""
     model = toy_model("mixtral")
-    new = 10
+    new = 48
     with torch.no_grad():
         refs = [model.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
                 for n, s in PROMPTS]
@@ -278,6 +281,12 @@ def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> N
         assert om.engine.cache.feed_gate is not None
         outs = [om.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
                 for n, s in PROMPTS]
+        gated = om.metrics()
+    with offload(model, system="deepspeed", capacity=0.5, predictor_async=False) as om:
+        _serve(om, new)
+        lru = om.metrics()
+    for key in ("hits_total", "misses_total", "h2d_bytes_total"):
+        assert gated[key] == lru[key], key
     assert runner.rested_passes == len(PROMPTS) * new
     assert runner.predictor._queries == 0  # observe_layer never ran (start_request did)
     assert runner.predictor.stats()["feed_rested_share"] == 1.0

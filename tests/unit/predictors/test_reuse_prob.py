@@ -264,7 +264,8 @@ def test_fed_again_the_reuse_state_catches_up_on_the_rested_passes() -> None:
     want.update(0, np.ones(8))
     for used in kept:
         want.update_all(used.astype(np.float64))
-    g._rested.extend(kept)
+    g._rested.extend([[(int(a), int(b)) for a, b in zip(*np.nonzero(u), strict=True)]
+                      for u in kept])  # each rested pass's accesses
     g.fed = True  # the pass that begins is fed (a window is under way)
     assert pred.feeding()
     assert np.array_equal(pred.state.feat, want.feat) and np.array_equal(pred.state.rec, want.rec)
