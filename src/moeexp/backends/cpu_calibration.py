@@ -6,7 +6,7 @@ profile_cpu`: every expert on the host, timed by the engine) on the store prompt
 the fitted block (:func:`moeexp.costmodel.cpu_fit.fit_cpu_block`) to the calibrated
 profile, so the calibrated cost model prices CPU experts with this machine's kernel.
 :func:`execution_policies` builds a systems entry's ``execution`` (a conf/execution
-option) for both backends, priced by that cost model and fitted on the store split.
+option, or a mapping of its name and keys over it) for both backends, priced by that cost model and fitted on the store split.
 
 Both halves serve with the entry's policy: the engine computes its CPU experts for real,
 the simulator (:func:`moeexp.simulator.simulate`, ``execution=``) prices them with the
@@ -29,13 +29,47 @@ from moeexp.paths import group_options, load_group_yaml
 log = logging.getLogger(__name__)
 
 
-def check_execution_names(names: Sequence[str]) -> None:
-    """ConfigError for a systems entry's execution that is not a conf/execution option."""
+#: a systems entry's execution: a conf/execution option, or a mapping of its ``name`` and
+#: keys over that option's YAML (e.g. ``{name: balanced, late_to_cpu: true}``)
+ExecutionSpec = str | Mapping[str, Any]
+
+
+def _choice(spec: ExecutionSpec) -> tuple[str, dict[str, Any]]:
+    """(option name, keys over its YAML) of an entry's execution."""
+    if isinstance(spec, str):
+        return spec, {}
+    if not isinstance(spec, Mapping) or not isinstance(spec.get("name"), str):
+        raise ConfigError(f"backend=sim_vs_engine: a systems entry's execution is a "
+                          f"conf/execution option or a mapping with its name and keys over "
+                          f"it (e.g. {{name: balanced, late_to_cpu: true}}), got {spec!r}")
+    keys = {k: v for k, v in spec.items() if k != "name"}
+    return str(spec["name"]), keys
+
+
+def execution_label(spec: ExecutionSpec | None) -> str:
+    """The summary's ``execution`` column: the option's name, then its overridden keys
+    (``balanced(late_to_cpu=True)``); ``copy`` for none."""
+    if not spec:
+        return "copy"
+    name, keys = _choice(spec)
+    return name + (f"({', '.join(f'{k}={v}' for k, v in sorted(keys.items()))})" if keys else "")
+
+
+def check_execution_names(specs: Sequence[ExecutionSpec]) -> None:
+    """ConfigError for a systems entry's execution that is not a conf/execution option, or
+    that overrides a key its option does not have."""
     valid = group_options("execution")
-    bad = sorted(set(names) - set(valid))
+    choices = [_choice(s) for s in specs]
+    bad = sorted({name for name, _ in choices} - set(valid))
     if bad:
         raise ConfigError(f"backend=sim_vs_engine: unknown execution(s) {bad}; valid: "
                           f"{', '.join(valid)}")
+    for name, keys in choices:
+        unknown = sorted(set(keys) - set(load_group_yaml("execution", name)))
+        if unknown:
+            raise ConfigError(f"backend=sim_vs_engine: execution {name} has no key(s) "
+                              f"{unknown}; its keys: "
+                              f"{', '.join(sorted(load_group_yaml('execution', name)))}")
 
 
 def calibrate_cpu(loaded: Any, reqs: Sequence[tuple[list[int], int]], calib: Any, *,
@@ -62,11 +96,14 @@ def calibrate_cpu(loaded: Any, reqs: Sequence[tuple[list[int], int]], calib: Any
     return out, raw
 
 
-def execution_policies(name: str, cost: Any, store: Any) -> tuple[ExecutionPolicy, ExecutionPolicy]:
-    """Two fresh policies of conf/execution option ``name`` (its YAML's keys), checked
-    against ``cost`` (a CPU policy needs its CPU block: ``cpu_profile: true``) and fitted
-    on ``store`` when they learn from it: one per backend."""
-    choice: Mapping[str, Any] = load_group_yaml("execution", name)
+def execution_policies(spec: ExecutionSpec, cost: Any, store: Any
+                       ) -> tuple[ExecutionPolicy, ExecutionPolicy]:
+    """Two fresh policies of conf/execution option ``spec`` (its YAML's keys, with a
+    mapping's keys over them), checked against ``cost`` (a CPU policy needs its CPU block:
+    ``cpu_profile: true``) and fitted on ``store`` when they learn from it: one per
+    backend."""
+    name, keys = _choice(spec)
+    choice: dict[str, Any] = {**load_group_yaml("execution", name), **keys}
     out = []
     for _ in range(2):
         policy = build_execution(dict(choice), cost)
@@ -76,15 +113,15 @@ def execution_policies(name: str, cost: Any, store: Any) -> tuple[ExecutionPolic
     return out[0], out[1]
 
 
-def entry_executions(name: str | None, cost: Any, store: Any) -> tuple[Any, Any]:
+def entry_executions(spec: ExecutionSpec | None, cost: Any, store: Any) -> tuple[Any, Any]:
     """A systems entry's execution policies, one per backend (simulator, engine); None, None
     for ``copy``."""
-    if not name:
+    if not spec:
         return None, None
-    return execution_policies(name, cost, store)
+    return execution_policies(spec, cost, store)
 
 
-def cpu_columns(execution: str | None, engine: Mapping[str, Any],
+def cpu_columns(execution: ExecutionSpec | None, engine: Mapping[str, Any],
                 sim: Mapping[str, Any]) -> dict[str, Any]:
     """summary.csv's CPU columns: the execution, both backends'
     CPU calls, CPU ms and streamed bytes, and the calibrated CPU block's prediction for the
@@ -92,7 +129,7 @@ def cpu_columns(execution: str | None, engine: Mapping[str, Any],
     measured CPU ms (``cpu_ms_err_pct``: the test split, the block being fitted on the
     store split)."""
     nan = float("nan")
-    out: dict[str, Any] = {"execution": execution or "copy"}
+    out: dict[str, Any] = {"execution": execution_label(execution)}
     for side, m in (("engine", engine), ("sim", sim)):
         for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total"):
             out[f"{side}_{k}"] = m.get(k, nan)

@@ -72,7 +72,7 @@ class SystemEntry:
     predictor: str | None = None
     cache: str | Mapping[str, Any] | None = None  # a name, or keys over the system's cache
     scheduler: str | None = None
-    execution: str | None = None
+    execution: str | Mapping[str, Any] | None = None  # an option, or {name, keys over it}
 
 
 # Default copy sizes of the profile, multiples of one expert's bytes: {on CUDA: sizes}.
@@ -91,7 +91,9 @@ class SimVsEngineSettings:
             cache?, scheduler?, execution?}`` (e.g. ``static`` = deepspeed with the static
             cache; ``cache`` a conf/cache name or a mapping of keys over the system's
             cache; ``scheduler`` only in serving mode; ``execution`` a conf/execution
-            option, priced by the calibrated CPU block: :mod:`moeexp.backends.cpu_calibration`).
+            option or a mapping of its ``name`` and keys over it (``{name: balanced,
+            late_to_cpu: true}``), priced by the calibrated CPU block:
+            :mod:`moeexp.backends.cpu_calibration`).
         capacity: the expert budget of every system (cache.capacity syntax).
         prefetch_distance: ``${model.prefetch_distance}`` for predictor configs.
         device, bandwidth_bps, num_threads, predictor_async, max_inflight, spec_depth,

@@ -55,3 +55,23 @@ def test_calibration_cpu_metrics_only_with_a_block() -> None:
     _C.fit = {"cpu": {"roofline_mape_pct": 12.0}}
     m = calibration_cpu_metrics(_C())
     assert m["calib_cpu_dram_gbps"] == 8.0 and m["calib_cpu_roofline_mape_pct"] == 12.0
+
+
+def test_an_entry_execution_may_override_keys_of_its_option() -> None:
+    """``{name: balanced, late_to_cpu: true}``: the option's YAML with the entry's keys over
+    it, for both backends; the summary's label names them; a key the option lacks, or a
+    mapping without a name, is refused."""
+    tr = random_trace(num_requests=3, num_layers=4, num_experts=8, top_k=2, output_len=4)
+    cost = CostModel.from_profile(load_profile("rtx3090_pcie4_xeon_e5v4"), tr.dims)
+    spec = {"name": "balanced", "late_to_cpu": True}
+    check_execution_names(["balanced", spec])
+    sim, eng = entry_executions(spec, cost, tr)
+    assert sim is not eng and sim.late_to_cpu and eng.late_to_cpu
+    plain, _ = entry_executions("balanced", cost, tr)
+    assert not plain.late_to_cpu
+    assert cpu_columns(spec, {}, {})["execution"] == "balanced(late_to_cpu=True)"
+    assert cpu_columns("balanced", {}, {})["execution"] == "balanced"
+    with pytest.raises(ConfigError, match="late_to_cpu"):
+        check_execution_names([{"name": "balanced", "late_to_cpus": True}])
+    with pytest.raises(ConfigError, match="name"):
+        check_execution_names([{"late_to_cpu": True}])

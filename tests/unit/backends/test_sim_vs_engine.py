@@ -45,3 +45,17 @@ def test_an_entry_cache_is_a_name_or_keys_over_the_systems_cache() -> None:
     _, ccfg, _ = resolve_system(nogate.system, nogate.predictor, cache_choice(nogate, 0.5))
     assert ccfg["name"] == "next_use" and ccfg["feed_gate"] is False
     assert ccfg["capacity"] == 0.5
+
+
+def test_an_entry_execution_is_an_option_or_keys_over_one() -> None:
+    """``execution: {name: balanced, late_to_cpu: true}`` passes the settings' checks and
+    stays a mapping on the entry; a key its option lacks is refused before any work."""
+    from moeexp.backends.sim_vs_engine import SimVsEngineSettings
+
+    s = SimVsEngineSettings.from_mapping({"systems": [
+        {"name": "pip_late", "system": "prefetch_if_pays_cpu",
+         "execution": {"name": "balanced", "late_to_cpu": True}}]})
+    assert s.systems[0].execution == {"name": "balanced", "late_to_cpu": True}
+    with pytest.raises(ConfigError, match="no key"):
+        SimVsEngineSettings.from_mapping({"systems": [
+            {"name": "x", "system": "deepspeed", "execution": {"name": "balanced", "late": 1}}]})
