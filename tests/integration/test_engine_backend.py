@@ -125,14 +125,14 @@ def test_sim_vs_engine_experiment(tmp_path, model_overrides, trace_dir, run_app)
 def test_sim_vs_engine_cpu_experiment(tmp_path, model_overrides, trace_dir, run_app):
     """+experiment=sim_vs_engine_cpu shrunk: the calibrated profile gets a cpu: block fitted
     on the engine's CPU path (calibration.json, the hardware YAML, metrics.json), and an
-    entry with an execution runs on the engine and on the simulator with both backends' CPU
-    counters in summary.csv."""
+    entry with an execution (a mapping of its option's name, as from the command line) runs on
+    the engine and on the simulator with both backends' CPU counters in summary.csv."""
     from moeexp.costmodel.hardware import load_profile
 
     run = tmp_path / "cpu"
     _ok(run_app(*model_overrides, "+experiment=sim_vs_engine_cpu", *LEN,
                 f"trace.cache_dir={trace_dir}", f"hydra.run.dir={run}",
-                "backend.systems=[deepspeed,{name:llama,system:deepspeed,execution:layer_split}]",
+                "backend.systems=[deepspeed,{name:llama,system:deepspeed,execution:{name:layer_split}}]",
                 *CALIBRATION))
     df = pd.read_csv(run / "summary.csv").set_index("system")
     assert list(df.index) == ["deepspeed", "llama"]

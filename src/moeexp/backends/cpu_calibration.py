@@ -124,14 +124,16 @@ def entry_executions(spec: ExecutionSpec | None, cost: Any, store: Any) -> tuple
 def cpu_columns(execution: ExecutionSpec | None, engine: Mapping[str, Any],
                 sim: Mapping[str, Any]) -> dict[str, Any]:
     """summary.csv's CPU columns: the execution, both backends'
-    CPU calls, CPU ms and streamed bytes, and the calibrated CPU block's prediction for the
+    CPU calls, CPU ms, streamed bytes and late copies' experts computed on the CPU (NaN
+    without ``late_to_cpu``), and the calibrated CPU block's prediction for the
     engine's own CPU calls (``engine_cpu_model_ms_total``) with its error against the
     measured CPU ms (``cpu_ms_err_pct``: the test split, the block being fitted on the
     store split)."""
     nan = float("nan")
     out: dict[str, Any] = {"execution": execution_label(execution)}
     for side, m in (("engine", engine), ("sim", sim)):
-        for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total"):
+        for k in ("cpu_expert_calls", "cpu_ms_total", "stream_h2d_bytes_total",
+                  "cpu_late_experts_total"):
             out[f"{side}_{k}"] = m.get(k, nan)
     model, measured = engine.get("cpu_model_ms_total", nan), engine.get("cpu_ms_total", nan)
     out["engine_cpu_model_ms_total"] = model

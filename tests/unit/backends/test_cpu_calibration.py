@@ -71,6 +71,8 @@ def test_an_entry_execution_may_override_keys_of_its_option() -> None:
     assert not plain.late_to_cpu
     assert cpu_columns(spec, {}, {})["execution"] == "balanced(late_to_cpu=True)"
     assert cpu_columns("balanced", {}, {})["execution"] == "balanced"
+    late = cpu_columns(spec, {"cpu_late_experts_total": 3.0}, {"cpu_late_experts_total": 4.0})
+    assert late["engine_cpu_late_experts_total"] == 3.0 and late["sim_cpu_late_experts_total"] == 4.0
     with pytest.raises(ConfigError, match="late_to_cpu"):
         check_execution_names([{"name": "balanced", "late_to_cpus": True}])
     with pytest.raises(ConfigError, match="name"):
