@@ -41,9 +41,14 @@ protected) whose victim would be ``v`` is taken only if
   hides (at most what the miss would cost, m, and at most the compute window w of a layer
   of this pass, which is all the link time a prefetch can overlap) against the link time a
   wasted one takes from demand loads (its copy time x times the link's saturation ``s``)
-  and the miss of a victim evicted for nothing. ``s = min(1, n x / w)``, with n the copies
-  a layer has needed lately (its demand loads plus its used prefetches, an average over the
-  last layers). m = x where every miss is copied.
+  and the miss of a victim evicted for nothing. P_v is the victim's chance of use while
+  the prefetch holds its slot: within the next h runs of its layer (W_h[v], the horizon in
+  use below; issue 27's twelfth stage), P[v] where h = 1. The two sides differ on purpose:
+  a victim needed at any of those runs costs one more copy, while a prefetched expert used
+  only at a later run just moves its own copy earlier, which saves nothing on a busy link
+  (``victim_horizon: false`` counts the victim's next run only). ``s = min(1, n x / w)``,
+  with n the copies a layer has needed lately (its demand loads plus its used prefetches,
+  an average over the last layers). m = x where every miss is copied.
 
 **Where the CPU may compute a miss** (:meth:`set_miss_cost`, from the run's execution policy,
 issue 27's eighth stage) m is the cheaper of the copy and the CPU's computing it, and the first
@@ -109,6 +114,9 @@ class NextUseCache(CachePolicy):
         feed_gate: rest the predictor for whole passes where feeding it costs more than
             it saves (:meth:`set_feed_cost`; nothing happens without a feed cost); False:
             always fed (the ablation row of the feed gate).
+        victim_horizon: the gate's victim term counts the victim's use within the horizon
+            in use (module doc, Prefetch gate); False: at its layer's next run only (the
+            policy before issue 27's twelfth stage; the ablation row).
         warm: load the store split's most used experts before the first request
             (:meth:`initial_residents`: the ``capacity_slots`` of highest popularity P,
             as kTransformers pins them); False: start empty (as LRU). Made for one
@@ -117,13 +125,16 @@ class NextUseCache(CachePolicy):
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
-                 gate: bool = True, warm: bool = False, feed_gate: bool = True) -> None:
+                 gate: bool = True, warm: bool = False, feed_gate: bool = True,
+                 victim_horizon: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
-        for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate)):
+        for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
+                         ("victim_horizon", victim_horizon)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
+        self.victim_horizon = victim_horizon
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
@@ -443,5 +454,15 @@ class NextUseCache(CachePolicy):
             gain = (pk * (m - wait) + max(0.0, float(self.Q[k]) - qv) * self.residence() * m
                     - (1.0 - pk) * x * s)
         if v is not None:
-            gain -= (1.0 - pk) * float(self.P[v]) * m
+            gain -= (1.0 - pk) * self._victim_use(v) * m
         return gain > 0.0
+
+    def _victim_use(self, v: Key) -> float:
+        """P_v of the gate's victim term: the chance the victim is used while the prefetch
+        holds its slot. With ``victim_horizon`` and a horizon h > 1 in use, W_h[v] (used
+        within its layer's next h runs, h from the cache's residence: module doc, Horizon);
+        else P[v] (its layer's next run). Copy rule only (the CPU rule keeps P[v])."""
+        if (self.victim_horizon and self.miss_s is None and self.h > 1
+                and self.W is not None):
+            return float(self.W[self.horizons.index(self.h), v[0], v[1]])
+        return float(self.P[v])
