@@ -42,10 +42,12 @@ protected) whose victim would be ``v`` is taken only if
   of this pass, which is all the link time a prefetch can overlap) against the link time a
   wasted one takes from demand loads (its copy time x times the link's saturation ``s``)
   and the miss of a victim evicted for nothing. P_v is the victim's chance of use while
-  the prefetch holds its slot: within the next h runs of its layer (W_h[v], the horizon in
-  use below; issue 27's twelfth stage), P[v] where h = 1. The two sides differ on purpose:
-  a victim needed at any of those runs costs one more copy, while a prefetched expert used
-  only at a later run just moves its own copy earlier, which saves nothing on a busy link
+  the prefetch holds its slot, as far as its reload costs a copy: P[v] + s (W_h[v] - P[v])
+  with W_h[v] its use within the next h runs of its layer (the horizon in use below; P[v]
+  where h = 1) and s the saturation below (on a free link a later use is prefetched back
+  in time, as for Q; issue 27's twelfth stage). The two sides differ on purpose: a victim
+  needed at any of those runs costs one more copy, while a prefetched expert used only at a
+  later run just moves its own copy earlier, which saves nothing on a busy link
   (``victim_horizon: false`` counts the victim's next run only). ``s = min(1, n x / w)``,
   with n the copies a layer has needed lately (its demand loads plus its used prefetches,
   an average over the last layers). m = x where every miss is copied.
@@ -459,10 +461,14 @@ class NextUseCache(CachePolicy):
 
     def _victim_use(self, v: Key) -> float:
         """P_v of the gate's victim term: the chance the victim is used while the prefetch
-        holds its slot. With ``victim_horizon`` and a horizon h > 1 in use, W_h[v] (used
-        within its layer's next h runs, h from the cache's residence: module doc, Horizon);
-        else P[v] (its layer's next run). Copy rule only (the CPU rule keeps P[v])."""
+        holds its slot, as its reload costs a copy: with ``victim_horizon`` and a horizon
+        h > 1 in use, P[v] + s (W_h[v] - P[v]) (W_h: used within its layer's next h runs,
+        h from the cache's residence, module doc, Horizon; s the link's saturation: on a
+        free link a later use is prefetched back in time, as Q weighs it); else P[v] (its
+        layer's next run). Copy rule only (the CPU rule keeps P[v])."""
+        p = float(self.P[v])
         if (self.victim_horizon and self.miss_s is None and self.h > 1
                 and self.W is not None):
-            return float(self.W[self.horizons.index(self.h), v[0], v[1]])
-        return float(self.P[v])
+            return p + self.saturation() * (float(self.W[self.horizons.index(self.h), v[0],
+                                                         v[1]]) - p)
+        return p

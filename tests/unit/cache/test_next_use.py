@@ -290,3 +290,34 @@ def test_cpu_gate_weighs_the_late_landing_against_the_residence_it_buys() -> Non
     r = make(slots=8)
     filled(r, [(0, 0), (1, 0), (2, 0), (3, 0)])  # 4 copies over 3 layer changes
     assert r.residence() == pytest.approx(8 * 3 / (4 * 4))
+
+
+@pytest.mark.parametrize("victim_horizon", [True, False])
+def test_the_victim_term_counts_its_use_within_the_horizon(victim_horizon: bool) -> None:
+    """Half-saturated link (x = 1, w = 2, one copy needed a layer: s = 0.5), P_k = 0.45, the
+    victim (1, 1) unlikely at its next run (P = 0.05) but likely within h = 2 runs (W =
+    0.9): with the horizon its term is 0.55 (0.05 + 0.5 * 0.85) and the prefetch does not
+    pay (0.45 - 0.55 * 0.5 - 0.55 * 0.475 < 0); counting the next run only it does. On a
+    free link (s = 0) and without a horizon in use (h = 1) both take it."""
+    c = make(slots=2, L=2, J=2, victim_horizon=victim_horizon)
+    c.set_horizons((2,))
+    filled(c, [(1, 1), (0, 1)])
+    c.observe_scores({0: np.array([0.45, 0.9]), 1: np.array([0.5, 0.05])})
+    W = np.full((1, 2, 2), 0.5)
+    W[0, 0] = [0.9, 0.99]
+    W[0, 1, 1] = 0.9
+    c.observe_within({0: W[:, 0], 1: W[:, 1]})
+    c.set_link(copy_s=1.0, window_s=2.0)
+    c.h, c.need, c._E = 2, 1.0, None
+    assert c.saturation() == 0.5
+    if victim_horizon:
+        with pytest.raises(PrefetchRefused):
+            c.victim((0, 0), set(), 1)
+    else:
+        assert c.victim((0, 0), set(), 1) == (1, 1)
+    c.need, c._E = 0.0, None  # a free link: the victim's later use is prefetched back
+    assert c.victim((0, 0), set(), 1) == (1, 1)
+    c.h, c.need, c._E = 1, 1.0, None
+    assert c.victim((0, 0), set(), 1) == (1, 1)
+    with pytest.raises(ConfigError, match="victim_horizon"):
+        make(victim_horizon="yes")
