@@ -41,14 +41,14 @@ protected) whose victim would be ``v`` is taken only if
   hides (at most what the miss would cost, m, and at most the compute window w of a layer
   of this pass, which is all the link time a prefetch can overlap) against the link time a
   wasted one takes from demand loads (its copy time x times the link's saturation ``s``)
-  and the miss of a victim evicted for nothing. P_v is the victim's chance of use while
-  the prefetch holds its slot, as far as its reload costs a copy: P[v] + s (W_h[v] - P[v])
-  with W_h[v] its use within the next h runs of its layer (the horizon in use below; P[v]
-  where h = 1) and s the saturation below (on a free link a later use is prefetched back
-  in time, as for Q; issue 27's twelfth stage). The two sides differ on purpose: a victim
-  needed at any of those runs costs one more copy, while a prefetched expert used only at a
-  later run just moves its own copy earlier, which saves nothing on a busy link
-  (``victim_horizon: false`` counts the victim's next run only). ``s = min(1, n x / w)``,
+  and the miss of a victim evicted for nothing, P_v its use at its layer's next run. With
+  ``victim_horizon: true`` (off by default; issue 27's twelfth stage) P_v is instead its
+  chance of use while the prefetch holds its slot, as far as its reload costs a copy:
+  P[v] + s (W_h[v] - P[v]), W_h[v] its use within the next h runs of its layer (the
+  horizon in use below; P[v] where h = 1) and s the saturation below (on a free link a
+  later use is prefetched back in time, as for Q). The two sides differ on purpose: a
+  victim needed at any of those runs costs one more copy, while a prefetched expert used
+  only at a later run just moves its own copy earlier, which saves nothing on a busy link. ``s = min(1, n x / w)``,
   with n the copies a layer has needed lately (its demand loads plus its used prefetches,
   an average over the last layers). m = x where every miss is copied.
 
@@ -117,8 +117,9 @@ class NextUseCache(CachePolicy):
             it saves (:meth:`set_feed_cost`; nothing happens without a feed cost); False:
             always fed (the ablation row of the feed gate).
         victim_horizon: the gate's victim term counts the victim's use within the horizon
-            in use (module doc, Prefetch gate); False: at its layer's next run only (the
-            policy before issue 27's twelfth stage; the ablation row).
+            in use (module doc, Prefetch gate; issue 27's twelfth stage, measured and left
+            off: ``experiments/regime_map/README.md``); False (default): at its layer's next
+            run only.
         warm: load the store split's most used experts before the first request
             (:meth:`initial_residents`: the ``capacity_slots`` of highest popularity P,
             as kTransformers pins them); False: start empty (as LRU). Made for one
@@ -128,7 +129,7 @@ class NextUseCache(CachePolicy):
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
-                 victim_horizon: bool = True) -> None:
+                 victim_horizon: bool = False) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
