@@ -6,7 +6,8 @@ profile_cpu`: every expert on the host, timed by the engine) on the store prompt
 the fitted block (:func:`moeexp.costmodel.cpu_fit.fit_cpu_block`) to the calibrated
 profile, so the calibrated cost model prices CPU experts with this machine's kernel.
 :func:`execution_policies` builds a systems entry's ``execution`` (a conf/execution
-option, or a mapping of its name and keys over it) for both backends, priced by that cost model and fitted on the store split.
+option, or a mapping of its name and keys over it) for both backends, priced by that cost
+model and fitted on the store split.
 
 Both halves serve with the entry's policy: the engine computes its CPU experts for real,
 the simulator (:func:`moeexp.simulator.simulate`, ``execution=``) prices them with the

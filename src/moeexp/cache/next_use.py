@@ -48,9 +48,10 @@ protected) whose victim would be ``v`` is taken only if
   horizon in use below; P[v] where h = 1) and s the saturation below (on a free link a
   later use is prefetched back in time, as for Q). The two sides differ on purpose: a
   victim needed at any of those runs costs one more copy, while a prefetched expert used
-  only at a later run just moves its own copy earlier, which saves nothing on a busy link. ``s = min(1, n x / w)``,
-  with n the copies a layer has needed lately (its demand loads plus its used prefetches,
-  an average over the last layers). m = x where every miss is copied.
+  only at a later run just moves its own copy earlier, which saves nothing on a busy link.
+  ``s = min(1, n x / w)``, with n the copies a layer has needed lately (its demand loads
+  plus its used prefetches, an average over the last layers). m = x where every miss is
+  copied.
 
 **Where the CPU may compute a miss** (:meth:`set_miss_cost`, from the run's execution policy,
 issue 27's eighth stage) m is the cheaper of the copy and the CPU's computing it, and the first
@@ -457,19 +458,19 @@ class NextUseCache(CachePolicy):
             gain = (pk * (m - wait) + max(0.0, float(self.Q[k]) - qv) * self.residence() * m
                     - (1.0 - pk) * x * s)
         if v is not None:
-            gain -= (1.0 - pk) * self._victim_use(v) * m
+            gain -= (1.0 - pk) * self._victim_use(v, s) * m
         return gain > 0.0
 
-    def _victim_use(self, v: Key) -> float:
+    def _victim_use(self, v: Key, s: float) -> float:
         """P_v of the gate's victim term: the chance the victim is used while the prefetch
         holds its slot, as its reload costs a copy: with ``victim_horizon`` and a horizon
         h > 1 in use, P[v] + s (W_h[v] - P[v]) (W_h: used within its layer's next h runs,
-        h from the cache's residence, module doc, Horizon; s the link's saturation: on a
-        free link a later use is prefetched back in time, as Q weighs it); else P[v] (its
-        layer's next run). Copy rule only (the CPU rule keeps P[v])."""
+        h from the cache's residence, module doc, Horizon; ``s`` the link's saturation, as
+        the gate computed it: on a free link a later use is prefetched back in time, as Q
+        weighs it); else P[v] (its layer's next run). Copy rule only (the CPU rule keeps
+        P[v])."""
         p = float(self.P[v])
         if (self.victim_horizon and self.miss_s is None and self.h > 1
                 and self.W is not None):
-            return p + self.saturation() * (float(self.W[self.horizons.index(self.h), v[0],
-                                                         v[1]]) - p)
+            return p + s * (float(self.W[self.horizons.index(self.h), v[0], v[1]]) - p)
         return p
