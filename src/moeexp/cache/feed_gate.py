@@ -32,6 +32,13 @@ for is never fed):
   wherever b_long > f, later ones only while the share could still pay; a burst of misses,
   as at a request's start, does not buy one).
 
+A window is **cut short** (closed as one that did not pay) once it has run :data:`EARLY_MIN`
+passes and an upper confidence bound on its passes' mean saving, mean + 2 s / √n (s the
+standard deviation of the n passes' own savings B_p), is below f: a predictor that saves a
+fifth of its cost stops being bought after 4 passes, not 16 (issue 27's thirteenth stage:
+the measuring windows were the whole loss where a miss costs barely more than the feed).
+A window whose passes could still pay runs its 16 passes.
+
 While it rests the cache evicts the least recently used expert (:meth:`FeedGate.lru`: the
 cache's residents in the order of their last insert or use, as ``lru`` keeps them; the
 predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU
@@ -65,6 +72,7 @@ from moeexp.errors import ConfigError
 Key = tuple[int, int]
 
 WINDOW = 16  #: fed passes a saving is measured over
+EARLY_MIN = 4  #: fed passes a window runs before it may be cut short (module doc)
 WARMUP = 2  #: fed passes after a rest before the window counts
 MAX_BACKOFF = 8  #: most doublings of a rest before the gate measures again
 DECAY = 0.9  #: per-pass decay of the bound's short average
@@ -109,6 +117,8 @@ class FeedGate:
         self._backoff = 0  # k
         self._rest = WARMUP  # passes of the running rest before the gate measures again
         self._win = [0, 0, 0]  # the window's shadow misses, own misses, layers
+        self._wpass = [0, 0.0, 0.0]  # the window's passes, sum and sum of squares of their B
+        self.cut = 0  # windows cut short (module doc)
         self._pass = [0, 0, 0]  # the running pass's
         self._layer = -1  # layer of the latest access (-1: a pass began)
         self._started = False
@@ -166,7 +176,7 @@ class FeedGate:
         self._since += 1
         f, m = self.feed_s, self.miss_s
         if self.fed:
-            if self._since > WARMUP + WINDOW and self._win[2]:
+            if self._win[2] and (self._since > WARMUP + WINDOW or self._hopeless()):
                 self._close_window()
         elif math.isfinite(self.bound):
             if (self.share * self.bound * m > f
@@ -193,7 +203,10 @@ class FeedGate:
         pooled[0] += shadow - own
         pooled[1] += shadow
         self.share = max(0.0, pooled[0] / pooled[1]) if pooled[1] else 0.0
+        if self._since <= WARMUP + WINDOW:
+            self.cut += 1
         self._win = [0, 0, 0]
+        self._wpass = [0, 0.0, 0.0]
         self._since = WARMUP + 1  # the pass that begins is the next window's first
         if saving < self.feed_s:
             self._rest = WINDOW * 2 ** self._backoff
@@ -201,6 +214,17 @@ class FeedGate:
             self._switch(False)
         else:
             self._backoff = 0
+
+    def _hopeless(self) -> bool:
+        """The running window cannot pay: after :data:`EARLY_MIN` passes, an upper
+        confidence bound on its passes' mean saving, mean + 2 s / √n (s their standard
+        deviation), is below f (module doc)."""
+        n, total, squares = self._wpass
+        if n < EARLY_MIN:
+            return False
+        mean = total / n
+        var = max(0.0, (squares - n * mean * mean) / (n - 1))
+        return mean + 2.0 * math.sqrt(var / n) < self.feed_s
 
     def _hope(self) -> float:
         """r⁺: 1 before two windows, then min(1, r + 2 s / √n) (module doc)."""
@@ -224,6 +248,12 @@ class FeedGate:
         if self.fed and self._since > WARMUP:
             for i in range(3):
                 self._win[i] += p[i]
+            if p[2]:
+                b = (p[0] - p[1]) * self.miss_s / p[2]  # this pass's saving, s per layer
+                w = self._wpass
+                w[0] += 1
+                w[1] += b
+                w[2] += b * b
         if not self.fed and p[2]:  # a rested pass: its routing, for the catch-up
             self._rested.append(self._used)
             self._used = []
@@ -254,4 +284,5 @@ class FeedGate:
         return {"feed_s_per_layer": self.feed_s, "feed_rested_share":
                 self.resting_passes / n if n else math.nan,
                 "feed_switches": float(self.switches),
+                "feed_windows_cut": float(self.cut),
                 "feed_saving_us_per_layer": self.saving_s * 1e6}

@@ -9,7 +9,7 @@ import pytest
 
 from moeexp.cache import CACHES
 from moeexp.cache.belady import PrefetchRefused
-from moeexp.cache.feed_gate import WARMUP, WINDOW, FeedGate
+from moeexp.cache.feed_gate import EARLY_MIN, WARMUP, WINDOW, FeedGate
 from moeexp.errors import ConfigError
 
 
@@ -43,15 +43,37 @@ def passes(g: FeedGate, n: int, hit: bool) -> list[bool]:
     return fed
 
 
-def test_a_predictor_that_removes_no_miss_is_fed_for_one_window_then_rests() -> None:
+def test_a_predictor_that_removes_no_miss_is_fed_for_a_cut_window_then_rests() -> None:
     g = gate(feed_s=0.1, miss_s=1.0)
-    fed = passes(g, FIRST + WARMUP + WINDOW + 5, hit=False)  # this cache misses as the shadow
+    fed = passes(g, FIRST + WARMUP + EARLY_MIN + 5, hit=False)  # misses as the shadow
     # at rest while the shadow fills and the bound is measured, then one window (its
-    # warm-up included), then rest
-    assert fed == [False] * FIRST + [True] * (WARMUP + WINDOW) + [False] * 5
+    # warm-up included) cut short after EARLY_MIN passes (every pass saves 0 < f, no
+    # spread), then rest
+    assert fed == [False] * FIRST + [True] * (WARMUP + EARLY_MIN) + [False] * 5
     assert g.saving_s == pytest.approx(0.0) and g.share == 0.0
     assert g.bound == pytest.approx(1.0)  # every shadow access a miss: 1 per layer
-    assert g.stats()["feed_switches"] == 2.0
+    assert g.stats()["feed_switches"] == 2.0 and g.stats()["feed_windows_cut"] == 1.0
+
+
+def test_a_window_is_cut_only_when_its_passes_could_not_pay() -> None:
+    """Passes alternately saving every miss and none: mean 0.5 of f = 0.6 per layer, but
+    their spread keeps the bound mean + 2 s / √n above f until the window ends."""
+    g = gate(feed_s=0.6, miss_s=1.0)
+    now = 0
+    fed = []
+    for i in range(FIRST + WARMUP + WINDOW + 1):
+        fed.append(g.pass_begins())
+        now = run_pass(g, CYCLE[i % 4], [i % 2 == 0] * 2, now)
+    assert fed == [False] * FIRST + [True] * (WARMUP + WINDOW) + [False]
+    assert g.saving_s == pytest.approx(0.5) and g.stats()["feed_windows_cut"] == 0.0
+    # the same mean without the spread (every pass saving half its misses) is cut
+    g = gate(feed_s=0.6, miss_s=1.0)
+    fed = []
+    for i in range(FIRST + WARMUP + EARLY_MIN + 1):
+        fed.append(g.pass_begins())
+        now = run_pass(g, CYCLE[i % 4], [True, False], now)
+    assert fed == [False] * FIRST + [True] * (WARMUP + EARLY_MIN) + [False]
+    assert g.stats()["feed_windows_cut"] == 1.0
 
 
 def test_a_predictor_that_removes_the_misses_stays_fed() -> None:
@@ -66,10 +88,11 @@ def test_rests_double_and_a_bound_below_the_feed_is_never_fed() -> None:
     fed = passes(g, 400, hit=False)
     starts = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
     stops = [i for i in range(1, len(fed)) if not fed[i] and fed[i - 1]]
-    # two windows (the second after WINDOW passes of rest), then the rest doubles; the
-    # windows agree (r = 0, no spread), so no third is bought
-    assert starts == [FIRST, FIRST + WARMUP + 2 * WINDOW]
-    assert all(b - a == WARMUP + WINDOW for a, b in zip(starts, stops, strict=True))
+    # two windows, each cut after EARLY_MIN passes (the second after WINDOW passes of
+    # rest), then the rest doubles; the windows agree (r = 0, no spread), so no third is
+    # bought
+    assert starts == [FIRST, FIRST + WARMUP + EARLY_MIN + WINDOW]
+    assert all(b - a == WARMUP + EARLY_MIN for a, b in zip(starts, stops, strict=True))
     assert g._rest == 2 * WINDOW and g.windows == 2
     # a bound below the feed (no predictor could pay): never fed, not even a window
     g = gate(feed_s=2.0, miss_s=1.0)
