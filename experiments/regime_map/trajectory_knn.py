@@ -14,7 +14,8 @@ scored on the **test split**, for two targets:
   eviction needs): the current token's experts (recency), the store's token-to-token follow
   counts per layer (the ``follow`` evidence of ``reuse_prob``'s next-pass model), popularity,
   and the store's next tokens after the 8 store tokens whose whole routing overlaps the
-  current token's most.
+  current token's most (and, as a predictor could query it while the pass runs, the same
+  kNN on the layers 0 .. l the token has routed so far, for layer l).
 
 Usage (from the repository root)::
 
@@ -105,11 +106,17 @@ def next_token(S: np.ndarray, Sn: np.ndarray, T: np.ndarray, Tn: np.ndarray,
     follow = np.einsum("nli,nlj->lij", S, Sn)
     knn = knn_mean(T.reshape(len(T), -1), S.reshape(len(S), -1), Sn)
     tie = 1e-6 * pop
+    L = S.shape[1]
+    partial = np.stack([knn_mean(T[:, :layer + 1].reshape(len(T), -1),
+                                 S[:, :layer + 1].reshape(len(S), -1), Sn[:, layer])
+                        for layer in range(L)], axis=1)  # [N, L, J]
     return {"recency (the current token's experts)": precision(T + tie, Tn, K),
             "follow (store token-to-token, per layer)":
                 precision(np.einsum("nli,lij->nlj", T, follow) + tie, Tn, K),
             "popularity": precision(np.broadcast_to(pop, Tn.shape).copy(), Tn, K),
-            "trajectory kNN -> store next tokens": precision(knn + tie, Tn, K)}
+            "trajectory kNN -> store next tokens": precision(knn + tie, Tn, K),
+            "trajectory kNN on layers 0..l only (known at layer l)":
+                precision(partial + tie, Tn, K)}
 
 
 def main(argv: list[str] | None = None) -> None:
