@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeexp.errors import ConfigError
+from moeexp.predictors.trajectory_index import TrajectoryIndex
 from moeexp.traces.schema import Trace
 
 FAST = 0.5  #: decay per pass of the recency average
@@ -185,13 +186,16 @@ def fit_logistic(X: np.ndarray, y: np.ndarray, n_features: int) -> Logistic:
 def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = slice(None),
                   recency: bool = True, unused: bool = False,
                   follow: Follow | None = None,
-                  follow_col: np.ndarray | None = None) -> np.ndarray:
+                  follow_col: np.ndarray | None = None,
+                  knn_col: np.ndarray | None = None) -> np.ndarray:
     """float64[..., J, 6] (last, fast, slow, logpop, log rec, follow) of layers ``rows``, the
     ``next`` model's features (without log rec when not ``recency``, without the follow
     column without ``follow``); ``unused``: as they will be after a pass of those layers
     that does not use the expert (last 0, the averages decayed once, one pass older; that
     pass's other experts unknown: the follow column is the prior). ``follow_col``: the
-    follow column of these rows if the caller has it already (not recomputed)."""
+    follow column of these rows if the caller has it already (not recomputed).
+    ``knn_col``: the trajectory kNN column of these rows (:mod:`moeexp.predictors.
+    trajectory_index`), appended last; None: no such column."""
     f = state.feat
     if unused:
         cols = [np.zeros_like(f[0, rows]), FAST * f[1, rows], SLOW * f[2, rows], logpop[rows]]
@@ -205,6 +209,8 @@ def next_features(state: ReuseState, logpop: np.ndarray, rows: slice | int = sli
         if follow_col is None:
             follow_col = follow.prior[rows] if unused else follow.feature(f[0, rows], rows)
         cols.append(follow_col)
+    if knn_col is not None:
+        cols.append(knn_col)
     out = np.empty(np.shape(cols[0]) + (len(cols),))  # np.stack(cols, axis=-1), fewer calls
     for i, col in enumerate(cols):
         out[..., i] = col
@@ -264,6 +270,8 @@ class ReuseModels:
     within: dict[int, Logistic] = field(default_factory=dict)
     rows: int = 0  #: training rows over all models
     spec_depth: int = 0  #: distances d <= this have speculative features (0: none)
+    #: the ``next`` model's trajectory kNN evidence (its last feature; None: not read)
+    knn: TrajectoryIndex | None = None
 
 
 def carried_steps(counts: np.ndarray, trans: np.ndarray, n: int) -> np.ndarray:
@@ -350,7 +358,7 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
                prefill_depth: int = 0, recency: bool = True, follow: bool = True,
-               horizons: tuple[int, ...] = ()) -> ReuseModels:
+               horizons: tuple[int, ...] = (), knn: bool = False) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
@@ -358,7 +366,11 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     ``next`` on :func:`next_features` (with log rec when ``recency``, with the follow
     evidence of :func:`follow_matrices` when ``follow``), and ``within[h]`` for each h in
     ``horizons`` on the same rows (the label: used at one of the passes n .. n + h - 1 of
-    the store split's sequence, :func:`passes_until_use`)."""
+    the store split's sequence, :func:`passes_until_use`). With ``knn`` the ``next`` model
+    also reads the trajectory kNN feature (:class:`~moeexp.predictors.trajectory_index.
+    TrajectoryIndex` of the store's decode tokens; a row's feature from the token before
+    it, its own request excluded; the index's prior where that token is not a decode token
+    of the same request)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -367,6 +379,11 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     pop = (sum((p[0] for p in decode), np.zeros((L, J))) + 1.0) / (len(decode) + 2.0)
     logpop = np.log(pop)
     fol = follow_matrices([(p[0], p[2]) for p in passes], logpop) if follow else None
+    req = store.iter_request[its] if its else np.zeros(0, dtype=np.int64)
+    # n - 1 is a decode token of pass n's request (the trajectory the kNN reads)
+    chained = [n > 0 and passes[n][2] == 1 and passes[n - 1][2] == 1 and req[n] == req[n - 1]
+               for n in range(len(passes))]
+    index = _trajectory_index(passes, chained, req) if knn else None
     chains = chain_matrices(trans, depth)
     stride = max(1, int(np.ceil(len(passes) * L * J / MAX_ROWS)))
     xs: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -380,7 +397,11 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
         if kind == 1 or n % stride == 0:
             feats = state_features(state, logpop)  # [L, J, 4]
             if kind == 0:
-                nf = next_features(state, logpop, recency=recency, follow=fol)
+                col = None
+                if index is not None:
+                    col = (index.features(passes[n - 1][0] > 0, int(req[n])) if chained[n]
+                           else index.prior)
+                nf = next_features(state, logpop, recency=recency, follow=fol, knn_col=col)
                 xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
                 if horizons:
@@ -400,7 +421,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
                 ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
-    nf = 4 + int(recency) + int(follow)
+    nf = 4 + int(recency) + int(follow) + int(knn)
     X0, y0 = stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0)))
     nxt = fit_logistic(X0, y0, nf)
     wait = np.concatenate(wait_rows) if wait_rows else np.zeros(0)
@@ -408,4 +429,17 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
-                       spec_depth=sd)
+                       spec_depth=sd, knn=index)
+
+
+def _trajectory_index(passes: list[tuple[np.ndarray, np.ndarray, int]], chained: list[bool],
+                      req: np.ndarray) -> TrajectoryIndex:
+    """The store's decode tokens that have a next decode token of their request."""
+    pairs = [n - 1 for n in range(len(passes)) if chained[n]]
+    if pairs:
+        used = np.stack([passes[n][0] > 0 for n in pairs])
+        nxt = np.stack([passes[n + 1][0] > 0 for n in pairs])
+    else:
+        L, J = passes[0][0].shape if passes else (0, 0)
+        used = nxt = np.zeros((0, L, J), dtype=bool)
+    return TrajectoryIndex(used, nxt, req[pairs] if pairs else np.zeros(0, dtype=np.int64))

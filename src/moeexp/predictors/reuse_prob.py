@@ -91,12 +91,16 @@ class ReuseProbability(Predictor):
             ``next_use`` cache those rows (:meth:`_hand_within`), which ranks eviction by
             the horizon its own residence time picks (issue 27's seventh stage); False: the
             cache ranks by the next pass alone (the sixth stage).
+        knn: with the ``logistic`` next model, its last feature is the trajectory kNN of
+            :mod:`moeexp.predictors.trajectory_index` (what the store's next tokens used
+            after the store tokens nearest to this token's routing so far; issue 27's
+            thirteenth stage, an option under measurement); False: not read.
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
                  next_model: str = "logistic", later: bool = True,
-                 horizon: bool = True) -> None:
+                 horizon: bool = True, knn: bool = False) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -111,11 +115,16 @@ class ReuseProbability(Predictor):
         if next_model not in NEXT_MODELS:
             raise ConfigError(f"reuse_prob: next_model must be one of {NEXT_MODELS}, got "
                               f"{next_model!r}")
-        for key, val in (("later", later), ("horizon", horizon)):
+        for key, val in (("later", later), ("horizon", horizon), ("knn", knn)):
             if not isinstance(val, bool):
                 raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
         self.horizon = horizon and next_model.startswith("logistic")
+        if knn and next_model != "logistic":
+            raise ConfigError(f"reuse_prob: knn=true needs next_model=logistic, got "
+                              f"{next_model!r}")
+        self.knn = knn
+        self._knn_rows = np.zeros((L, J))  # float64[L, J]: the kNN feature, latest per layer
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
@@ -148,7 +157,7 @@ class ReuseProbability(Predictor):
         L = self.dims.num_layers
         m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
                        prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
-                       follow=self.next_model == "logistic",
+                       follow=self.next_model == "logistic", knn=self.knn,
                        horizons=HORIZONS if self.horizon else ())
         if m.within:
             self._wcoef = np.array([m.within[h].coef for h in HORIZONS])
@@ -169,6 +178,8 @@ class ReuseProbability(Predictor):
         self._from = [np.stack([m.chains[d][layer] for d in range(min(D, L - 1 - layer))])
                       if layer < L - 1 else np.zeros((0, 0, 0)) for layer in range(L)]
         self.models = m
+        if m.knn is not None:
+            self._knn_rows = m.knn.prior.copy()
         self.state = ReuseState.zeros(L, self.dims.num_experts)
         if self.next_model == "lrb":
             X, _, dist, _ = walk_rows(store)
@@ -210,6 +221,8 @@ class ReuseProbability(Predictor):
                 self.state.update_all(used)
                 if self._lrb is not None:
                     self._lstate.update_all(used)
+            if kept and self.models is not None and self.models.knn is not None:
+                self._knn_rows[:] = self.models.knn.prior  # stale after a rest
         return fed
 
     # ---- hooks ------------------------------------------------------------------------
@@ -223,6 +236,11 @@ class ReuseProbability(Predictor):
     def start_iteration(self, ctx: IterationStart) -> Prediction:
         T = len(ctx.token_request)
         self._kind = int(T > 1)
+        if self.models is not None and self.models.knn is not None:
+            if T == 1:
+                self.models.knn.begin()
+            else:  # a prefill: no decode token's trajectory (the fit's prior)
+                self._knn_rows[:] = self.models.knn.prior
         self._lstate.step = int(ctx.step)
         self._window_set = False
         self._qpass = self._wpass = None  # once per pass (_hand_later, _hand_within)
@@ -261,6 +279,8 @@ class ReuseProbability(Predictor):
         used = np.zeros(self.dims.num_experts)
         used[obs.experts] = 1.0
         self.state.update(layer, used)
+        if self._kind == 0 and self.models.knn is not None:
+            self._knn_rows[layer] = self.models.knn.observe(layer, np.asarray(obs.experts))
         if self._lrb is not None:
             self._lstate.update(layer, used)
             dist = self._lrb.lookup(self._lstate, layer)  # float64[J], passes
@@ -325,9 +345,11 @@ class ReuseProbability(Predictor):
         z += c[3] * m.logpop[rows] + m.next.intercept
         if len(c) >= 5:
             z += c[4] * np.log(rec)
-        if m.follow is not None:  # the last coefficient
+        if m.knn is not None:  # the last coefficient (the follow one before it)
+            z += c[-1] * (m.knn.prior[rows] if unused else self._knn_rows[rows])
+        if m.follow is not None:  # the last coefficient, or the one before the kNN's
             fol = m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows)
-            z += c[-1] * fol
+            z += c[-1 - int(m.knn is not None)] * fol
             if isinstance(rows, int) and not unused:  # _within(rows) reads it next
                 self._fol = (rows, fol)
         return sigmoid(z)
@@ -352,8 +374,11 @@ class ReuseProbability(Predictor):
         if isinstance(rows, int) and not unused and self._fol is not None \
                 and self._fol[0] == rows:
             col = self._fol[1]
+        knn = None
+        if m.knn is not None:
+            knn = m.knn.prior[rows] if unused else self._knn_rows[rows]
         X = next_features(self.state, m.logpop, rows, unused=unused, follow=m.follow,
-                          follow_col=col)
+                          follow_col=col, knn_col=knn)
         z = (X @ self._wcoef.T).T  # [H, ..., J]: the axes reversed (a view)
         if z.ndim == 3:  # [H, J, L] -> [H, L, J]
             z = z.transpose(0, 2, 1)

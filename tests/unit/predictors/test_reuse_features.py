@@ -10,6 +10,7 @@ import pytest
 from moeexp.errors import ConfigError
 from moeexp.predictors import reuse_features as rf
 from moeexp.predictors.layer_transition import transition_counts
+from moeexp.predictors.trajectory_index import TrajectoryIndex
 from moeexp.traces.synthetic import random_trace
 
 
@@ -225,3 +226,31 @@ def test_within_models_rise_with_the_horizon_and_h_one_is_not_fitted_twice() -> 
     for h, mean in zip((2, 4), means, strict=True):
         assert abs(mean - (w < h).mean()) < 0.01
     assert m.next(X).mean() < means[0] < means[1]
+
+
+def test_the_knn_index_holds_store_tokens_only_and_a_row_never_sees_its_request() -> None:
+    """``knn=True``: a trace with test requests is refused; the index holds exactly the
+    store's decode tokens that have a next decode token of their request; and the fit's
+    kNN feature of a store token excludes its own request (checked on the index)."""
+    tr = random_trace(num_layers=3, num_experts=6, num_requests=10, output_len=6, seed=2)
+    with pytest.raises(ConfigError, match="outside the store"):
+        rf.fit_models(tr, _trans(tr), 1, knn=True)
+    store = tr.split("store")
+    m = rf.fit_models(store, _trans(store), 1, knn=True)
+    assert m.knn is not None and len(m.next.coef) == 7  # 4 state, rec, follow, kNN
+    store_ids = {r.request_id for r in tr.requests if r.split == "store"}
+    assert set(m.knn.request.tolist()) <= store_ids
+    sizes = np.diff(store.iter_offsets)
+    pairs = sum(1 for i in range(len(sizes) - 1) if sizes[i] == 1 and sizes[i + 1] == 1
+                and store.iter_request[i] == store.iter_request[i + 1])
+    assert len(m.knn) == pairs
+    # a token's feature with its own request excluded never reads that request's rows
+    idx = m.knn
+    own = int(idx.request[0])
+    used = np.moveaxis(idx.cols, -1, 0)[0] > 0  # [L, J], the first token's routing
+    marked = TrajectoryIndex(used=np.moveaxis(idx.cols, -1, 0) > 0,
+                                nxt=np.where((idx.request == own)[:, None, None], True,
+                                             False) & np.ones_like(idx.nxt, dtype=bool),
+                                request=idx.request)
+    assert not marked.features(used, own).any()  # only own-request rows carry a 1
+    assert marked.features(used, -1).any()  # without the exclusion they are read

@@ -1,0 +1,49 @@
+"""TrajectoryIndex: the store's decode tokens by routing, and their next tokens."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from moeexp.predictors.trajectory_index import NEIGHBOURS, TrajectoryIndex
+
+
+def _onehot(idx: np.ndarray, J: int) -> np.ndarray:
+    out = np.zeros(idx.shape[:2] + (J,), dtype=bool)
+    np.put_along_axis(out, idx, True, axis=2)
+    return out
+
+
+def test_observe_averages_the_next_tokens_of_the_nearest_trajectories() -> None:
+    """Tokens routed (a, b) on layers 0, 1 are followed by a token using expert a at
+    layer 0: a query routed (a, ...) gets share 1 for a at layer 0 once its NEIGHBOURS
+    nearest all share a."""
+    J, n = 4, 16 * NEIGHBOURS  # every (a, b) pair NEIGHBOURS times
+    a, b = np.arange(n) % J, (np.arange(n) // J) % J
+    used = _onehot(np.stack([a, b], axis=1)[..., None], J)
+    nxt = _onehot(np.stack([a, (b + 1) % J], axis=1)[..., None], J)
+    idx = TrajectoryIndex(used, nxt, np.arange(n))
+    assert len(idx) == n
+    idx.begin()
+    row = idx.observe(0, np.array([2]))
+    assert row[2] == 1.0 and row.sum() == 1.0
+    row1 = idx.observe(1, np.array([3]))  # tokens routed (2, 3): their next used 0 at layer 1
+    assert row1[0] == 1.0
+    idx.begin()  # a new token forgets the last one's overlap
+    assert idx.observe(0, np.array([1]))[1] == 1.0
+    # features() of a whole token equals observing it layer by layer
+    f = idx.features(used[5], request=-1)
+    idx.begin()
+    for layer in range(2):
+        assert np.allclose(f[layer], idx.observe(layer, np.flatnonzero(used[5, layer])))
+
+
+def test_a_large_store_is_sampled_and_an_empty_one_gives_the_prior() -> None:
+    used = np.zeros((50, 2, 3), dtype=bool)
+    used[:, :, 0] = True
+    idx = TrajectoryIndex(used, used, np.arange(50), max_rows=20)
+    assert len(idx) == 20 and idx.cols.shape == (2, 3, 20)
+    empty = TrajectoryIndex(np.zeros((0, 2, 3), bool), np.zeros((0, 2, 3), bool),
+                            np.zeros(0, int))
+    empty.begin()
+    assert np.array_equal(empty.observe(1, np.array([0])), empty.prior[1])
+    assert np.array_equal(empty.features(used[0], 0), empty.prior)
