@@ -421,11 +421,11 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
                 ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
-    nf = 4 + int(recency) + int(follow) + int(knn)
-    X0, y0 = stack.get((0, 0), (np.zeros((0, nf)), np.zeros(0)))
-    nxt = fit_logistic(X0, y0, nf)
+    n_feat = 4 + int(recency) + int(follow) + int(knn)
+    X0, y0 = stack.get((0, 0), (np.zeros((0, n_feat)), np.zeros(0)))
+    nxt = fit_logistic(X0, y0, n_feat)
     wait = np.concatenate(wait_rows) if wait_rows else np.zeros(0)
-    within = {int(h): fit_logistic(X0, (wait < h).astype(np.float64), nf) for h in horizons}
+    within = {int(h): fit_logistic(X0, (wait < h).astype(np.float64), n_feat) for h in horizons}
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
