@@ -292,3 +292,35 @@ def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> N
     assert runner.predictor.stats()["feed_rested_share"] == 1.0
     for out, ref in zip(outs, refs, strict=True):
         assert torch.equal(out, ref)
+
+
+def test_the_knn_feature_runs_on_the_engine_and_the_tokens_stay_exact(
+        store_of, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``reuse_prob`` with ``knn=true`` on the engine: the index is queried at every layer of
+    every decode pass (and of no prefill), and greedy tokens equal the plain model's."""
+    from moeexp.predictors.trajectory_index import TrajectoryIndex
+
+    layers: list[int] = []
+    real = TrajectoryIndex.observe
+
+    def spy(self, layer, experts):
+        layers.append(int(layer))
+        return real(self, layer, experts)
+
+    monkeypatch.setattr(TrajectoryIndex, "observe", spy)
+    model = toy_model("mixtral")
+    new = 8
+    with torch.no_grad():
+        refs = [model.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
+                for n, s in PROMPTS]
+    with offload(model, system="prefetch_if_pays", capacity=0.5, store=store_of("mixtral"),
+                 predictor={"spec": "off", "knn": True}, hardware="rtx3090_pcie4",
+                 predictor_async=False) as om:
+        pred = om.engine.runner.predictor
+        assert pred.models is not None and pred.models.knn is not None
+        outs = [om.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
+                for n, s in PROMPTS]
+    L = model.config.num_hidden_layers
+    assert layers == list(range(L)) * (len(PROMPTS) * (new - 1))  # decode passes only
+    for out, ref in zip(outs, refs, strict=True):
+        assert torch.equal(out, ref)
