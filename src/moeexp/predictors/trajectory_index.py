@@ -68,16 +68,15 @@ class TrajectoryIndex:
     def features(self, used: np.ndarray, request: int) -> np.ndarray:
         """float64[L, J]: every layer's feature for a whole token ``used`` (bool[L, J]), the
         tokens of ``request`` excluded (a store token's own request: the fit)."""
-        L = used.shape[0]
         out = self.prior.copy()
-        if not self.k:
+        others = np.flatnonzero(self.request != request)  # never the request's own tokens
+        k = min(self.k, len(others))
+        if not k:
             return out
-        ov = np.zeros(len(self), dtype=np.float32)
-        own = self.request == request
-        if own.all():
-            return out
-        for layer in range(L):
-            ov += self.cols[layer, np.flatnonzero(used[layer])].sum(axis=0)
-            masked = np.where(own, -np.inf, ov)
-            out[layer] = self._mean(masked, layer)
+        cols, nxt = self.cols[..., others], self.nxt[others]
+        ov = np.zeros(len(others), dtype=np.float32)
+        for layer in range(used.shape[0]):
+            ov += cols[layer, np.flatnonzero(used[layer])].sum(axis=0)
+            nn = np.argpartition(-ov, k - 1)[:k]
+            out[layer] = nxt[nn, layer].mean(axis=0)
         return out

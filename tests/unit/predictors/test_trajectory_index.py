@@ -47,3 +47,17 @@ def test_a_large_store_is_sampled_and_an_empty_one_gives_the_prior() -> None:
     empty.begin()
     assert np.array_equal(empty.observe(1, np.array([0])), empty.prior[1])
     assert np.array_equal(empty.features(used[0], 0), empty.prior)
+
+
+def test_a_fit_feature_never_reads_its_own_request_even_in_a_small_store() -> None:
+    """Fewer other-request tokens than NEIGHBOURS: only those are averaged, never the
+    request's own (whose next tokens here all use expert 0, the others' expert 1)."""
+    used = np.zeros((NEIGHBOURS + 2, 1, 2), dtype=bool)
+    used[:, 0, 0] = True
+    nxt = np.zeros_like(used)
+    request = np.array([7] * NEIGHBOURS + [1, 2])
+    nxt[:NEIGHBOURS, 0, 0] = True
+    nxt[NEIGHBOURS:, 0, 1] = True
+    idx = TrajectoryIndex(used, nxt, request)
+    assert idx.features(used[0], request=7).tolist() == [[0.0, 1.0]]
+    assert idx.features(used[0], request=1)[0, 0] > 0  # other requests' tokens are read
