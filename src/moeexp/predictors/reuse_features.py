@@ -358,7 +358,8 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
                prefill_depth: int = 0, recency: bool = True, follow: bool = True,
-               horizons: tuple[int, ...] = (), knn: bool = False) -> ReuseModels:
+               horizons: tuple[int, ...] = (), knn: bool = False,
+               knn_within: bool = True) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
@@ -370,7 +371,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     also reads the trajectory kNN feature (:class:`~moeexp.predictors.trajectory_index.
     TrajectoryIndex` of the store's decode tokens; a row's feature from the token before
     it, its own request excluded; the index's prior where that token is not a decode token
-    of the same request)."""
+    of the same request); with ``knn_within`` and ``horizons`` each ``within[h]`` model
+    reads instead the kNN share of neighbours using the expert within h tokens."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -383,7 +385,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     # n - 1 is a decode token of pass n's request (the trajectory the kNN reads)
     chained = [n > 0 and passes[n][2] == 1 and passes[n - 1][2] == 1 and req[n] == req[n - 1]
                for n in range(len(passes))]
-    index = _trajectory_index(passes, chained, req) if knn else None
+    index = (_trajectory_index(passes, chained, req, horizons if knn_within else ())
+             if knn else None)
     chains = chain_matrices(trans, depth)
     stride = max(1, int(np.ceil(len(passes) * L * J / MAX_ROWS)))
     xs: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -392,6 +395,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     waits = passes_until_use([p[0] for p in passes], [
         n for n, p in enumerate(passes) if p[2] == 1 and n % stride == 0]) if horizons else {}
     wait_rows: list[np.ndarray] = []  # the next model's rows' waits (the within labels)
+    knn_rows: list[np.ndarray] = []  # their kNN within shares, float64[H, L * J] each
     for n, (used, counts, T) in enumerate(passes):
         kind = int(T > 1)
         if kind == 1 or n % stride == 0:
@@ -399,8 +403,11 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
             if kind == 0:
                 col = None
                 if index is not None:
-                    col = (index.features(passes[n - 1][0] > 0, int(req[n])) if chained[n]
-                           else index.prior)
+                    rows = (index.features(passes[n - 1][0] > 0, int(req[n])) if chained[n]
+                            else index.prior)  # [H1, L, J]
+                    col = rows[0]
+                    if len(rows) > 1:
+                        knn_rows.append(rows[1:].reshape(len(rows) - 1, -1))
                 nf = next_features(state, logpop, recency=recency, follow=fol, knn_col=col)
                 xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
@@ -425,21 +432,48 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     X0, y0 = stack.get((0, 0), (np.zeros((0, n_feat)), np.zeros(0)))
     nxt = fit_logistic(X0, y0, n_feat)
     wait = np.concatenate(wait_rows) if wait_rows else np.zeros(0)
-    within = {int(h): fit_logistic(X0, (wait < h).astype(np.float64), n_feat) for h in horizons}
+    within = {int(h): fit_logistic(_within_x(X0, knn_rows, i), (wait < h).astype(np.float64),
+                                   n_feat) for i, h in enumerate(horizons)}
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
                        spec_depth=sd, knn=index)
 
 
+def _within_x(X0: np.ndarray, knn_rows: list[np.ndarray], i: int) -> np.ndarray:
+    """The ``within[horizons[i]]`` model's rows: the ``next`` model's ``X0``, its last
+    column (the kNN's next-token share) swapped for the kNN's share within that horizon
+    (unchanged without a kNN's within rows)."""
+    if not knn_rows:
+        return X0
+    X = X0.copy()
+    X[:, -1] = np.concatenate([k[i] for k in knn_rows])
+    return X
+
+
 def _trajectory_index(passes: list[tuple[np.ndarray, np.ndarray, int]], chained: list[bool],
-                      req: np.ndarray) -> TrajectoryIndex:
-    """The store's decode tokens that have a next decode token of their request."""
+                      req: np.ndarray, horizons: tuple[int, ...] = ()) -> TrajectoryIndex:
+    """The store's decode tokens that have a next decode token of their request; with
+    ``horizons``, each with its wait (:class:`TrajectoryIndex`): decode tokens of the same
+    request from the next one to the first that uses the expert, counted only through the
+    run of chained decode tokens (capped at max(horizons))."""
     pairs = [n - 1 for n in range(len(passes)) if chained[n]]
-    if pairs:
-        used = np.stack([passes[n][0] > 0 for n in pairs])
-        nxt = np.stack([passes[n + 1][0] > 0 for n in pairs])
-    else:
-        L, J = passes[0][0].shape if passes else (0, 0)
+    L, J = passes[0][0].shape if passes else (0, 0)
+    if not pairs:
         used = nxt = np.zeros((0, L, J), dtype=bool)
-    return TrajectoryIndex(used, nxt, req[pairs] if pairs else np.zeros(0, dtype=np.int64))
+        return TrajectoryIndex(used, nxt, np.zeros(0, dtype=np.int64),
+                               wait=np.zeros((0, L, J)), horizons=horizons)
+    used = np.stack([passes[n][0] > 0 for n in pairs])
+    nxt = np.stack([passes[n + 1][0] > 0 for n in pairs])
+    wait = None
+    if horizons:
+        cap = max(horizons)
+        if cap > 254:
+            raise ConfigError(f"reuse_prob: a kNN horizon of {cap} passes is over 254")
+        # backwards through the passes: the wait from pass n, reset where the chain breaks
+        wait_at = np.full((len(passes), L, J), cap, dtype=np.uint8)  # cap <= 255
+        for n in range(len(passes) - 1, -1, -1):
+            later = wait_at[n + 1] + 1 if n + 1 < len(passes) and chained[n + 1] else cap
+            wait_at[n] = np.where(passes[n][0] > 0, 0, np.minimum(later, cap))
+        wait = wait_at[[n + 1 for n in pairs]]
+    return TrajectoryIndex(used, nxt, req[pairs], wait=wait, horizons=horizons)

@@ -95,12 +95,15 @@ class ReuseProbability(Predictor):
             :mod:`moeexp.predictors.trajectory_index` (what the store's next tokens used
             after the store tokens nearest to this token's routing so far; issue 27's
             thirteenth stage, an option under measurement); False: not read.
+        knn_within: with ``knn`` and ``horizon``, each ``within[h]`` model reads the kNN
+            share of neighbours that used the expert within their next h tokens (the
+            fourteenth stage); False: the next token's share, as the ``next`` model.
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
                  next_model: str = "logistic", later: bool = True,
-                 horizon: bool = True, knn: bool = False) -> None:
+                 horizon: bool = True, knn: bool = False, knn_within: bool = True) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -115,7 +118,8 @@ class ReuseProbability(Predictor):
         if next_model not in NEXT_MODELS:
             raise ConfigError(f"reuse_prob: next_model must be one of {NEXT_MODELS}, got "
                               f"{next_model!r}")
-        for key, val in (("later", later), ("horizon", horizon), ("knn", knn)):
+        for key, val in (("later", later), ("horizon", horizon), ("knn", knn),
+                         ("knn_within", knn_within)):
             if not isinstance(val, bool):
                 raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
@@ -123,8 +127,8 @@ class ReuseProbability(Predictor):
         if knn and next_model != "logistic":
             raise ConfigError(f"reuse_prob: knn=true needs next_model=logistic, got "
                               f"{next_model!r}")
-        self.knn = knn
-        self._knn_rows = np.zeros((L, J))  # float64[L, J]: the kNN feature, latest per layer
+        self.knn, self.knn_within = knn, knn_within
+        self._knn_rows = np.zeros((1, L, J))  # float64[H1, L, J]: the kNN rows, latest per layer
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)
         self.depth, self.min_prob, self.alpha = int(depth), float(min_prob), float(alpha)
@@ -158,7 +162,8 @@ class ReuseProbability(Predictor):
         m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
                        prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
                        follow=self.next_model == "logistic", knn=self.knn,
-                       horizons=HORIZONS if self.horizon else ())
+                       horizons=HORIZONS if self.horizon else (),
+                       knn_within=self.knn_within)
         if m.within:
             self._wcoef = np.array([m.within[h].coef for h in HORIZONS])
             self._wicpt = np.array([m.within[h].intercept for h in HORIZONS])
@@ -280,7 +285,7 @@ class ReuseProbability(Predictor):
         used[obs.experts] = 1.0
         self.state.update(layer, used)
         if self._kind == 0 and self.models.knn is not None:
-            self._knn_rows[layer] = self.models.knn.observe(layer, np.asarray(obs.experts))
+            self._knn_rows[:, layer] = self.models.knn.observe(layer, np.asarray(obs.experts))
         if self._lrb is not None:
             self._lstate.update(layer, used)
             dist = self._lrb.lookup(self._lstate, layer)  # float64[J], passes
@@ -346,7 +351,7 @@ class ReuseProbability(Predictor):
         if len(c) >= 5:
             z += c[4] * np.log(rec)
         if m.knn is not None:  # the last coefficient (the follow one before it)
-            z += c[-1] * (m.knn.prior[rows] if unused else self._knn_rows[rows])
+            z += c[-1] * (m.knn.prior[0, rows] if unused else self._knn_rows[0, rows])
         if m.follow is not None:  # the last coefficient, or the one before the kNN's
             fol = m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows)
             z += c[-1 - int(m.knn is not None)] * fol
@@ -374,14 +379,16 @@ class ReuseProbability(Predictor):
         if isinstance(rows, int) and not unused and self._fol is not None \
                 and self._fol[0] == rows:
             col = self._fol[1]
-        knn = None
+        knn = None  # float64[H1, ..., J]
         if m.knn is not None:
-            knn = m.knn.prior[rows] if unused else self._knn_rows[rows]
+            knn = m.knn.prior[:, rows] if unused else self._knn_rows[:, rows]
         X = next_features(self.state, m.logpop, rows, unused=unused, follow=m.follow,
-                          follow_col=col, knn_col=knn)
+                          follow_col=col, knn_col=None if knn is None else knn[0])
         z = (X @ self._wcoef.T).T  # [H, ..., J]: the axes reversed (a view)
         if z.ndim == 3:  # [H, J, L] -> [H, L, J]
             z = z.transpose(0, 2, 1)
+        if knn is not None and len(knn) > 1:  # each h its own share in the kNN column
+            z = z + self._wcoef[:, -1].reshape((-1,) + (1,) * (z.ndim - 1)) * (knn[1:] - knn[0])
         return sigmoid(z + self._wicpt.reshape((-1,) + (1,) * (z.ndim - 1)))
 
     def _hand_within(self, layer: int, ahead: np.ndarray | None) -> None:

@@ -10,6 +10,11 @@ the store split only (:func:`moeexp.predictors.reuse_features.store_iterations` 
 split); a store token's own request is excluded when the fit reads the feature, so no row
 sees its own future.
 
+With ``horizons`` (the ``within[h]`` models' h), each query also gives, per h, the share of
+those neighbours that used the expert at one of their next h decode tokens (the same
+request's; issue 27's fourteenth stage): what the store says about the tokens after the
+next one, which the ``within[h]`` models rank eviction by.
+
 Why hand-written: an overlap count and a partial sort over at most ``max_rows`` tokens;
 scikit-learn's neighbours would rebuild per layer prefix.
 """
@@ -30,19 +35,34 @@ class TrajectoryIndex:
         nxt: bool[N, L, J], its next token's.
         request: int[N], the request of each token (excluded from its own fit feature).
         max_rows: tokens kept at most (a seeded sample).
+        wait: with ``horizons``: int[N, L, J], decode tokens of the same request from the
+            next one to the first that uses the expert (0: the next token does; at least
+            max(horizons) where none of the next max(horizons) does).
+        horizons: h of the within shares (empty: the next token's share alone).
+
+    A query's rows are float64[H1, J] (H1 = 1 + len(horizons)): row 0 the next token's
+    share, row i the share using it within ``horizons[i - 1]`` tokens.
     """
 
     def __init__(self, used: np.ndarray, nxt: np.ndarray, request: np.ndarray,
-                 max_rows: int = MAX_ROWS, seed: int = 0) -> None:
+                 max_rows: int = MAX_ROWS, seed: int = 0, wait: np.ndarray | None = None,
+                 horizons: tuple[int, ...] = ()) -> None:
         n = len(used)
+        if horizons and (wait is None or np.shape(wait) != np.shape(used)):
+            raise ValueError("TrajectoryIndex: horizons need wait of used's shape [N, L, J]")
         if n > max_rows:
             keep = np.sort(np.random.default_rng(seed).choice(n, max_rows, replace=False))
             used, nxt, request = used[keep], nxt[keep], request[keep]
+            wait = wait[keep] if wait is not None else None
+        self.horizons = tuple(int(h) for h in horizons)
         self.cols = np.ascontiguousarray(np.moveaxis(used, 0, -1), dtype=np.float32)  # [L, J, N]
-        self.nxt = nxt.astype(np.float64)  # [N, L, J]
+        rows = [nxt] + [wait < h for h in self.horizons]  # type: ignore[operator]
+        self.tgt = np.stack(rows, axis=2).astype(np.uint8)  # [N, L, H1, J], 0/1
         self.request = np.asarray(request)
         L, J = used.shape[1:]
-        self.prior = self.nxt.mean(axis=0) if len(used) else np.zeros((L, J))  # [L, J]
+        H1 = 1 + len(self.horizons)
+        self.prior = (np.moveaxis(self.tgt.mean(axis=0), 1, 0) if len(used)
+                      else np.zeros((H1, L, J)))  # [H1, L, J]
         self._ov = np.zeros(len(used), dtype=np.float32)
         self.k = min(NEIGHBOURS, len(used))
 
@@ -54,29 +74,26 @@ class TrajectoryIndex:
         self._ov[:] = 0.0
 
     def observe(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """Layer ``layer`` routed ``experts`` (int[K]); float64[J]: the feature of that layer
+        """Layer ``layer`` routed ``experts`` (int[K]); float64[H1, J]: that layer's rows
         (the prior with no store token)."""
         if not self.k:
-            return self.prior[layer].copy()
+            return self.prior[:, layer].copy()
         self._ov += self.cols[layer, experts].sum(axis=0)
-        return self._mean(self._ov, layer)
-
-    def _mean(self, ov: np.ndarray, layer: int) -> np.ndarray:
-        nn = np.argpartition(-ov, self.k - 1)[:self.k]
-        return self.nxt[nn, layer].mean(axis=0)
+        nn = np.argpartition(-self._ov, self.k - 1)[:self.k]
+        return self.tgt[nn, layer].sum(axis=0, dtype=np.float64) / self.k
 
     def features(self, used: np.ndarray, request: int) -> np.ndarray:
-        """float64[L, J]: every layer's feature for a whole token ``used`` (bool[L, J]), the
-        tokens of ``request`` excluded (a store token's own request: the fit)."""
+        """float64[H1, L, J]: every layer's rows for a whole token ``used`` (bool[L, J]),
+        the tokens of ``request`` excluded (a store token's own request: the fit)."""
         out = self.prior.copy()
         others = np.flatnonzero(self.request != request)  # never the request's own tokens
         k = min(self.k, len(others))
         if not k:
             return out
-        cols, nxt = self.cols[..., others], self.nxt[others]
+        cols, tgt = self.cols[..., others], self.tgt[others]
         ov = np.zeros(len(others), dtype=np.float32)
         for layer in range(used.shape[0]):
             ov += cols[layer, np.flatnonzero(used[layer])].sum(axis=0)
             nn = np.argpartition(-ov, k - 1)[:k]
-            out[layer] = nxt[nn, layer].mean(axis=0)
+            out[:, layer] = tgt[nn, layer].sum(axis=0, dtype=np.float64) / k
         return out

@@ -250,7 +250,38 @@ def test_the_knn_index_holds_store_tokens_only_and_a_row_never_sees_its_request(
     used = np.moveaxis(idx.cols, -1, 0)[0] > 0  # [L, J], the first token's routing
     marked = TrajectoryIndex(used=np.moveaxis(idx.cols, -1, 0) > 0,
                                 nxt=np.where((idx.request == own)[:, None, None], True,
-                                             False) & np.ones_like(idx.nxt, dtype=bool),
+                                             False) & np.ones_like(idx.tgt[:, :, 0], dtype=bool),
                                 request=idx.request)
     assert not marked.features(used, own).any()  # only own-request rows carry a 1
     assert marked.features(used, -1).any()  # without the exclusion they are read
+
+
+def test_the_knn_within_rows_count_the_next_h_decode_tokens_of_the_same_request() -> None:
+    """``knn=True`` with horizons: each index token's within-h row is 1 exactly where the
+    expert is used by one of its next h decode tokens of the same request (brute force
+    over the store's passes; a request's end or a prefill stops the count); the within
+    models read those rows (their kNN coefficient differs from the next model's)."""
+    tr = random_trace(num_layers=2, num_experts=5, num_requests=8, output_len=9, seed=4)
+    store = tr.split("store")
+    m = rf.fit_models(store, _trans(store), 1, knn=True, horizons=(2, 4))
+    idx = m.knn
+    assert idx is not None and idx.horizons == (2, 4) and idx.tgt.shape[2] == 3
+    its = rf.store_iterations(store)
+    used = [rf._pass_used(store, it) for it in its]
+    req = store.iter_request[its]
+    want = []
+    for n in range(1, len(used)):
+        if not (used[n][2] == 1 and used[n - 1][2] == 1 and req[n] == req[n - 1]):
+            continue
+        run = [n]  # the next token, then the chained decode tokens after it
+        while (run[-1] + 1 < len(used) and used[run[-1] + 1][2] == 1
+               and req[run[-1] + 1] == req[n]):
+            run.append(run[-1] + 1)
+        rows = [used[n][0] > 0] + [np.logical_or.reduce([used[i][0] > 0 for i in run[:h]])
+                                   for h in (2, 4)]
+        want.append(np.stack(rows, axis=1))  # [L, H1, J]
+    assert len(want) == len(idx) and np.array_equal(idx.tgt, np.stack(want).astype(np.uint8))
+    off = rf.fit_models(store, _trans(store), 1, knn=True, horizons=(2, 4), knn_within=False)
+    assert off.knn is not None and off.knn.tgt.shape[2] == 1
+    assert not np.allclose(m.within[2].coef, off.within[2].coef)
+    assert np.allclose(m.next.coef, off.next.coef)  # the next model reads the same rows

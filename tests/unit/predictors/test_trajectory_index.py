@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from moeexp.predictors.trajectory_index import NEIGHBOURS, TrajectoryIndex
 
@@ -24,17 +25,17 @@ def test_observe_averages_the_next_tokens_of_the_nearest_trajectories() -> None:
     idx = TrajectoryIndex(used, nxt, np.arange(n))
     assert len(idx) == n
     idx.begin()
-    row = idx.observe(0, np.array([2]))
+    row = idx.observe(0, np.array([2]))[0]  # row 0: the next token's share
     assert row[2] == 1.0 and row.sum() == 1.0
-    row1 = idx.observe(1, np.array([3]))  # tokens routed (2, 3): their next used 0 at layer 1
+    row1 = idx.observe(1, np.array([3]))[0]  # tokens routed (2, 3): their next used 0 at 1
     assert row1[0] == 1.0
     idx.begin()  # a new token forgets the last one's overlap
-    assert idx.observe(0, np.array([1]))[1] == 1.0
+    assert idx.observe(0, np.array([1]))[0, 1] == 1.0
     # features() of a whole token equals observing it layer by layer
     f = idx.features(used[5], request=-1)
     idx.begin()
     for layer in range(2):
-        assert np.allclose(f[layer], idx.observe(layer, np.flatnonzero(used[5, layer])))
+        assert np.allclose(f[:, layer], idx.observe(layer, np.flatnonzero(used[5, layer])))
 
 
 def test_a_large_store_is_sampled_and_an_empty_one_gives_the_prior() -> None:
@@ -45,7 +46,7 @@ def test_a_large_store_is_sampled_and_an_empty_one_gives_the_prior() -> None:
     empty = TrajectoryIndex(np.zeros((0, 2, 3), bool), np.zeros((0, 2, 3), bool),
                             np.zeros(0, int))
     empty.begin()
-    assert np.array_equal(empty.observe(1, np.array([0])), empty.prior[1])
+    assert np.array_equal(empty.observe(1, np.array([0])), empty.prior[:, 1])
     assert np.array_equal(empty.features(used[0], 0), empty.prior)
 
 
@@ -59,5 +60,22 @@ def test_a_fit_feature_never_reads_its_own_request_even_in_a_small_store() -> No
     nxt[:NEIGHBOURS, 0, 0] = True
     nxt[NEIGHBOURS:, 0, 1] = True
     idx = TrajectoryIndex(used, nxt, request)
-    assert idx.features(used[0], request=7).tolist() == [[0.0, 1.0]]
-    assert idx.features(used[0], request=1)[0, 0] > 0  # other requests' tokens are read
+    assert idx.features(used[0], request=7).tolist() == [[[0.0, 1.0]]]
+    assert idx.features(used[0], request=1)[0, 0, 0] > 0  # other requests' tokens are read
+
+
+def test_the_within_rows_share_the_neighbours_using_the_expert_within_h_tokens() -> None:
+    """wait 0 / 1 / 3 / none (4 = the cap) for expert 0 of four store tokens, all routed
+    alike: row h counts the neighbours with wait < h; row 0 is the next token's share."""
+    used = np.zeros((4, 1, 2), dtype=bool)
+    used[:, 0, 1] = True
+    wait = np.array([0, 1, 3, 4]).reshape(4, 1, 1) * np.ones((4, 1, 2), dtype=int)
+    nxt = wait == 0
+    idx = TrajectoryIndex(used, nxt, np.arange(4), wait=wait, horizons=(2, 4))
+    idx.begin()
+    rows = idx.observe(0, np.array([1]))  # all 4 are neighbours (k = 4 < NEIGHBOURS)
+    assert rows[:, 0].tolist() == [0.25, 0.5, 0.75]
+    assert np.array_equal(idx.prior[:, 0], rows)
+    assert idx.features(used[0], request=0)[:, 0, 0].tolist() == [0.0, 1 / 3, 2 / 3]
+    with pytest.raises(ValueError, match="wait"):
+        TrajectoryIndex(used, nxt, np.arange(4), horizons=(2,))
