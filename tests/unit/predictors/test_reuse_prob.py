@@ -270,3 +270,34 @@ def test_fed_again_the_reuse_state_catches_up_on_the_rested_passes() -> None:
     assert pred.feeding()
     assert np.array_equal(pred.state.feat, want.feat) and np.array_equal(pred.state.rec, want.rec)
     assert pred.feeding() and np.array_equal(pred.state.feat, want.feat)  # nothing kept now
+
+
+def test_knn_within_gives_each_horizon_its_own_knn_column() -> None:
+    """``knn`` with ``knn_within`` (the default): the within row of a layer that ran is
+    each within[h] model on the next model's features with the kNN column swapped for the
+    neighbours' within-h share; with ``knn_within=false`` every h reads the next token's."""
+    tr = random_trace(num_layers=4, num_experts=8, top_k=2, num_requests=16, output_len=14,
+                      seed=6)
+    store = tr.split("store")
+    its = [i for i in range(len(tr.iter_offsets) - 1) if np.diff(tr.iter_offsets)[i] == 1]
+    for within in (True, False):
+        p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True,
+                             knn_within=within)
+        cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+        p.fit(store)
+        cache.fit(store)
+        p.bind(cost(tr, 1.0), [cache])
+        assert p.models.knn.tgt.shape[2] == (1 + len(rf.HORIZONS) if within else 1)
+        seen: dict[int, np.ndarray] = {}
+        cache.observe_within = seen.update  # type: ignore[method-assign]
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                         token_request=np.zeros(1, np.int64)))
+        p.observe_layer(observation(tr, its[0], 0))
+        knn = p._knn_rows[:, 0]  # [H1, J], this token's rows at layer 0
+        assert not within or not np.allclose(knn[1:], knn[0])  # the swap is visible
+        for i, h in enumerate(rf.HORIZONS):
+            col = knn[1 + i] if within else knn[0]
+            X = rf.next_features(p.state, p.models.logpop, 0, follow=p.models.follow,
+                                 knn_col=col)
+            want = rf.sigmoid(X @ p.models.within[h].coef + p.models.within[h].intercept)
+            assert np.allclose(seen[0][i], want)
