@@ -234,7 +234,7 @@ def carried(counts: np.ndarray, chain: np.ndarray) -> np.ndarray:
     return np.log(np.maximum(np.einsum("...j,...jk->...k", v, chain), EPS))
 
 
-N_AHEAD = 7  #: features of an ``ahead`` model: 4 state + carried + 2 speculative
+N_AHEAD = 7  #: features of an ``ahead`` model: 4 state + carried + 2 speculative (+ kNN)
 
 
 def spec_features(spec: np.ndarray | None, top_k: int) -> np.ndarray | None:
@@ -359,7 +359,7 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
                prefill_depth: int = 0, recency: bool = True, follow: bool = True,
                horizons: tuple[int, ...] = (), knn: bool = False,
-               knn_within: bool = True) -> ReuseModels:
+               knn_within: bool = True, knn_ahead: bool = False) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
@@ -367,12 +367,12 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     ``next`` on :func:`next_features` (with log rec when ``recency``, with the follow
     evidence of :func:`follow_matrices` when ``follow``), and ``within[h]`` for each h in
     ``horizons`` on the same rows (the label: used at one of the passes n .. n + h - 1 of
-    the store split's sequence, :func:`passes_until_use`). With ``knn`` the ``next`` model
-    also reads the trajectory kNN feature (:class:`~moeexp.predictors.trajectory_index.
-    TrajectoryIndex` of the store's decode tokens; a row's feature from the token before
-    it, its own request excluded; the index's prior where that token is not a decode token
-    of the same request); with ``knn_within`` and ``horizons`` each ``within[h]`` model
-    reads instead the kNN share of neighbours using the expert within h tokens."""
+    the store split's sequence, :func:`passes_until_use`). ``knn``, ``knn_within``,
+    ``knn_ahead``: the trajectory kNN columns (:class:`TrajectoryIndex` of the store's
+    decode tokens, a row's own request excluded): the ``next`` model's (read from the token
+    before the row; the prior where that is not a decode token of the request), each
+    ``within[h]``'s own share within h tokens, and the ``ahead`` models' (its
+    :meth:`~TrajectoryIndex.ahead_features`; a multi-token pass: :attr:`~TrajectoryIndex.use`)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -401,30 +401,30 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
         if kind == 1 or n % stride == 0:
             feats = state_features(state, logpop)  # [L, J, 4]
             if kind == 0:
-                col = None
-                if index is not None:
-                    rows = (index.features(passes[n - 1][0] > 0, int(req[n])) if chained[n]
-                            else index.prior)  # [H1, L, J]
-                    col = rows[0]
-                    if len(rows) > 1:
-                        knn_rows.append(rows[1:].reshape(len(rows) - 1, -1))
-                nf = next_features(state, logpop, recency=recency, follow=fol, knn_col=col)
+                rows = None if index is None else (  # [H1, L, J]
+                    index.features(passes[n - 1][0] > 0, int(req[n])) if chained[n]
+                    else index.prior)
+                if rows is not None and len(rows) > 1:
+                    knn_rows.append(rows[1:].reshape(len(rows) - 1, -1))
+                nf = next_features(state, logpop, recency=recency, follow=fol,
+                                   knn_col=None if rows is None else rows[0])
                 xs.setdefault((0, 0), []).append(nf.reshape(-1, nf.shape[-1]))
                 ys.setdefault((0, 0), []).append(used.reshape(-1))
                 if horizons:
                     wait_rows.append(waits[n].reshape(-1))
-            deep = (_carried_all(counts, trans, prefill_depth)
-                    if kind and prefill_depth > depth else None)
-            for d in range(1, (len(deep) if deep is not None else len(chains)) + 1):
-                if deep is not None:
-                    extra = deep[d - 1][..., None]  # [L-d, J, 1]
-                else:
-                    extra = carried(counts[:L - d], chains[d - 1])[..., None]
-                parts = [feats[d:], extra]
+            extras = (_carried_all(counts, trans, prefill_depth)
+                      if kind and prefill_depth > depth else
+                      [carried(counts[:L - d], chains[d - 1]) for d in range(1, len(chains) + 1)])
+            ka = (_ahead_knn(index, used > 0, int(req[n]), kind, len(chains))
+                  if knn_ahead and index is not None else None)
+            for d, extra in enumerate(extras, start=1):
+                parts = [feats[d:], extra[..., None]]  # [L-d, J, 4], [L-d, J, 1]
                 if sd:
                     parts.append(_spec_block(store, its[n], d, sd, L, J))
-                x = np.concatenate(parts, axis=-1).reshape(-1, N_AHEAD if sd else 5)
-                xs.setdefault((kind, d), []).append(x)
+                if ka is not None:
+                    parts.append((ka[d - 1, :L - d] if kind == 0 else ka[d:])[..., None])
+                x = np.concatenate(parts, axis=-1)
+                xs.setdefault((kind, d), []).append(x.reshape(-1, x.shape[-1]))
                 ys.setdefault((kind, d), []).append(used[d:].reshape(-1))
         state.update_all(used)
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
@@ -438,6 +438,16 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
                        spec_depth=sd, knn=index)
+
+
+def _ahead_knn(index: TrajectoryIndex, used: np.ndarray, request: int, kind: int,
+               depth: int) -> np.ndarray:
+    """The ``ahead`` models' kNN column of one pass: float64[depth, L, J] of a decode pass
+    (its own routing's neighbours, its request excluded), float64[L, J] the index's
+    popularity for a multi-token pass (no single trajectory)."""
+    if kind:
+        return index.use
+    return index.ahead_features(used, request, depth)
 
 
 def _within_x(X0: np.ndarray, knn_rows: list[np.ndarray], i: int) -> np.ndarray:

@@ -98,12 +98,17 @@ class ReuseProbability(Predictor):
         knn_within: with ``knn`` and ``horizon``, each ``within[h]`` model reads the kNN
             share of neighbours that used the expert within their next h tokens (the
             fourteenth stage); False: the next token's share, as the ``next`` model.
+        knn_ahead: with ``knn``, the layer-ahead (prefetch) models also read the share of
+            the same neighbours that used the expert at that layer of their own token
+            (:meth:`~moeexp.predictors.trajectory_index.TrajectoryIndex.ahead`; the
+            fourteenth stage, an option under measurement); False: not read.
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
                  next_model: str = "logistic", later: bool = True,
-                 horizon: bool = True, knn: bool = False, knn_within: bool = True) -> None:
+                 horizon: bool = True, knn: bool = False, knn_within: bool = True,
+                 knn_ahead: bool = False) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -119,7 +124,7 @@ class ReuseProbability(Predictor):
             raise ConfigError(f"reuse_prob: next_model must be one of {NEXT_MODELS}, got "
                               f"{next_model!r}")
         for key, val in (("later", later), ("horizon", horizon), ("knn", knn),
-                         ("knn_within", knn_within)):
+                         ("knn_within", knn_within), ("knn_ahead", knn_ahead)):
             if not isinstance(val, bool):
                 raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
@@ -127,7 +132,9 @@ class ReuseProbability(Predictor):
         if knn and next_model != "logistic":
             raise ConfigError(f"reuse_prob: knn=true needs next_model=logistic, got "
                               f"{next_model!r}")
-        self.knn, self.knn_within = knn, knn_within
+        if knn_ahead and not knn:
+            raise ConfigError("reuse_prob: knn_ahead=true needs knn=true")
+        self.knn, self.knn_within, self.knn_ahead = knn, knn_within, knn_ahead
         self._knn_rows = np.zeros((1, L, J))  # float64[H1, L, J]: the kNN rows, latest per layer
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)
@@ -163,7 +170,7 @@ class ReuseProbability(Predictor):
                        prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
                        follow=self.next_model == "logistic", knn=self.knn,
                        horizons=HORIZONS if self.horizon else (),
-                       knn_within=self.knn_within)
+                       knn_within=self.knn_within, knn_ahead=self.knn_ahead)
         if m.within:
             self._wcoef = np.array([m.within[h].coef for h in HORIZONS])
             self._wicpt = np.array([m.within[h].intercept for h in HORIZONS])
@@ -300,7 +307,10 @@ class ReuseProbability(Predictor):
                 extra = carried_steps(counts, self._trans[layer:], n)
             else:
                 extra = carried(counts, self._from[layer])  # [n, J]
-            p = self._ahead(layer, n, extra, obs.spec_probs)
+            ka = None  # float64[n, J]: the neighbours' use of the layers ahead (knn_ahead)
+            if self.knn_ahead and self._kind == 0:
+                ka = self.models.knn.ahead(layer, n)  # type: ignore[union-attr]
+            p = self._ahead(layer, n, extra, obs.spec_probs, ka)
             for d in range(n):
                 scores[layer + 1 + d] = p[d]
             if self.later and self._lrb is None and self._caches:
@@ -314,10 +324,12 @@ class ReuseProbability(Predictor):
         return out
 
     def _ahead(self, layer: int, n: int, extra: np.ndarray,
-               spec: np.ndarray | None = None) -> np.ndarray:
+               spec: np.ndarray | None = None, ka: np.ndarray | None = None) -> np.ndarray:
         """float64[n, J]: P(used at layer + d in this pass), d = 1..n: ``extra`` float64[n,
         J], layer's token distribution carried d layers (:func:`carried`); ``spec``
-        float32[T, D, J], the layer's speculative gates (read when the models have them)."""
+        float32[T, D, J], the layer's speculative gates (read when the models have them);
+        ``ka`` float64[n, J], the kNN column (``knn_ahead``; None: the index's popularity,
+        as a multi-token pass's fit read)."""
         coef, icpt = self._coef[self._kind], self._icpt[self._kind]
         rows = slice(layer + 1, layer + 1 + n)
         feat = self.state.feat
@@ -331,6 +343,9 @@ class ReuseProbability(Predictor):
         if m and spec is not None:
             sf = spec_features(spec[:, :m], self.dims.top_k)  # [m, J, 2]
             z[:m] += coef[:m, 5, None] * sf[..., 0] + coef[:m, 6, None] * sf[..., 1]
+        if self.knn_ahead:  # the last feature
+            z += coef[:n, -1, None] * (ka if ka is not None
+                                       else self.models.knn.use[rows])  # type: ignore[union-attr]
         return sigmoid(z)
 
     def _next_p(self, rows: slice | int, unused: bool = False) -> np.ndarray:

@@ -15,11 +15,17 @@ those neighbours that used the expert at one of their next h decode tokens (the 
 request's; issue 27's fourteenth stage): what the store says about the tokens after the
 next one, which the ``within[h]`` models rank eviction by.
 
+:meth:`ahead` gives the layer-ahead models (``knn_ahead``) the same neighbours' use of the
+layers after l in their own token: where the store tokens whose routing so far is nearest
+this token's went next in the pass.
+
 Why hand-written: an overlap count and a partial sort over at most ``max_rows`` tokens;
 scikit-learn's neighbours would rebuild per layer prefix.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -63,8 +69,12 @@ class TrajectoryIndex:
         H1 = 1 + len(self.horizons)
         self.prior = (np.moveaxis(self.tgt.mean(axis=0), 1, 0) if len(used)
                       else np.zeros((H1, L, J)))  # [H1, L, J]
+        #: float64[L, J]: each expert's share of the tokens using it (the ahead prior)
+        self.use = (np.moveaxis(used, 0, -1).mean(axis=-1) if len(used)
+                    else np.zeros((L, J)))
         self._ov = np.zeros(len(used), dtype=np.float32)
         self.k = min(NEIGHBOURS, len(used))
+        self._nn = np.zeros(0, dtype=np.int64)  # observe's neighbours (rows of this index)
 
     def __len__(self) -> int:
         return len(self.request)
@@ -79,21 +89,51 @@ class TrajectoryIndex:
         if not self.k:
             return self.prior[:, layer].copy()
         self._ov += self.cols[layer, experts].sum(axis=0)
-        nn = np.argpartition(-self._ov, self.k - 1)[:self.k]
-        return self.tgt[nn, layer].sum(axis=0, dtype=np.float64) / self.k
+        self._nn = np.argpartition(-self._ov, self.k - 1)[:self.k]
+        return self.tgt[self._nn, layer].sum(axis=0, dtype=np.float64) / self.k
+
+    def ahead(self, layer: int, n: int) -> np.ndarray:
+        """float64[n, J]: after :meth:`observe` of ``layer``, the share of its neighbours that
+        used each expert at layers layer + 1 .. layer + n of their *own* token (the popularity
+        of those layers with no store token)."""
+        rows = slice(layer + 1, layer + 1 + n)
+        if not self.k:
+            return self.use[rows].copy()
+        return self.cols[rows][..., self._nn].sum(axis=-1, dtype=np.float64) / self.k
+
+    def _walk(self, used: np.ndarray, request: int) -> Iterator[tuple[int, np.ndarray]]:
+        """(layer, neighbours: int[k] rows of this index) for each layer of a whole token
+        ``used`` (bool[L, J]), nearest on its layers 0..layer among the tokens of other
+        requests than ``request`` (none where there is no such token)."""
+        others = np.flatnonzero(self.request != request)  # never the request's own tokens
+        k = min(self.k, len(others))
+        if not k:
+            return
+        cols = self.cols[..., others]
+        ov = np.zeros(len(others), dtype=np.float32)
+        for layer in range(used.shape[0]):
+            ov += cols[layer, np.flatnonzero(used[layer])].sum(axis=0)
+            yield layer, others[np.argpartition(-ov, k - 1)[:k]]
 
     def features(self, used: np.ndarray, request: int) -> np.ndarray:
         """float64[H1, L, J]: every layer's rows for a whole token ``used`` (bool[L, J]),
         the tokens of ``request`` excluded (a store token's own request: the fit)."""
         out = self.prior.copy()
-        others = np.flatnonzero(self.request != request)  # never the request's own tokens
-        k = min(self.k, len(others))
-        if not k:
-            return out
-        cols, tgt = self.cols[..., others], self.tgt[others]
-        ov = np.zeros(len(others), dtype=np.float32)
-        for layer in range(used.shape[0]):
-            ov += cols[layer, np.flatnonzero(used[layer])].sum(axis=0)
-            nn = np.argpartition(-ov, k - 1)[:k]
-            out[:, layer] = tgt[nn, layer].sum(axis=0, dtype=np.float64) / k
+        for layer, nn in self._walk(used, request):
+            out[:, layer] = self.tgt[nn, layer].sum(axis=0, dtype=np.float64) / len(nn)
+        return out
+
+    def ahead_features(self, used: np.ndarray, request: int, depth: int) -> np.ndarray:
+        """float64[depth, L, J]: [d - 1, l] is :meth:`ahead`'s row d of layer l for a whole
+        token ``used`` (bool[L, J]), the tokens of ``request`` excluded (0 where l + d
+        >= L)."""
+        L = used.shape[0]
+        out = np.zeros((depth, L, used.shape[1]))
+        for d in range(1, depth + 1):
+            out[d - 1, :L - d] = self.use[d:]
+        for layer, nn in self._walk(used, request):
+            n = min(depth, L - 1 - layer)
+            if n:
+                rows = self.cols[layer + 1:layer + 1 + n][..., nn]
+                out[:n, layer] = rows.sum(axis=-1, dtype=np.float64) / len(nn)
         return out

@@ -235,6 +235,8 @@ def test_the_knn_index_holds_store_tokens_only_and_a_row_never_sees_its_request(
     tr = random_trace(num_layers=3, num_experts=6, num_requests=10, output_len=6, seed=2)
     with pytest.raises(ConfigError, match="outside the store"):
         rf.fit_models(tr, _trans(tr), 1, knn=True)
+    with pytest.raises(ConfigError, match="outside the store"):
+        rf.fit_models(tr, _trans(tr), 1, knn=True, knn_ahead=True)
     store = tr.split("store")
     m = rf.fit_models(store, _trans(store), 1, knn=True)
     assert m.knn is not None and len(m.next.coef) == 7  # 4 state, rec, follow, kNN

@@ -301,3 +301,30 @@ def test_knn_within_gives_each_horizon_its_own_knn_column() -> None:
                                  knn_col=col)
             want = rf.sigmoid(X @ p.models.within[h].coef + p.models.within[h].intercept)
             assert np.allclose(seen[0][i], want)
+
+
+def test_knn_ahead_adds_the_neighbours_use_to_every_ahead_model() -> None:
+    """``knn_ahead``: each ahead model has one more coefficient, and a decode layer's
+    scores ahead are those models on the state, the carried evidence and the index's
+    :meth:`ahead` rows; it needs ``knn``."""
+    tr = random_trace(num_layers=4, num_experts=8, top_k=2, num_requests=16, output_len=14,
+                      seed=6)
+    store = tr.split("store")
+    with pytest.raises(ConfigError, match="knn_ahead"):
+        PREDICTORS.build("reuse_prob", dims=tr.dims, knn_ahead=True)
+    base = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True)
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True, knn_ahead=True)
+    base.fit(store)
+    p.fit(store)
+    assert p._coef[0].shape[1] == base._coef[0].shape[1] + 1
+    assert p._coef[1].shape[1] == base._coef[1].shape[1] + 1
+    its = [i for i in range(len(tr.iter_offsets) - 1) if np.diff(tr.iter_offsets)[i] == 1]
+    p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                     token_request=np.zeros(1, np.int64)))
+    obs = observation(tr, its[0], 0)
+    out = p.observe_layer(obs)
+    ka = p.models.knn.ahead(0, 2)
+    extra = rf.carried(obs.counts, p._from[0])
+    want = p._ahead(0, 2, extra, None, ka)
+    assert np.allclose(out.scores[1], want[0]) and np.allclose(out.scores[2], want[1])
+    assert not np.allclose(want, p._ahead(0, 2, extra, None, None))  # the column is read

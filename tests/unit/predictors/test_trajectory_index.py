@@ -79,3 +79,32 @@ def test_the_within_rows_share_the_neighbours_using_the_expert_within_h_tokens()
     assert idx.features(used[0], request=0)[:, 0, 0].tolist() == [0.0, 1 / 3, 2 / 3]
     with pytest.raises(ValueError, match="wait"):
         TrajectoryIndex(used, nxt, np.arange(4), horizons=(2,))
+
+
+def test_ahead_gives_the_neighbours_use_of_the_layers_after_the_observed_one() -> None:
+    """Tokens routed a at layer 0 route (a + 1) % J at layer 1 and (a + 2) % J at layer 2:
+    after observing a at layer 0 the neighbours' rows ahead are one-hot on those experts;
+    ahead_features of a whole token equals observing it layer by layer, and an empty index
+    gives the popularity."""
+    J, n = 4, 4 * NEIGHBOURS
+    a = np.arange(n) % J
+    used = _onehot(np.stack([a, (a + 1) % J, (a + 2) % J], axis=1)[..., None], J)
+    idx = TrajectoryIndex(used, used, np.arange(n))
+    idx.begin()
+    idx.observe(0, np.array([1]))
+    rows = idx.ahead(0, 2)
+    assert rows.shape == (2, J) and rows[0, 2] == 1.0 and rows[1, 3] == 1.0
+    assert rows.sum() == 2.0
+    f = idx.ahead_features(used[7], request=-1, depth=2)  # [2, 3, J]
+    idx.begin()
+    for layer in range(3):
+        idx.observe(layer, np.flatnonzero(used[7, layer]))
+        k = min(2, 2 - layer)
+        assert np.allclose(f[:k, layer], idx.ahead(layer, k))
+        assert not f[k:, layer].any()  # past the last layer
+    assert np.allclose(idx.use, used.mean(axis=0))
+    empty = TrajectoryIndex(np.zeros((0, 3, J), bool), np.zeros((0, 3, J), bool),
+                            np.zeros(0, int))
+    empty.begin()
+    empty.observe(0, np.array([0]))
+    assert np.array_equal(empty.ahead(0, 2), empty.use[1:3])
