@@ -382,9 +382,7 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     logpop = np.log(pop)
     fol = follow_matrices([(p[0], p[2]) for p in passes], logpop) if follow else None
     req = store.iter_request[its] if its else np.zeros(0, dtype=np.int64)
-    # n - 1 is a decode token of pass n's request (the trajectory the kNN reads)
-    chained = [n > 0 and passes[n][2] == 1 and passes[n - 1][2] == 1 and req[n] == req[n - 1]
-               for n in range(len(passes))]
+    chained = _chained(passes, req)
     index = (_trajectory_index(passes, chained, req, horizons if knn_within else ())
              if knn else None)
     chains = chain_matrices(trans, depth)
@@ -438,6 +436,13 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
                        spec_depth=sd, knn=index)
+
+
+def _chained(passes: list[tuple[np.ndarray, np.ndarray, int]], req: np.ndarray) -> list[bool]:
+    """Per pass n: whether n - 1 is a decode token of pass n's request and n one too (the
+    trajectory the kNN reads for pass n)."""
+    return [n > 0 and passes[n][2] == 1 and passes[n - 1][2] == 1 and req[n] == req[n - 1]
+            for n in range(len(passes))]
 
 
 def _ahead_knn(index: TrajectoryIndex, used: np.ndarray, request: int, kind: int,
