@@ -296,8 +296,9 @@ def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> N
 
 def test_the_knn_feature_runs_on_the_engine_and_the_tokens_stay_exact(
         store_of, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``reuse_prob`` with ``knn=true`` on the engine: the index is queried at every layer of
-    every decode pass (and of no prefill), and greedy tokens equal the plain model's."""
+    """``reuse_prob`` with ``knn=true`` (and ``knn_ahead``) on the engine: the index is
+    queried at every layer of every decode pass (and of no prefill), and greedy tokens
+    equal the plain model's."""
     from moeexp.predictors.trajectory_index import TrajectoryIndex
 
     layers: list[int] = []
@@ -314,10 +315,11 @@ def test_the_knn_feature_runs_on_the_engine_and_the_tokens_stay_exact(
         refs = [model.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
                 for n, s in PROMPTS]
     with offload(model, system="prefetch_if_pays", capacity=0.5, store=store_of("mixtral"),
-                 predictor={"spec": "off", "knn": True}, hardware="rtx3090_pcie4",
+                 predictor={"spec": "off", "knn": True, "knn_ahead": True},
+                 hardware="rtx3090_pcie4",
                  predictor_async=False) as om:
         pred = om.engine.runner.predictor
-        assert pred.models is not None and pred.models.knn is not None
+        assert pred.models is not None and pred.models.knn is not None and pred.knn_ahead
         outs = [om.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
                 for n, s in PROMPTS]
     L = model.config.num_hidden_layers
