@@ -234,9 +234,6 @@ def carried(counts: np.ndarray, chain: np.ndarray) -> np.ndarray:
     return np.log(np.maximum(np.einsum("...j,...jk->...k", v, chain), EPS))
 
 
-N_AHEAD = 7  #: features of an ``ahead`` model: 4 state + carried + 2 speculative (+ kNN)
-
-
 def spec_features(spec: np.ndarray | None, top_k: int) -> np.ndarray | None:
     """float64[..., J, 2] from speculative gate probabilities ``spec`` float[T, ..., J]
     (T tokens): (share of the tokens whose top-``top_k`` holds the expert, log(max(mean
