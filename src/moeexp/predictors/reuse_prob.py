@@ -94,21 +94,23 @@ class ReuseProbability(Predictor):
         knn: with the ``logistic`` next model, its last feature is the trajectory kNN of
             :mod:`moeexp.predictors.trajectory_index` (what the store's next tokens used
             after the store tokens nearest to this token's routing so far; issue 27's
-            thirteenth stage, an option under measurement); False: not read.
+            thirteenth stage; on in ``conf/predictor/reuse_prob.yaml`` since the fifteenth);
+            False: not read. It acts only with ``next_model="logistic"``.
         knn_within: with ``knn`` and ``horizon``, each ``within[h]`` model reads the kNN
             share of neighbours that used the expert within their next h tokens (the
             fourteenth stage); False: the next token's share, as the ``next`` model.
         knn_ahead: with ``knn``, the layer-ahead (prefetch) models also read the share of
             the same neighbours that used the expert at that layer of their own token
             (:meth:`~moeexp.predictors.trajectory_index.TrajectoryIndex.ahead`; the
-            fourteenth stage, an option under measurement); False: not read.
+            fourteenth stage; on in the YAML since the fifteenth); False: not read. It acts
+            only when ``knn`` does.
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
                  next_model: str = "logistic", later: bool = True,
-                 horizon: bool = True, knn: bool = False, knn_within: bool = True,
-                 knn_ahead: bool = False) -> None:
+                 horizon: bool = True, knn: bool = True, knn_within: bool = True,
+                 knn_ahead: bool = True) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -129,12 +131,12 @@ class ReuseProbability(Predictor):
                 raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
         self.horizon = horizon and next_model.startswith("logistic")
-        if knn and next_model != "logistic":
-            raise ConfigError(f"reuse_prob: knn=true needs next_model=logistic, got "
-                              f"{next_model!r}")
-        if knn_ahead and not knn:
-            raise ConfigError("reuse_prob: knn_ahead=true needs knn=true")
-        self.knn, self.knn_within, self.knn_ahead = knn, knn_within, knn_ahead
+        # Each option acts only where the model it feeds exists, as ``horizon`` does: the
+        # kNN column is a feature of the ``logistic`` next model (so ``next_model=lrb`` or
+        # ``logistic_no_follow`` alone reproduces those stages), ``knn_ahead`` needs the
+        # index ``knn`` builds, and ``knn_within`` acts only with ``knn`` and ``horizon``.
+        self.knn = knn and next_model == "logistic"
+        self.knn_within, self.knn_ahead = knn_within, knn_ahead and self.knn
         self._knn_rows = np.zeros((1, L, J))  # float64[H1, L, J]: the kNN rows, latest per layer
         self._lrb: LrbTable | None = None  # the learned reuse distance (next_model=lrb)
         self._lstate = LrbState.zeros(L, J)

@@ -218,3 +218,43 @@ def test_a_resting_gate_keeps_the_last_passes_routing_for_the_catch_up() -> None
     passes(fed, 40, hit=True)  # fed from pass FIRST on
     fed.pass_begins()
     assert len(fed.rested()) == FIRST  # only the passes before the first window
+
+
+def bursts(g: FeedGate, n: int, help_when_fed: bool) -> list[bool]:
+    """``n`` passes: a burst of :data:`CYCLE` (every access a shadow miss) in passes 50..59
+    of every 100, the 2-slot-resident ``hot`` pair otherwise; in a burst the cache
+    hits while fed if ``help_when_fed``, else misses as the shadow does."""
+    now, fed = 0, []
+    hot = [(0, 0), (1, 0)]
+    for i in range(n):
+        fed.append(g.pass_begins())
+        if 50 <= i % 100 < 60:
+            now = run_pass(g, CYCLE[i % 4], [help_when_fed and fed[-1]] * 2, now)
+        else:
+            now = run_pass(g, hot, [True] * 2, now)
+    return fed
+
+
+def primed(feed_s: float) -> FeedGate:
+    """A gate that has measured r = 0.5 in ten agreeing windows (r⁺ = 0.5: the long route's
+    test r⁺ · b_long > f fails on these streams, so only the short route opens windows)."""
+    g = gate(feed_s=feed_s, miss_s=1.0)
+    g.windows, g.share, g._pooled, g._shares = 10, 0.5, [10 ** 6, 2 * 10 ** 6], [5.0, 2.5]
+    return g
+
+
+def test_the_short_route_stops_once_its_windows_do_not_keep_their_promise() -> None:
+    """Each burst lifts r · b_short above f (fifteenth stage). Windows that save nothing of
+    what r · b_short promised: the short route opens two (ρ⁺ = 1 before two), then none
+    (ρ, their mean ratio, is below 0.5). Windows that save what they promise: one a burst."""
+    g = primed(0.2)
+    fed = bursts(g, 1000, help_when_fed=False)
+    opened = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
+    assert len(opened) == 2 and all(50 <= i % 100 < 60 for i in opened)
+    # they saved only the shadow's misses on the hot pair as the burst ended
+    assert g._kept[0] == 2 and g._kept_word() < 0.5
+    g = primed(0.2)
+    fed = bursts(g, 1000, help_when_fed=True)
+    opened = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
+    assert len(opened) >= 9 and g._kept_word() == 1.0
+    assert g.stats()["feed_rested_share"] > 0.5  # the hot stretches rest it again

@@ -66,7 +66,8 @@ def test_layers_ahead_get_the_next_pass_probability_if_unused_now() -> None:
     ``logistic_no_recency`` without that and the recency column."""
     tr = trace()
     for later in (True, False):
-        p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, later=later)
+        p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, later=later, knn=False,
+                             knn_ahead=False)  # the next model's own columns, no kNN one
         c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
         p.fit(tr.split("store"))
         p.bind(cost(tr, 32.0), [c])
@@ -90,7 +91,8 @@ def test_layers_ahead_get_the_next_pass_probability_if_unused_now() -> None:
             np.testing.assert_array_equal(c.Q[1:3], c.P[1:3])
     assert len(p.models.next.coef) == 6 and p.models.follow is not None
     for name, n in (("logistic_no_follow", 5), ("logistic_no_recency", 4)):
-        old = PREDICTORS.build("reuse_prob", dims=tr.dims, next_model=name)
+        old = PREDICTORS.build("reuse_prob", dims=tr.dims, next_model=name, knn=False,
+                               knn_ahead=False)
         old.fit(tr.split("store"))
         assert len(old.models.next.coef) == n and old.models.follow is None
 
@@ -306,13 +308,15 @@ def test_knn_within_gives_each_horizon_its_own_knn_column() -> None:
 def test_knn_ahead_adds_the_neighbours_use_to_every_ahead_model() -> None:
     """``knn_ahead``: each ahead model has one more coefficient, and a decode layer's
     scores ahead are those models on the state, the carried evidence and the index's
-    :meth:`ahead` rows; it needs ``knn``."""
+    :meth:`ahead` rows; it acts only with ``knn``."""
     tr = random_trace(num_layers=4, num_experts=8, top_k=2, num_requests=16, output_len=14,
                       seed=6)
     store = tr.split("store")
-    with pytest.raises(ConfigError, match="knn_ahead"):
-        PREDICTORS.build("reuse_prob", dims=tr.dims, knn_ahead=True)
-    base = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True)
+    alone = PREDICTORS.build("reuse_prob", dims=tr.dims, knn=False, knn_ahead=True)
+    assert not alone.knn_ahead  # it acts only with the index knn builds
+    lrb = PREDICTORS.build("reuse_prob", dims=tr.dims, next_model="lrb")
+    assert not lrb.knn and not lrb.knn_ahead  # the kNN column is the logistic model's
+    base = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True, knn_ahead=False)
     p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True, knn_ahead=True)
     base.fit(store)
     p.fit(store)
