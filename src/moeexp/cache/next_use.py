@@ -384,6 +384,13 @@ class NextUseCache(CachePolicy):
         x = self.copy_s
         return min(1.0, self.need * x / (self.window_s if self.window_s else x))
 
+    def takes_every_offer(self) -> bool:
+        """True under ``demand_load=all_experts``: every expert of a layer
+        is copied when the layer runs, so a prefetch for a layer ahead replaces one of those
+        copies and cannot be wasted (module docstring); the predictor then offers them all
+        (:meth:`moeexp.predictors.reuse_prob.ReuseProb._floor`)."""
+        return self.touch_all
+
     def min_paying_prob(self) -> float:
         """The least P_k for which a prefetch can pass the gate with a free victim (the
         predictor need not offer less probable ones): P_k min(m, w) > (1 - P_k) x s. Under a

@@ -275,8 +275,7 @@ class ReuseProbability(Predictor):
             raise ConfigError("reuse_prob: start_iteration() before fit() (fit on the store split)")
         t0 = time.perf_counter_ns()
         n = min(self.depth, self.dims.num_layers)
-        floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
-        out = Prediction(prefetch=self._offers(-1, self._next_p(slice(0, n)), floor))
+        out = Prediction(prefetch=self._offers(-1, self._next_p(slice(0, n)), self._floor()))
         self._query_ns += time.perf_counter_ns() - t0
         return out
 
@@ -317,8 +316,7 @@ class ReuseProbability(Predictor):
                 scores[layer + 1 + d] = p[d]
             if self.later and self._lrb is None and self._caches:
                 self._hand_later(layer, n)
-            floor = max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
-            out.prefetch = self._offers(layer, p, floor)
+            out.prefetch = self._offers(layer, p, self._floor())
         if len(self._wicpt) and self._caches:
             self._hand_within(layer, p if n else None)
         self._query_ns += time.perf_counter_ns() - t0
@@ -426,6 +424,17 @@ class ReuseProbability(Predictor):
         for cache in self._caches:
             cache.observe_within(rows)
         self._fol = None
+
+    def _floor(self) -> float:
+        """The least probability offered as a prefetch: ``min_prob``, raised to the least
+        that a bound cache's gate could take (:meth:`NextUseCache.min_paying_prob`); 0, so
+        every expert of the layers ahead is offered, where a bound cache takes every offer
+        (``next_use`` under ``demand_load=all_experts``: each layer copies all its experts
+        anyway, so a prefetch replaces one of those copies whatever the router picks; the
+        probabilities then only order the offers)."""
+        if any(c.takes_every_offer() for c in self._caches):
+            return 0.0
+        return max([self.min_prob] + [c.min_paying_prob() for c in self._caches])
 
     def _offers(self, layer: int, p: np.ndarray, floor: float) -> list[Prefetch]:
         """Prefetch offers for layers layer + 1.. (``p`` float64[n, J]): p >= ``floor``

@@ -332,3 +332,30 @@ def test_knn_ahead_adds_the_neighbours_use_to_every_ahead_model() -> None:
     want = p._ahead(0, 2, extra, None, ka)
     assert np.allclose(out.scores[1], want[0]) and np.allclose(out.scores[2], want[1])
     assert not np.allclose(want, p._ahead(0, 2, extra, None, None))  # the column is read
+
+
+def test_under_all_experts_every_expert_of_the_layers_ahead_is_offered() -> None:
+    """A ``next_use`` cache under ``demand_load=all_experts`` takes every offer (each layer
+    copies all its experts anyway): the bound predictor then offers all J experts of each
+    layer ahead, not only those over ``min_prob``, nearer layers first; under ``activated``
+    the floor is ``min_prob`` again."""
+    tr = trace()
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, min_prob=0.5)
+    c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+    p.fit(tr.split("store"))
+    p.bind(cost(tr, 32.0), [c])
+    start = IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                           token_request=np.array([0]))
+    p.start_iteration(start)
+    few = p.observe_layer(observation(tr, 1, 0)).prefetch
+    assert len(few) < 16 and all(pf.priority % 1 >= 0.5 for pf in few)
+    c.set_mechanics(demand_load="all_experts")
+    assert c.takes_every_offer()
+    p.start_iteration(start)
+    every = p.observe_layer(observation(tr, 1, 0)).prefetch
+    assert sorted((pf.layer, pf.expert) for pf in every) == [(t, e) for t in (1, 2)
+                                                             for e in range(8)]
+    assert min(pf.priority for pf in every if pf.layer == 1) > max(
+        pf.priority for pf in every if pf.layer == 2)
+    c.set_mechanics(demand_load="activated")
+    assert not c.takes_every_offer()
