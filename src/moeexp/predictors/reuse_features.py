@@ -269,6 +269,9 @@ class ReuseModels:
     spec_depth: int = 0  #: distances d <= this have speculative features (0: none)
     #: the ``next`` model's trajectory kNN evidence (its last feature; None: not read)
     knn: TrajectoryIndex | None = None
+    #: with ``knn``: ``next`` and ``within`` fitted on the same rows without the kNN column,
+    #: for a pass that has no kNN row (a decode pass of several requests; None: no kNN)
+    plain: tuple[Logistic, dict[int, Logistic]] | None = None
 
 
 def carried_steps(counts: np.ndarray, trans: np.ndarray, n: int) -> np.ndarray:
@@ -369,7 +372,9 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     decode tokens, a row's own request excluded): the ``next`` model's (read from the token
     before the row; the prior where that is not a decode token of the request), each
     ``within[h]``'s own share within h tokens, and the ``ahead`` models' (its
-    :meth:`~TrajectoryIndex.ahead_features`; a multi-token pass: :attr:`~TrajectoryIndex.use`)."""
+    :meth:`~TrajectoryIndex.ahead_features`; a multi-token pass: :attr:`~TrajectoryIndex.use`);
+    with ``knn``, ``plain`` holds ``next`` and ``within`` refitted on the same rows without
+    the kNN column (for passes of several requests, which have no kNN row)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -430,9 +435,13 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     within = {int(h): fit_logistic(_within_x(X0, knn_rows, i), (wait < h).astype(np.float64),
                                    n_feat) for i, h in enumerate(horizons)}
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
+    plain = None if index is None else (  # the same rows without the kNN column
+        fit_logistic(X0[:, :-1], y0, n_feat - 1),
+        {int(h): fit_logistic(X0[:, :-1], (wait < h).astype(np.float64), n_feat - 1)
+         for h in horizons})
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
-                       spec_depth=sd, knn=index)
+                       spec_depth=sd, knn=index, plain=plain)
 
 
 def _chained(passes: list[tuple[np.ndarray, np.ndarray, int]], req: np.ndarray) -> list[bool]:

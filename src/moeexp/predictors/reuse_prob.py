@@ -158,6 +158,10 @@ class ReuseProbability(Predictor):
         self._wpass: np.ndarray | None = None  # float64[H, L, J], this pass's (_hand_within)
         self._wcoef = np.zeros((0, 0))  # float64[H, F]: the within models, stacked
         self._wicpt = np.zeros(0)  # float64[H]
+        #: (next model, stacked within coefficients, intercepts, reads the kNN column) per
+        #: pass: [0] a pass with a kNN row, [1] a decode pass of several requests (fit)
+        self._evict: list[tuple[Any, np.ndarray, np.ndarray, bool]] = []
+        self._ev = 0  # which of them this pass uses (start_iteration)
         self._fol: tuple[int, np.ndarray] | None = None  # (layer, follow column): _next_p
         self._feed_s = 0.0  # set_feed_cost: host seconds per layer fed
 
@@ -176,6 +180,13 @@ class ReuseProbability(Predictor):
         if m.within:
             self._wcoef = np.array([m.within[h].coef for h in HORIZONS])
             self._wicpt = np.array([m.within[h].intercept for h in HORIZONS])
+        self._evict = [(m.next, self._wcoef, self._wicpt, m.knn is not None)]
+        if m.plain is not None:  # a batched decode pass: the models without the kNN column
+            nxt, within = m.plain
+            self._evict.append((nxt, np.array([within[h].coef for h in HORIZONS]) if within
+                                else self._wcoef, np.array([within[h].intercept for h in
+                                                            HORIZONS]) if within
+                                else self._wicpt, False))
         self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
         # layers ahead per pass kind (0: one token, 1: more): a multi-token pass (prefill)
@@ -250,6 +261,9 @@ class ReuseProbability(Predictor):
     def start_iteration(self, ctx: IterationStart) -> Prediction:
         T = len(ctx.token_request)
         self._kind = int(T > 1)
+        # a decode pass of several requests has no kNN row (the index holds one request's
+        # trajectories) and no such row was fitted: the models without the column
+        self._ev = int(len(ctx.request_ids) > 1 and len(self._evict) > 1)
         if self.models is not None and self.models.knn is not None:
             if T == 1:
                 self.models.knn.begin()
@@ -355,21 +369,23 @@ class ReuseProbability(Predictor):
         written out (this runs at every layer)."""
         m = self.models
         assert m is not None
-        c, f = m.next.coef, self.state.feat
+        nxt, _, _, knn = self._evict[self._ev]
+        c, f = nxt.coef, self.state.feat
         if unused:
             z = (c[1] * FAST) * f[1, rows] + (c[2] * SLOW) * f[2, rows]
             rec = np.minimum(self.state.rec[rows] + 1.0, REC_CAP)
         else:
             z = c[0] * f[0, rows] + c[1] * f[1, rows] + c[2] * f[2, rows]
             rec = self.state.rec[rows]
-        z += c[3] * m.logpop[rows] + m.next.intercept
+        z += c[3] * m.logpop[rows] + nxt.intercept
         if len(c) >= 5:
             z += c[4] * np.log(rec)
-        if m.knn is not None:  # the last coefficient (the follow one before it)
-            z += c[-1] * (m.knn.prior[0, rows] if unused else self._knn_rows[0, rows])
+        if knn:  # the last coefficient (the follow one before it)
+            z += c[-1] * (m.knn.prior[0, rows] if unused  # type: ignore[union-attr]
+                          else self._knn_rows[0, rows])
         if m.follow is not None:  # the last coefficient, or the one before the kNN's
             fol = m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows)
-            z += c[-1 - int(m.knn is not None)] * fol
+            z += c[-1 - int(knn)] * fol
             if isinstance(rows, int) and not unused:  # _within(rows) reads it next
                 self._fol = (rows, fol)
         return sigmoid(z)
@@ -394,17 +410,18 @@ class ReuseProbability(Predictor):
         if isinstance(rows, int) and not unused and self._fol is not None \
                 and self._fol[0] == rows:
             col = self._fol[1]
+        _, wcoef, wicpt, reads = self._evict[self._ev]
         knn = None  # float64[H1, ..., J]
-        if m.knn is not None:
-            knn = m.knn.prior[:, rows] if unused else self._knn_rows[:, rows]
+        if reads:
+            knn = m.knn.prior[:, rows] if unused else self._knn_rows[:, rows]  # type: ignore[union-attr]
         X = next_features(self.state, m.logpop, rows, unused=unused, follow=m.follow,
                           follow_col=col, knn_col=None if knn is None else knn[0])
-        z = (X @ self._wcoef.T).T  # [H, ..., J]: the axes reversed (a view)
+        z = (X @ wcoef.T).T  # [H, ..., J]: the axes reversed (a view)
         if z.ndim == 3:  # [H, J, L] -> [H, L, J]
             z = z.transpose(0, 2, 1)
         if knn is not None and len(knn) > 1:  # each h its own share in the kNN column
-            z = z + self._wcoef[:, -1].reshape((-1,) + (1,) * (z.ndim - 1)) * (knn[1:] - knn[0])
-        return sigmoid(z + self._wicpt.reshape((-1,) + (1,) * (z.ndim - 1)))
+            z = z + wcoef[:, -1].reshape((-1,) + (1,) * (z.ndim - 1)) * (knn[1:] - knn[0])
+        return sigmoid(z + wicpt.reshape((-1,) + (1,) * (z.ndim - 1)))
 
     def _hand_within(self, layer: int, ahead: np.ndarray | None) -> None:
         """The caches' horizon rows (:meth:`NextUseCache.observe_within`): the layer that ran,

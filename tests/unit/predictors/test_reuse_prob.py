@@ -359,3 +359,31 @@ def test_under_all_experts_every_expert_of_the_layers_ahead_is_offered() -> None
         pf.priority for pf in every if pf.layer == 2)
     c.set_mechanics(demand_load="activated")
     assert not c.takes_every_offer()
+
+
+def test_a_decode_pass_of_several_requests_reads_the_models_without_the_knn() -> None:
+    """The kNN index holds one request's trajectories, so a decode pass of several requests
+    (continuous batching) has no kNN row: its next-pass and within models are the ones
+    fitted on the same rows without the kNN column, which are the ``knn=false`` models. A
+    pass of one request reads the kNN models."""
+    tr = random_trace(num_layers=4, num_experts=8, top_k=2, num_requests=16, output_len=14,
+                      seed=6)
+    store = tr.split("store")
+    knn = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=True, knn_ahead=False)
+    plain = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, knn=False, knn_ahead=False)
+    for p in (knn, plain):
+        p.fit(store)
+        p.bind(cost(tr, 32.0), [CACHES.build("next_use", capacity_slots=8, num_layers=4,
+                                             num_experts=8)])
+    assert knn.models.plain is not None and plain.models.plain is None
+    np.testing.assert_allclose(knn.models.plain[0].coef, plain.models.next.coef)
+    its = [i for i in range(len(tr.iter_offsets) - 1) if np.diff(tr.iter_offsets)[i] == 1]
+    for ids, same in ((np.array([0, 1]), True), (np.array([0]), False)):
+        outs, rows = [], []
+        for p in (knn, plain):
+            p.start_iteration(IterationStart(request_ids=ids, step=3, embed=None,
+                                             token_request=ids))
+            outs.append(p.observe_layer(observation(tr, its[3], 0)).scores[0])
+            rows.append(p._within(0))  # float64[H, J]: what the cache ranks eviction by
+        assert np.allclose(outs[0], outs[1]) == same
+        assert np.allclose(rows[0], rows[1]) == same
