@@ -430,18 +430,29 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     stack = {k: (np.concatenate(xs[k]), np.concatenate(ys[k])) for k in xs}
     n_feat = 4 + int(recency) + int(follow) + int(knn)
     X0, y0 = stack.get((0, 0), (np.zeros((0, n_feat)), np.zeros(0)))
-    nxt = fit_logistic(X0, y0, n_feat)
     wait = np.concatenate(wait_rows) if wait_rows else np.zeros(0)
-    within = {int(h): fit_logistic(_within_x(X0, knn_rows, i), (wait < h).astype(np.float64),
-                                   n_feat) for i, h in enumerate(horizons)}
+    nxt, within, plain = _fit_next(X0, y0, wait, knn_rows, horizons, index is not None)
     ahead = {k: fit_logistic(X, y, X.shape[1]) for k, (X, y) in stack.items() if k[1] > 0}
-    plain = None if index is None else (  # the same rows without the kNN column
-        fit_logistic(X0[:, :-1], y0, n_feat - 1),
-        {int(h): fit_logistic(X0[:, :-1], (wait < h).astype(np.float64), n_feat - 1)
-         for h in horizons})
     return ReuseModels(next=nxt, ahead=ahead, chains=chains, logpop=logpop, follow=fol,
                        within=within, rows=sum(len(y) for _, y in stack.values()),
                        spec_depth=sd, knn=index, plain=plain)
+
+
+def _fit_next(X0: np.ndarray, y0: np.ndarray, wait: np.ndarray, knn_rows: list[np.ndarray],
+              horizons: tuple[int, ...], knn: bool
+              ) -> tuple[Logistic, dict[int, Logistic], tuple[Logistic, dict[int, Logistic]] | None]:
+    """The ``next`` model on ``X0`` float64[N, F] (labels ``y0``), each ``within[h]`` on the
+    same rows (labels wait < h, each its own kNN share: :func:`_within_x`) and, with
+    ``knn`` (the kNN column last in ``X0``), both refitted without that column."""
+    n_feat = X0.shape[1]
+    nxt = fit_logistic(X0, y0, n_feat)
+    within = {int(h): fit_logistic(_within_x(X0, knn_rows, i), (wait < h).astype(np.float64),
+                                   n_feat) for i, h in enumerate(horizons)}
+    plain = None if not knn else (
+        fit_logistic(X0[:, :-1], y0, n_feat - 1),
+        {int(h): fit_logistic(X0[:, :-1], (wait < h).astype(np.float64), n_feat - 1)
+         for h in horizons})
+    return nxt, within, plain
 
 
 def _chained(passes: list[tuple[np.ndarray, np.ndarray, int]], req: np.ndarray) -> list[bool]:
