@@ -45,6 +45,7 @@ from moeexp.predictors.reuse_features import (
     HORIZONS,
     REC_CAP,
     SLOW,
+    Logistic,
     ReuseModels,
     ReuseState,
     carried,
@@ -94,15 +95,16 @@ class ReuseProbability(Predictor):
         knn: with the ``logistic`` next model, its last feature is the trajectory kNN of
             :mod:`moeexp.predictors.trajectory_index` (what the store's next tokens used
             after the store tokens nearest to this token's routing so far; issue 27's
-            thirteenth stage; on in ``conf/predictor/reuse_prob.yaml`` since the fifteenth);
-            False: not read. It acts only with ``next_model="logistic"``.
+            thirteenth stage; on by default since the fifteenth); False: not read. It acts
+            only with ``next_model="logistic"``. A decode pass of several requests has no kNN
+            row and reads ``next`` and ``within`` models fitted without it.
         knn_within: with ``knn`` and ``horizon``, each ``within[h]`` model reads the kNN
             share of neighbours that used the expert within their next h tokens (the
             fourteenth stage); False: the next token's share, as the ``next`` model.
         knn_ahead: with ``knn``, the layer-ahead (prefetch) models also read the share of
             the same neighbours that used the expert at that layer of their own token
             (:meth:`~moeexp.predictors.trajectory_index.TrajectoryIndex.ahead`; the
-            fourteenth stage; on in the YAML since the fifteenth); False: not read. It acts
+            fourteenth stage; on by default since the fifteenth); False: not read. It acts
             only when ``knn`` does.
     """
 
@@ -160,7 +162,7 @@ class ReuseProbability(Predictor):
         self._wicpt = np.zeros(0)  # float64[H]
         #: (next model, stacked within coefficients, intercepts, reads the kNN column) per
         #: pass: [0] a pass with a kNN row, [1] a decode pass of several requests (fit)
-        self._evict: list[tuple[Any, np.ndarray, np.ndarray, bool]] = []
+        self._evict: list[tuple[Logistic, np.ndarray, np.ndarray, bool]] = []
         self._ev = 0  # which of them this pass uses (start_iteration)
         self._fol: tuple[int, np.ndarray] | None = None  # (layer, follow column): _next_p
         self._feed_s = 0.0  # set_feed_cost: host seconds per layer fed
@@ -183,10 +185,9 @@ class ReuseProbability(Predictor):
         self._evict = [(m.next, self._wcoef, self._wicpt, m.knn is not None)]
         if m.plain is not None:  # a batched decode pass: the models without the kNN column
             nxt, within = m.plain
-            self._evict.append((nxt, np.array([within[h].coef for h in HORIZONS]) if within
-                                else self._wcoef, np.array([within[h].intercept for h in
-                                                            HORIZONS]) if within
-                                else self._wicpt, False))
+            wcoef = np.array([within[h].coef for h in HORIZONS]) if within else self._wcoef
+            wicpt = np.array([within[h].intercept for h in HORIZONS]) if within else self._wicpt
+            self._evict.append((nxt, wcoef, wicpt, False))
         self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
         # layers ahead per pass kind (0: one token, 1: more): a multi-token pass (prefill)
