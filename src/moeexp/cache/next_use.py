@@ -388,7 +388,7 @@ class NextUseCache(CachePolicy):
         """True under ``demand_load=all_experts``: every expert of a layer
         is copied when the layer runs, so a prefetch for a layer ahead replaces one of those
         copies and cannot be wasted (module docstring); the predictor then offers them all
-        (:meth:`moeexp.predictors.reuse_prob.ReuseProb._floor`)."""
+        (:meth:`moeexp.predictors.reuse_prob.ReuseProbability._floor`)."""
         return self.touch_all
 
     def min_paying_prob(self) -> float:
