@@ -75,6 +75,8 @@ class TrajectoryIndex:
         self._ov = np.zeros(len(used), dtype=np.float32)
         self.k = min(NEIGHBOURS, len(used))
         self._nn = np.zeros(0, dtype=np.int64)  # observe's neighbours (rows of this index)
+        #: _walk's last request: (request, its other tokens' rows int[M], cols float32[L, J, M])
+        self._sub: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.request)
@@ -105,11 +107,13 @@ class TrajectoryIndex:
         """(layer, neighbours: int[k] rows of this index) for each layer of a whole token
         ``used`` (bool[L, J]), nearest on its layers 0..layer among the tokens of other
         requests than ``request`` (none where there is no such token)."""
-        others = np.flatnonzero(self.request != request)  # never the request's own tokens
+        if self._sub is None or self._sub[0] != request:  # the fit walks a request's rows
+            others = np.flatnonzero(self.request != request)  # never the request's own tokens
+            self._sub = (request, others, self.cols[..., others])  # one copy per request
+        _, others, cols = self._sub
         k = min(self.k, len(others))
         if not k:
             return
-        cols = self.cols[..., others]
         ov = np.zeros(len(others), dtype=np.float32)
         for layer in range(used.shape[0]):
             ov += cols[layer, np.flatnonzero(used[layer])].sum(axis=0)
