@@ -62,6 +62,7 @@ class TrajectoryIndex:
             wait = wait[keep] if wait is not None else None
         self.horizons = tuple(int(h) for h in horizons)
         self.cols = np.ascontiguousarray(np.moveaxis(used, 0, -1), dtype=np.float32)  # [L, J, N]
+        self._used = np.asarray(used, dtype=np.uint8)  # [N, L, J]: ahead's rows, gathered by token
         rows = [nxt] + [wait < h for h in self.horizons]  # type: ignore[operator]
         self.tgt = np.stack(rows, axis=2).astype(np.uint8)  # [N, L, H1, J], 0/1
         self.request = np.asarray(request)
@@ -72,7 +73,9 @@ class TrajectoryIndex:
         #: float64[L, J]: each expert's share of the tokens using it (the ahead prior)
         self.use = (np.moveaxis(used, 0, -1).mean(axis=-1) if len(used)
                     else np.zeros((L, J)))
-        self._ov = np.zeros(len(used), dtype=np.float32)
+        #: float32[N]: minus each store token's overlap with the token being decoded (minus, so
+        #: the partial sort reads it in place; integer counts, so every sum is exact)
+        self._neg = np.zeros(len(used), dtype=np.float32)
         self.k = min(NEIGHBOURS, len(used))
         self._nn = np.zeros(0, dtype=np.int64)  # observe's neighbours (rows of this index)
         #: _walk's last request: (request, its other tokens' rows int[M], cols float32[L, J, M])
@@ -83,15 +86,17 @@ class TrajectoryIndex:
 
     def begin(self) -> None:
         """A decode token starts: no layer routed yet."""
-        self._ov[:] = 0.0
+        self._neg[:] = 0.0
 
     def observe(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Layer ``layer`` routed ``experts`` (int[K]); float64[H1, J]: that layer's rows
         (the prior with no store token)."""
         if not self.k:
             return self.prior[:, layer].copy()
-        self._ov += self.cols[layer, experts].sum(axis=0)
-        self._nn = np.argpartition(-self._ov, self.k - 1)[:self.k]
+        neg, cols = self._neg, self.cols[layer]
+        for e in experts.tolist():  # K in-place subtractions: no [K, N] gather
+            np.subtract(neg, cols[e], out=neg)
+        self._nn = neg.argpartition(self.k - 1)[:self.k]
         return self.tgt[self._nn, layer].sum(axis=0, dtype=np.float64) / self.k
 
     def ahead(self, layer: int, n: int) -> np.ndarray:
@@ -101,7 +106,7 @@ class TrajectoryIndex:
         rows = slice(layer + 1, layer + 1 + n)
         if not self.k:
             return self.use[rows].copy()
-        return self.cols[rows][..., self._nn].sum(axis=-1, dtype=np.float64) / self.k
+        return self._used[self._nn, rows].sum(axis=0, dtype=np.float64) / self.k
 
     def _walk(self, used: np.ndarray, request: int) -> Iterator[tuple[int, np.ndarray]]:
         """(layer, neighbours: int[k] rows of this index) for each layer of a whole token

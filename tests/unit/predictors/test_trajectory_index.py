@@ -108,3 +108,26 @@ def test_ahead_gives_the_neighbours_use_of_the_layers_after_the_observed_one() -
     empty.begin()
     empty.observe(0, np.array([0]))
     assert np.array_equal(empty.ahead(0, 2), empty.use[1:3])
+
+
+def test_the_online_query_picks_the_fit_walks_neighbours_among_tied_overlaps() -> None:
+    """On random routing (overlap counts tie by the hundred at the k-th place), observing a
+    token layer by layer gives exactly the rows the fit's features / ahead_features read for
+    it: the online query (in-place counts) and the fit's walk pick the same neighbours."""
+    rng = np.random.default_rng(3)
+    n, L, J, K = 600, 6, 8, 2
+    idx_ = np.argsort(rng.random((n, L, J)), axis=2)[..., :K]
+    used = _onehot(idx_, J)
+    nxt = np.roll(used, -1, axis=0)
+    wait = rng.integers(0, 4, size=used.shape)
+    idx = TrajectoryIndex(used, nxt, np.arange(n) // 10, wait=wait, horizons=(2, 3))
+    for token in rng.integers(0, n, size=5):
+        query = used[token]
+        f = idx.features(query, request=-1)
+        fa = idx.ahead_features(query, request=-1, depth=3)
+        idx.begin()
+        for layer in range(L):
+            assert np.array_equal(idx.observe(layer, np.flatnonzero(query[layer])), f[:, layer])
+            k = min(3, L - 1 - layer)
+            if k:
+                assert np.array_equal(idx.ahead(layer, k), fa[:k, layer])
