@@ -81,6 +81,14 @@ recently used. No feed cost, no gate.
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
 
+**Fill** (``fill``; issue 27's sixteenth stage): while a slot is free the predictor also
+offers fills, the experts of every layer ahead likely used within the longest horizon that
+this pass's offers left out, below every offer (:meth:`fills`); a prefetch into a free slot
+evicts nothing, so the gate counts a use at a later run of its layer as a whole miss saved:
+P min(m, w) + (W - P) m > (1 - W) x s (W: used within the longest horizon). It acts only
+while the cache has room: a cold start, or a budget that holds what the run uses (the
+paper testbed's six devices). Once the cache is full nothing differs from ``fill=false``.
+
 **Under the artifact's ``demand_load=all_experts``** (:meth:`set_mechanics`; the replay and
 the engine tell it) every expert of a layer is touched, and copied if absent, each time the
 layer runs, so the next use of ``(l, e)`` is exactly layer l's next run: ``E = Δ_l`` for all
@@ -126,19 +134,22 @@ class NextUseCache(CachePolicy):
             as kTransformers pins them); False: start empty (as LRU). Made for one
             device (the CPU systems'); with several, each device starts with those of the
             top ``capacity_slots`` it holds, not with its own budget's worth.
+        fill: while a slot is free, ask the predictor for fills too (:meth:`fills`: experts
+            likely used within a few passes, not only in this one; module doc, Fill); False
+            (default): this pass's offers alone.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
-                 victim_horizon: bool = False) -> None:
+                 victim_horizon: bool = False, fill: bool = False) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
-                         ("victim_horizon", victim_horizon)):
+                         ("victim_horizon", victim_horizon), ("fill", fill)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
-        self.victim_horizon = victim_horizon
+        self.victim_horizon, self.fill = victim_horizon, fill
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
@@ -391,6 +402,13 @@ class NextUseCache(CachePolicy):
         (:meth:`moeexp.predictors.reuse_prob.ReuseProbability._floor`)."""
         return self.touch_all
 
+    def fills(self) -> bool:
+        """With ``fill``: True while a slot is free. A prefetch into a free slot evicts
+        nothing, so the chance it pays is that of a use before the cache is full and evicts
+        it, not this pass's alone: the predictor then also offers experts likely used within
+        a few passes (:meth:`moeexp.predictors.reuse_prob.ReuseProbability._fills`)."""
+        return self.fill and len(self.resident) < self.capacity_slots
+
     def min_paying_prob(self) -> float:
         """The least P_k for which a prefetch can pass the gate with a free victim (the
         predictor need not offer less probable ones): P_k min(m, w) > (1 - P_k) x s. Under a
@@ -421,7 +439,7 @@ class NextUseCache(CachePolicy):
                                   f"{self.capacity_slots} slots, {len(protected)} protected)")
             return v
         if self.has_room(incoming):
-            if prefetch and not self._pays(incoming, None):
+            if prefetch and not self._pays(incoming, None, into_room=self.fill):
                 self.refused += 1
                 raise PrefetchRefused("%s: prefetching %s does not pay", self.name, incoming)
             return None
@@ -444,9 +462,14 @@ class NextUseCache(CachePolicy):
         E = self.expected_next_use()
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
 
-    def _pays(self, k: Key, v: Key | None) -> bool:
+    def _pays(self, k: Key, v: Key | None, into_room: bool = False) -> bool:
         """The gate's second condition (module docstring); True without a cost model and
-        under ``all_experts`` (a prefetch then replaces a copy the pass makes anyway)."""
+        under ``all_experts`` (a prefetch then replaces a copy the pass makes anyway).
+        ``into_room`` (``fill``, a free slot; copy rule): the copy also pays where the
+        expert's first use comes at a later run of its layer, within the longest horizon
+        (W >= P), as nothing evicts it before the cache is full: that use waits for no copy,
+        so it saves a whole miss m, not the window: gain = P min(m, w) + (W - P) m
+        - (1 - W) x s."""
         if not self.gate or self.copy_s is None or self.touch_all:
             return True
         x = self.copy_s
@@ -454,6 +477,9 @@ class NextUseCache(CachePolicy):
         m = self._miss()  # what a miss costs
         pk = float(self.P[k])
         s = self.saturation()
+        if into_room and self.miss_s is None and self.W is not None:
+            later = max(0.0, float(self.W[-1, k[0], k[1]]) - pk)
+            return pk * min(m, w) + later * m - (1.0 - pk - later) * x * s > 0.0
         if self.miss_s is None:
             gain = pk * min(m, w) - (1.0 - pk) * x * s
         else:  # the CPU computes a miss: the late landing and the residence count

@@ -333,7 +333,9 @@ class ReuseProbability(Predictor):
                 self._hand_later(layer, n)
             out.prefetch = self._offers(layer, p, self._floor())
         if len(self._wicpt) and self._caches:
-            self._hand_within(layer, p if n else None)
+            w = self._hand_within(layer, p if n else None)
+            if w is not None and any(c.fills() for c in self._caches):
+                out.prefetch += self._fills(layer, p, w[-1])
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1
         return out
@@ -424,7 +426,7 @@ class ReuseProbability(Predictor):
             z = z + wcoef[:, -1].reshape((-1,) + (1,) * (z.ndim - 1)) * (knn[1:] - knn[0])
         return sigmoid(z + wicpt.reshape((-1,) + (1,) * (z.ndim - 1)))
 
-    def _hand_within(self, layer: int, ahead: np.ndarray | None) -> None:
+    def _hand_within(self, layer: int, ahead: np.ndarray | None) -> np.ndarray | None:
         """The caches' horizon rows (:meth:`NextUseCache.observe_within`): the layer that ran,
         from its new state; each layer ahead (``ahead`` float64[n, J], this pass's scores)
         1 - (1 - p)(1 - W_u): used now or, if not, within h passes after (W_u on the state
@@ -442,6 +444,23 @@ class ReuseProbability(Predictor):
         for cache in self._caches:
             cache.observe_within(rows)
         self._fol = None
+        return w if ahead is not None else None
+
+    def _fills(self, layer: int, p: np.ndarray, w: np.ndarray) -> list[Prefetch]:
+        """Fills for every layer after ``layer`` while a bound cache has a free slot
+        (:meth:`NextUseCache.fills`): the experts likely used within the longest horizon
+        (``w`` float64[n, J], used now or within it, for the n layers this pass's offers
+        reach; beyond them, within it on the state this pass would leave them) with
+        probability >= ``min_prob`` that this pass's offers (``p`` float64[n, J] >= the
+        floor) left out, each below every offer (priority: that probability - 1 < 0)."""
+        assert self._wpass is not None  # _hand_within made it (w is not None)
+        fw = self._wpass[-1, layer + 1:].copy()  # [L - 1 - layer, J]
+        n = p.shape[0]
+        fw[:n] = w
+        fw[:n][p >= self._floor()] = 0.0  # offered already
+        ds, es = np.nonzero(fw >= self.min_prob)
+        return [Prefetch(q, layer + 1 + d, e) for q, d, e in
+                zip((fw[ds, es] - 1.0).tolist(), ds.tolist(), es.tolist(), strict=True)]
 
     def _floor(self) -> float:
         """The least probability offered as a prefetch: ``min_prob``, raised to the least

@@ -107,6 +107,32 @@ def test_gate_prefetches_on_a_free_link_and_not_on_a_saturated_one() -> None:
     assert ungated.victim((2, 0), set(), 0) is None
 
 
+def test_fill_takes_a_prefetch_into_a_free_slot_for_a_later_runs_use() -> None:
+    """Saturated link (x = 12 w, two copies needed per layer): a key of P = 0.1 at its
+    layer's next run is refused; with ``fill`` and a free slot, its use within the longest
+    horizon (W = 0.9) counts a whole miss saved, so it is taken; one of W = 0.1 is not,
+    nor is any fill once the cache is full (fills() is then False)."""
+    for fill in (False, True):
+        c = make(slots=2, fill=fill)
+        c.set_horizons((2, 4))
+        c.observe_scores({2: np.array([0.1, 0.1, 0.0, 0.0])})
+        c.observe_within({2: np.array([[0.5, 0.05, 0.0, 0.0], [0.9, 0.1, 0.0, 0.0]])})
+        c.set_link(copy_s=12.0, window_s=1.0)
+        c.need = 2.0
+        assert c.fills() == fill
+        if fill:
+            assert c.victim((2, 0), set(), 0) is None  # taken
+        else:
+            with pytest.raises(PrefetchRefused):
+                c.victim((2, 0), set(), 0)
+        with pytest.raises(PrefetchRefused):
+            c.victim((2, 1), set(), 0)  # W 0.1: a later use too unlikely
+        filled(c, [(0, 0), (1, 0)])
+        assert not c.fills()  # full: no fills, the gate as without fill
+        with pytest.raises(ConfigError, match="fill"):
+            make(fill=1)
+
+
 def test_all_experts_makes_the_next_use_the_layers_next_run_and_every_prefetch_pay() -> None:
     """Under demand_load=all_experts every expert is touched at its layer's next run:
     E = delta for every expert whatever P says, and a prefetch whose victim runs later is

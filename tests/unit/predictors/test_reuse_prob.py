@@ -361,6 +361,35 @@ def test_under_all_experts_every_expert_of_the_layers_ahead_is_offered() -> None
     assert not c.takes_every_offer()
 
 
+def test_fills_are_offered_below_every_offer_only_while_a_fill_cache_has_room() -> None:
+    """A bound ``next_use`` cache with ``fill`` and a free slot gets, besides this pass's
+    offers (p >= the floor), fills: experts of every layer ahead left out of those offers
+    whose chance of use within the longest horizon is >= ``min_prob``, each at a priority
+    below every offer. Without ``fill``, or with the cache full, the offers are the same
+    as before."""
+    tr = trace()
+    offers = {}
+    for fill, full in ((False, False), (True, False), (True, True)):
+        p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=1, min_prob=0.5)
+        c = CACHES.build("next_use", capacity_slots=4, num_layers=4, num_experts=8, fill=fill)
+        p.fit(tr.split("store"))
+        p.bind(cost(tr, 32.0), [c])
+        if full:
+            for e in range(4):
+                c.on_insert((3, e), 0, False)
+        p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                         token_request=np.array([0])))
+        offers[fill, full] = p.observe_layer(observation(tr, 1, 0)).prefetch
+    plain = offers[False, False]
+    assert plain and all(pf.layer == 1 and pf.priority >= 0 for pf in plain)
+    assert offers[True, True] == plain
+    fills = [pf for pf in offers[True, False] if pf not in plain]
+    assert [pf for pf in offers[True, False] if pf in plain] == plain
+    assert fills and all(-1.0 < pf.priority < 0.0 for pf in fills)
+    assert {pf.layer for pf in fills} > {1}  # layers past this pass's reach too
+    assert not {(pf.layer, pf.expert) for pf in fills} & {(pf.layer, pf.expert) for pf in plain}
+
+
 def test_a_decode_pass_of_several_requests_reads_the_models_without_the_knn() -> None:
     """The kNN index holds one request's trajectories, so a decode pass of several requests
     (continuous batching) has no kNN row: its next-pass and within models are the ones
