@@ -96,14 +96,16 @@ def test_engine_backend_serves_a_continuous_scheduler(setup) -> None:
 
 
 @pytest.mark.parametrize("capacity", [0.25, 0.5])
-@pytest.mark.parametrize("system", ["finemoe_no_semantic", "mixtral_offloading"])
+@pytest.mark.parametrize("system", ["finemoe_no_semantic", "mixtral_offloading", "prefetch_if_pays"])
 def test_prefetching_system_hits_match_under_prefetch_wait(setup, system: str,
                                                            capacity: float) -> None:
     """A prefetching system under continuous batching (fcfs, offline, at most 3 running):
     with the engine in its deterministic mode (inline predictor, ``prefetch_wait``) and the
     simulator on a link of zero copy time, the per-pass hits are equal too, prefill
     streaming (capacity 0.25) included: the engine loads on demand before the layer's own
-    prefetches, as the simulator does (moeexp.engine.layer). (moe_infinity still differs
+    prefetches, as the simulator does (moeexp.engine.layer). prefetch_if_pays with its
+    defaults (the trajectory kNN; its batched passes read the models without it) too.
+    (moe_infinity still differs
     here after a few passes: in a pass of several requests its EAM takes each request's
     top-k from argsort(probs), the trace's float16 probabilities in the simulator against
     the engine's float32 ones, and near-ties break differently.)"""
