@@ -331,11 +331,12 @@ class ReuseProbability(Predictor):
                 scores[layer + 1 + d] = p[d]
             if self.later and self._lrb is None and self._caches:
                 self._hand_later(layer, n)
-            out.prefetch = self._offers(layer, p, self._floor())
+            floor = self._floor()
+            out.prefetch = self._offers(layer, p, floor)
         if len(self._wicpt) and self._caches:
             w = self._hand_within(layer, p if n else None)
             if w is not None and any(c.fills() for c in self._caches):
-                out.prefetch += self._fills(layer, p, w[-1])
+                out.prefetch += self._fills(layer, p, w[-1], floor)
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1
         return out
@@ -446,18 +447,19 @@ class ReuseProbability(Predictor):
         self._fol = None
         return w if ahead is not None else None
 
-    def _fills(self, layer: int, p: np.ndarray, w: np.ndarray) -> list[Prefetch]:
+    def _fills(self, layer: int, p: np.ndarray, w: np.ndarray,
+               floor: float) -> list[Prefetch]:
         """Fills for every layer after ``layer`` while a bound cache has a free slot
         (:meth:`NextUseCache.fills`): the experts likely used within the longest horizon
         (``w`` float64[n, J], used now or within it, for the n layers this pass's offers
         reach; beyond them, within it on the state this pass would leave them) with
-        probability >= ``min_prob`` that this pass's offers (``p`` float64[n, J] >= the
-        floor) left out, each below every offer (priority: that probability - 1 < 0)."""
+        probability >= ``min_prob`` that this pass's offers (``p`` float64[n, J] >=
+        ``floor``) left out, each below every offer (priority: that probability - 1 < 0)."""
         assert self._wpass is not None  # _hand_within made it (w is not None)
         fw = self._wpass[-1, layer + 1:].copy()  # [L - 1 - layer, J]
         n = p.shape[0]
         fw[:n] = w
-        fw[:n][p >= self._floor()] = 0.0  # offered already
+        fw[:n][p >= floor] = 0.0  # offered already
         ds, es = np.nonzero(fw >= self.min_prob)
         return [Prefetch(q, layer + 1 + d, e) for q, d, e in
                 zip((fw[ds, es] - 1.0).tolist(), ds.tolist(), es.tolist(), strict=True)]

@@ -62,7 +62,7 @@ class TrajectoryIndex:
             wait = wait[keep] if wait is not None else None
         self.horizons = tuple(int(h) for h in horizons)
         self.cols = np.ascontiguousarray(np.moveaxis(used, 0, -1), dtype=np.float32)  # [L, J, N]
-        self._used = np.asarray(used, dtype=np.uint8)  # [N, L, J]: ahead's rows, gathered by token
+        self._used = np.asarray(used, dtype=np.uint8)  # [N, L, J]: the rows ahead, by token
         rows = [nxt] + [wait < h for h in self.horizons]  # type: ignore[operator]
         self.tgt = np.stack(rows, axis=2).astype(np.uint8)  # [N, L, H1, J], 0/1
         self.request = np.asarray(request)
@@ -97,7 +97,7 @@ class TrajectoryIndex:
         for e in experts.tolist():  # K in-place subtractions: no [K, N] gather
             np.subtract(neg, cols[e], out=neg)
         self._nn = neg.argpartition(self.k - 1)[:self.k]
-        return self.tgt[self._nn, layer].sum(axis=0, dtype=np.float64) / self.k
+        return self._shares(self._nn, layer)
 
     def ahead(self, layer: int, n: int) -> np.ndarray:
         """float64[n, J]: after :meth:`observe` of ``layer``, the share of its neighbours that
@@ -106,7 +106,17 @@ class TrajectoryIndex:
         rows = slice(layer + 1, layer + 1 + n)
         if not self.k:
             return self.use[rows].copy()
-        return self._used[self._nn, rows].sum(axis=0, dtype=np.float64) / self.k
+        return self._ahead_shares(self._nn, layer, n)
+
+    def _shares(self, nn: np.ndarray, layer: int) -> np.ndarray:
+        """float64[H1, J]: the share of the tokens ``nn`` (int[k] rows) whose next token used
+        each expert at ``layer`` (row 0), and within each horizon (rows 1..)."""
+        return self.tgt[nn, layer].sum(axis=0, dtype=np.float64) / len(nn)
+
+    def _ahead_shares(self, nn: np.ndarray, layer: int, n: int) -> np.ndarray:
+        """float64[n, J]: the share of the tokens ``nn`` that used each expert at layers
+        layer + 1 .. layer + n of their own token."""
+        return self._used[nn, layer + 1:layer + 1 + n].sum(axis=0, dtype=np.float64) / len(nn)
 
     def _walk(self, used: np.ndarray, request: int) -> Iterator[tuple[int, np.ndarray]]:
         """(layer, neighbours: int[k] rows of this index) for each layer of a whole token
@@ -129,7 +139,7 @@ class TrajectoryIndex:
         the tokens of ``request`` excluded (a store token's own request: the fit)."""
         out = self.prior.copy()
         for layer, nn in self._walk(used, request):
-            out[:, layer] = self.tgt[nn, layer].sum(axis=0, dtype=np.float64) / len(nn)
+            out[:, layer] = self._shares(nn, layer)
         return out
 
     def ahead_features(self, used: np.ndarray, request: int, depth: int) -> np.ndarray:
@@ -143,6 +153,5 @@ class TrajectoryIndex:
         for layer, nn in self._walk(used, request):
             n = min(depth, L - 1 - layer)
             if n:
-                rows = self.cols[layer + 1:layer + 1 + n][..., nn]
-                out[:n, layer] = rows.sum(axis=-1, dtype=np.float64) / len(nn)
+                out[:n, layer] = self._ahead_shares(nn, layer, n)
         return out
