@@ -81,7 +81,7 @@ recently used. No feed cost, no gate.
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
 
-**Fill** (``fill``; issue 27's sixteenth stage): while a slot is free the predictor also
+**Fill** (``fill``, the default; issue 27's sixteenth stage): while a slot is free the predictor also
 offers fills, the experts of every layer ahead likely used within the longest horizon that
 this pass's offers left out, below every offer (:meth:`fills`); a prefetch into a free slot
 evicts nothing, so the gate counts a use at a later run of its layer as a whole miss saved:
@@ -135,13 +135,13 @@ class NextUseCache(CachePolicy):
             device (the CPU systems'); with several, each device starts with those of the
             top ``capacity_slots`` it holds, not with its own budget's worth.
         fill: while a slot is free, ask the predictor for fills too (:meth:`fills`: experts
-            likely used within a few passes, not only in this one; module doc, Fill); False
-            (default): this pass's offers alone.
+            likely used within a few passes, not only in this one; module doc, Fill; the
+            default); False: this pass's offers alone.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
-                 victim_horizon: bool = False, fill: bool = False) -> None:
+                 victim_horizon: bool = False, fill: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),

@@ -341,7 +341,8 @@ def test_under_all_experts_every_expert_of_the_layers_ahead_is_offered() -> None
     the floor is ``min_prob`` again."""
     tr = trace()
     p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, min_prob=0.5)
-    c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+    # fill=False: the empty cache would also be offered fills (below every offer)
+    c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8, fill=False)
     p.fit(tr.split("store"))
     p.bind(cost(tr, 32.0), [c])
     start = IterationStart(request_ids=np.array([0]), step=1, embed=None,
