@@ -67,6 +67,18 @@ than LRU.
 With f = 0 there is no gate: every pass is fed and nothing is kept (every run without a
 feed cost is bit-identical to the policy before the gate).
 
+**What a resting policy may still prefetch** (issue 27's seventeenth stage). While it
+rests, the gate also keeps a model-free score per expert, HybriMoE's "minus recent score"
+on routing alone: at each rested run of layer l, S[l] <- (1 - a) S[l] + a 1[used] (a =
+:data:`REST_ALPHA`, HybriMoE's 0.5; "used": the layer's routing, which the mechanism hands
+over in the rested pass whether the GPU or the CPU computes the expert), a use rate with a
+memory of a few passes, in [0, 1) (:meth:`FeedGate.rest_observe`).
+:meth:`FeedGate.rest_offers` ranks a layer's experts by it; the ``next_use`` cache takes
+them as the resting predictor's next-layer offers, under its own cost rule with S as the
+probabilities (``NextUseCache.rest_layer``). On the real CPU map HybriMoE's whole lead over
+on-demand LRU is that prefetch (its MRS eviction alone is LRU to 0.5 %:
+``experiments/regime_map/README.md``, seventeenth stage).
+
 B is an estimate that errs towards feeding: a prefetched hit counts a whole miss saved,
 though a late copy saves only part of one, and the link time that prefetches take from
 demand loads is not charged (the prefetch gate weighs that per prefetch).
@@ -93,6 +105,7 @@ MAX_BACKOFF = 8  #: most doublings of a rest before the gate measures again
 DECAY = 0.9  #: per-pass decay of the bound's short average
 DECAY_LONG = 0.99  #: per-pass decay of the bound's long average
 HISTORY = 64  #: rested passes whose routing is kept for the predictor's catch-up
+REST_ALPHA = 0.5  #: weight of a layer run's use in the resting score S (HybriMoE's alpha)
 
 
 class FeedGate:
@@ -142,6 +155,8 @@ class FeedGate:
         self._warm = len(self.shadow) >= capacity_slots  # the shadow is full: b counts
         self._used: list[Key] = []  # the resting pass's accesses
         self._rested: deque[list[Key]] = deque(maxlen=HISTORY)  # rested passes' accesses
+        #: float64[L, J]: S, the model-free use rate the resting offers rank by (module doc)
+        self.scores = np.zeros((num_layers, num_experts))
 
     # ---- events (the cache forwards them) -------------------------------------------
     def insert(self, key: Key) -> None:
@@ -183,6 +198,21 @@ class FeedGate:
             if allowed(key):
                 return key
         return None
+
+    def rest_observe(self, layer: int, experts: np.ndarray) -> None:
+        """A rested run of ``layer`` routed to ``experts`` (int[n]): S[layer] <- (1 - a)
+        S[layer] + a 1[used] (module doc, What a resting policy may still prefetch)."""
+        row = self.scores[layer]
+        row *= 1.0 - REST_ALPHA
+        row[experts] += REST_ALPHA
+
+    def rest_offers(self, layer: int, k: int) -> np.ndarray:
+        """int64[<= k]: layer ``layer``'s experts of highest resting score S, best first
+        (ties: the lower expert), those with S > 0 (module doc, What a resting policy may
+        still prefetch)."""
+        row = self.scores[layer]
+        order = np.argsort(-row, kind="stable")[:k]
+        return order[row[order] > 0.0]
 
     # ---- the decision ---------------------------------------------------------------
     def pass_begins(self) -> bool:

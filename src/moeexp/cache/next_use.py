@@ -76,7 +76,11 @@ gates.
 where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
 on the same accesses) are worth less than that cost; resting, the cache evicts the least
-recently used. No feed cost, no gate.
+recently used. No feed cost, no gate. Resting, it still takes the next layer's experts of
+highest model-free use rate S (the gate's, from the accesses alone; HybriMoE's score-ranked
+prefetch) as prefetches under the gate below with S as their probabilities
+(``rest_prefetch``, the default; :meth:`rest_offers`), so a rested policy is LRU plus the
+prefetches that pay on that estimate, not LRU alone.
 
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
@@ -134,6 +138,10 @@ class NextUseCache(CachePolicy):
             as kTransformers pins them); False: start empty (as LRU). Made for one
             device (the CPU systems'); with several, each device starts with those of the
             top ``capacity_slots`` it holds, not with its own budget's worth.
+        rest_prefetch: while the feed gate rests the predictor, take the next layer's
+            experts of highest model-free use rate as prefetches where they pay (module
+            doc, Whether to run the predictor at all); False: a resting policy is on-demand
+            LRU exactly (the eleventh to sixteenth stages).
         fill: while a slot is free, ask the predictor for fills too (:meth:`fills`: experts
             likely used within a few passes, not only in this one; module doc, Fill; the
             default); False: this pass's offers alone.
@@ -141,15 +149,17 @@ class NextUseCache(CachePolicy):
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
-                 victim_horizon: bool = False, fill: bool = True) -> None:
+                 victim_horizon: bool = False, fill: bool = True,
+                 rest_prefetch: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
-                         ("victim_horizon", victim_horizon), ("fill", fill)):
+                         ("victim_horizon", victim_horizon), ("fill", fill),
+                         ("rest_prefetch", rest_prefetch)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
-        self.victim_horizon, self.fill = victim_horizon, fill
+        self.victim_horizon, self.fill, self.rest_prefetch = victim_horizon, fill, rest_prefetch
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
@@ -426,17 +436,22 @@ class NextUseCache(CachePolicy):
     def victim(self, incoming: Key, protected: set[Key], now: int) -> Key | None:
         prefetch = incoming not in protected
         gate = self.feed_gate
-        if gate is not None and not gate.fed:  # the predictor rests: on-demand LRU
-            if prefetch:
+        if gate is not None and not gate.fed:  # the predictor rests: LRU (+ rest offers)
+            if prefetch and not self.rest_prefetch:
                 self.refused += 1
                 raise PrefetchRefused("%s: the predictor rests; no prefetch of %s", self.name,
                                       incoming)
-            if self.has_room(incoming):
-                return None
-            v = gate.lru(lambda k: k not in protected)
-            if v is None:
-                raise ConfigError(f"{self.name}: no evictable expert for {incoming} (capacity "
-                                  f"{self.capacity_slots} slots, {len(protected)} protected)")
+            v = None
+            if not self.has_room(incoming):
+                v = gate.lru(lambda k: k not in protected)
+                if v is None:
+                    raise ConfigError(f"{self.name}: no evictable expert for {incoming} "
+                                      f"(capacity {self.capacity_slots} slots, "
+                                      f"{len(protected)} protected)")
+            if prefetch and not self._rest_pays(incoming, v):
+                self.refused += 1
+                raise PrefetchRefused("%s: a resting offer of %s does not pay", self.name,
+                                      incoming)
             return v
         if self.has_room(incoming):
             if prefetch and not self._pays(incoming, None, into_room=self.fill):
@@ -462,6 +477,31 @@ class NextUseCache(CachePolicy):
         E = self.expected_next_use()
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
 
+    def rest_layer(self, layer: int, experts: np.ndarray, k: int) -> np.ndarray:
+        """A rested pass's layer ``layer`` routed to ``experts`` (int[n]): int64[<= k], the
+        experts of layer + 1 the resting policy offers, highest model-free use rate first
+        (the feed gate's :meth:`~moeexp.cache.feed_gate.FeedGate.rest_observe` and
+        :meth:`~moeexp.cache.feed_gate.FeedGate.rest_offers`); none at the last layer, where
+        the predictor is fed, without a feed gate or with ``rest_prefetch`` off."""
+        gate = self.feed_gate
+        if gate is None or gate.fed or not self.rest_prefetch:
+            return np.zeros(0, dtype=np.int64)
+        gate.rest_observe(layer, experts)
+        if layer + 1 >= self.num_layers:
+            return np.zeros(0, dtype=np.int64)
+        return gate.rest_offers(layer + 1, k)
+
+    def _rest_pays(self, k: Key, v: Key | None) -> bool:
+        """The gate's rule for a resting offer: :meth:`_rule` with the feed gate's
+        model-free use rate S as every probability (P = Q = S for ``k`` and its victim)."""
+        if not self.gate or self.copy_s is None or self.touch_all:
+            return True
+        assert self.feed_gate is not None
+        S = self.feed_gate.scores
+        sk = float(S[k])
+        sv = float(S[v]) if v is not None else 0.0
+        return self._rule(k, sk, sk, v, sv, sv, self.saturation())
+
     def _pays(self, k: Key, v: Key | None, into_room: bool = False) -> bool:
         """The gate's second condition (module docstring); True without a cost model and
         under ``all_experts`` (a prefetch then replaces a copy the pass makes anyway).
@@ -480,6 +520,20 @@ class NextUseCache(CachePolicy):
         if into_room and self.miss_s is None and self.W is not None:
             later = max(0.0, float(self.W[-1, k[0], k[1]]) - pk)
             return pk * min(m, w) + later * m - (1.0 - pk - later) * x * s > 0.0
+        qv = float(self.Q[v]) if v is not None else 0.0
+        pv = self._victim_use(v, s) if v is not None else 0.0
+        return self._rule(k, pk, float(self.Q[k]), v, qv, pv, s)
+
+    def _rule(self, k: Key, pk: float, qk: float, v: Key | None, qv: float, pv: float,
+              s: float) -> bool:
+        """The gate's second condition (module docstring, Prefetch gate) on given
+        probabilities: ``pk``, ``qk`` the prefetch's use at its layer's next run and per
+        pass after it, ``qv`` the victim's per pass, ``pv`` the victim's use while the
+        prefetch holds its slot (0 without a victim), ``s`` the link's saturation."""
+        assert self.copy_s is not None
+        x = self.copy_s
+        w = self.window_s if self.window_s else x
+        m = self._miss()  # what a miss costs
         if self.miss_s is None:
             gain = pk * min(m, w) - (1.0 - pk) * x * s
         else:  # the CPU computes a miss: the late landing and the residence count
@@ -487,11 +541,10 @@ class NextUseCache(CachePolicy):
             wait = max(0.0, x - ((k[0] - self.cur - 1) % L + 1) * w)
             if self.late_capped:  # the CPU computes a late copy's expert: at most a miss
                 wait = min(wait, m)
-            qv = float(self.Q[v]) if v is not None else 0.0
-            gain = (pk * (m - wait) + max(0.0, float(self.Q[k]) - qv) * self.residence() * m
+            gain = (pk * (m - wait) + max(0.0, qk - qv) * self.residence() * m
                     - (1.0 - pk) * x * s)
         if v is not None:
-            gain -= (1.0 - pk) * self._victim_use(v, s) * m
+            gain -= (1.0 - pk) * pv * m
         return gain > 0.0
 
     def _victim_use(self, v: Key, s: float) -> float:

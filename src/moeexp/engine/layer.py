@@ -48,12 +48,17 @@ from moeexp.engine.store import Key
 from moeexp.engine.zero_time import ZeroTimeClock
 from moeexp.errors import ConfigError
 from moeexp.execution.base import Placement
-from moeexp.predictors.base import LayerObservation
+from moeexp.predictors.base import LayerObservation, RestLayer
 
 
 def _observe(eng: Engine, layer: int, hidden: torch.Tensor, idx: torch.Tensor,
              experts: list[int]) -> None:
-    """Hand layer ``layer``'s router output to the predictor (no wait)."""
+    """Hand layer ``layer``'s router output to the predictor (no wait); while it rests,
+    only the layer's position (``rest_layer``, where the predictor has one)."""
+    if eng.runner.wants("rest_layer"):
+        eng.runner.submit("rest_layer", RestLayer(layer, int(idx.shape[0]),
+                                                  np.asarray(experts, np.int64)), tag=layer)
+        return
     if not eng.runner.wants("observe_layer"):
         return
     needs = eng.runner.predictor.needs

@@ -27,9 +27,12 @@ from moeexp.predictors.base import Prediction, Predictor
 
 log = logging.getLogger(__name__)
 
-_HOOKS = ("start_request", "start_iteration", "observe_layer", "end_iteration", "end_request")
+_HOOKS = ("start_request", "start_iteration", "observe_layer", "end_iteration", "end_request",
+          "rest_layer")
 #: the hooks of one pass, not called while the predictor rests (``Predictor.feeding``)
 PASS_HOOKS = frozenset({"start_iteration", "observe_layer", "end_iteration"})
+#: the hooks called only while the predictor rests (``Predictor.rest_layer``)
+REST_HOOKS = frozenset({"rest_layer"})
 
 
 def overrides(predictor: Predictor, hook: str) -> bool:
@@ -74,8 +77,10 @@ class PredictorRunner:
         self.rested_passes += self.resting
 
     def wants(self, hook: str) -> bool:
-        """False when the hook is the base-class no-op, or a pass hook while the predictor
-        rests (the engine then skips its inputs)."""
+        """False when the hook is the base-class no-op, a pass hook while the predictor
+        rests, or a rest hook while it is fed (the engine then skips its inputs)."""
+        if hook in REST_HOOKS:
+            return self.active[hook] and self.resting
         return self.active[hook] and not (self.resting and hook in PASS_HOOKS)
 
     def submit(self, hook: str, arg: Any = None, tag: Any = None) -> None:

@@ -20,7 +20,11 @@ times, before the first request; the simulator calls it), never the mechanism's 
 A predictor may also rest for a whole pass (:meth:`Predictor.feeding`, asked by the mechanism
 as each pass begins): the pass's ``start_iteration``, ``observe_layer`` and ``end_iteration``
 are then not called, and the host cost of feeding it (:meth:`Predictor.set_feed_cost`) is not
-paid. The default predictor is always fed.
+paid. The default predictor is always fed. While it rests the mechanism still hands each
+layer's routing to :meth:`Predictor.rest_layer` (a :class:`RestLayer`: the layer, the
+pass's token count and the experts it routes to, which a CPU execution holds on the host
+anyway), where a predictor may return what it knows without being fed (``reuse_prob``'s model-free next-layer offers);
+the default returns nothing, and this call is not priced.
 
 ``predicted`` in a Prediction lists, per layer, the experts the predictor believes will be
 used even when it does not prefetch them (used for ``prediction_recall``); by default the
@@ -134,6 +138,17 @@ class LayerObservation:
     hidden: np.ndarray | None = None
 
 
+@dataclass(frozen=True)
+class RestLayer:
+    """Layer ``layer``'s router has run in a pass the predictor rests (:meth:`Predictor.
+    rest_layer`); ``tokens``: T, the pass's tokens (1: a decode step of one request);
+    ``experts``: int[n], the sorted union of the experts its tokens route to."""
+
+    layer: int
+    tokens: int
+    experts: np.ndarray
+
+
 def layer_observations(probs: np.ndarray, experts: Sequence[np.ndarray], counts: np.ndarray,
                        spec_probs: np.ndarray | None,
                        hidden: np.ndarray | None) -> list[LayerObservation]:
@@ -191,6 +206,13 @@ class Predictor:
         and ``end_iteration`` are skipped, and the simulator charges no feed cost for it).
         Default: always."""
         return True
+
+    def rest_layer(self, obs: RestLayer) -> Prediction:
+        """Layer ``obs.layer``'s router has run in a pass this predictor rests (``feeding``
+        said False): what it can offer without being fed (no feed cost is charged for it,
+        so it must need no more than the layer's routing and O(J) host work). Default: nothing (the
+        mechanisms skip the call when a class does not override it)."""
+        return EMPTY
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         return Prediction()

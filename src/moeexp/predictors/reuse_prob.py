@@ -18,6 +18,10 @@ which at the next token) too. With
 ``spec: auto`` (the default) and a store split that records speculative gates, the models of
 the layers ahead also read the gates' evidence from the running layer's hidden state (the
 predictor then needs ``spec_probs``); on a routing-only trace they do without.
+
+In a pass the ``next_use`` cache's feed gate rests it for (:meth:`feeding`), it is not fed,
+and :meth:`rest_layer` passes on the cache's model-free next-layer offers (HybriMoE's
+score-ranked prefetch on the gate's use rate; decode passes only, as HybriMoE's).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from moeexp.predictors.base import (
     Predictor,
     Prefetch,
     RequestStart,
+    RestLayer,
 )
 from moeexp.predictors.layer_transition import transition_counts
 from moeexp.predictors.lrb import LrbState, LrbTable, walk_rows
@@ -252,6 +257,28 @@ class ReuseProbability(Predictor):
         return fed
 
     # ---- hooks ------------------------------------------------------------------------
+    def rest_layer(self, obs: RestLayer) -> Prediction:
+        """A rested pass's layer: every bound ``next_use`` cache folds the layer's routing
+        into its model-free use rate, and in a decode step (one token) this passes on the
+        next layer's ``top_k`` experts of highest rate that they offer
+        (:meth:`NextUseCache.rest_layer`), best first; no offer in a prefill (HybriMoE
+        prefetches in decode only)."""
+        k = self.dims.top_k
+        nxt = obs.layer + 1
+        seen: set[int] = set()
+        out = Prediction()
+        for c in self._caches:
+            if not hasattr(c, "rest_layer"):
+                continue
+            offers = c.rest_layer(obs.layer, obs.experts, k)
+            if obs.tokens != 1:
+                continue
+            for i, e in enumerate(offers.tolist()):
+                if e not in seen:
+                    seen.add(e)
+                    out.prefetch.append(Prefetch(1.0 - 1e-6 * i, nxt, e))
+        return out
+
     def start_request(self, ctx: RequestStart) -> Prediction:
         self._prompt_len[ctx.request.request_id] = int(ctx.request.prompt_len)
         return Prediction()

@@ -44,6 +44,7 @@ from moeexp.predictors.base import (
     Prediction,
     Predictor,
     RequestStart,
+    RestLayer,
     layer_observations,
 )
 from moeexp.prefetching import PredictionSets
@@ -282,6 +283,9 @@ class Replay:
         self.tally = Tally(self.L)
         self.psets = PredictionSets()
         self.timed = HookTimer()
+        #: Predictor.rest_layer where the class has one (a resting predictor's offers)
+        self.rest = (predictor.rest_layer if type(predictor).rest_layer
+                     is not Predictor.rest_layer else None)
         needs = predictor.needs
         # what observe_layer sees beyond the router's float32[T, J] probabilities: float32
         # [T, D, J] speculative gates and [T, H] hidden states, when the predictor needs them
@@ -363,7 +367,8 @@ class Replay:
 
     def layers(self, gd: GroupData, t: float, fed: bool = True) -> tuple[float, int, int, float]:
         """Every MoE layer of pass ``gd`` from time ``t``: dense part, ``observe_layer``
-        (and the feed cost) unless the predictor rests (``fed`` False), the layer's experts.
+        (and the feed cost) unless the predictor rests (``fed`` False: its unpriced
+        ``rest_layer`` instead, where it has one), the layer's experts.
         Returns (end s, hits, misses, stall s). The hot loop: what it
         uses is bound to locals first, and what the observations carry is cast to float32
         once per pass (layer-major, so each layer's slice is contiguous)."""
@@ -382,6 +387,8 @@ class Replay:
         hits = misses = 0
         stall = 0.0
         seen = layer_observations(probs, arrays, counts, spec, hidden) if fed else []
+        rest = None if fed else self.rest  # a resting predictor's unpriced offers
+        T = len(gd.token_request)
         if fed and self.predictor.previews:  # a speed hook: the same predictions, batched numpy;
             q0 = perf_counter()  # its time counts as the observe_layer calls' it saves
             self.predictor.preview_pass(seen)
@@ -392,6 +399,8 @@ class Replay:
             dev.advance(t)
             if fed:
                 take(timed(observe, seen[layer]), t, layer)
+            elif rest is not None:
+                take(rest(RestLayer(layer, T, arrays[layer])), t, layer)
             account(for_layer(layer), needed)
             if restricted:
                 t, h, m, s = self.serve_restricted(gd, layer, pos, t)

@@ -165,6 +165,41 @@ def test_next_use_without_a_feed_cost_has_no_gate_and_resting_it_is_lru() -> Non
     assert c.victim((1, 7), {(1, 7)}, now + 1) == (0, 5)
 
 
+def test_a_resting_cache_offers_the_next_layers_experts_of_highest_use_rate() -> None:
+    """Resting, ``next_use`` folds each layer's routing into the gate's model-free use rate
+    S (S <- S / 2 + 1[used] / 2) and offers the next layer's top k by S; it takes such a
+    prefetch where its rule pays on S (an expert used at each of the last runs of its layer,
+    over a victim never used), refuses one of rate 0, and offers nothing while fed, at the
+    last layer, or with ``rest_prefetch`` off (then every prefetch is refused)."""
+    c = next_use()
+    c.set_feed_cost(0.1)
+    g = c.feed_gate
+    assert g is not None and not g.fed  # a gate starts resting
+    assert c.rest_layer(0, np.array([1, 2]), 2).tolist() == []  # layer 1 never ran
+    c.rest_layer(1, np.array([3, 5]), 2)
+    c.rest_layer(0, np.array([1]), 2)
+    c.rest_layer(1, np.array([3]), 2)
+    assert g.scores[1, 3] == 0.75 and g.scores[1, 5] == 0.25 and g.scores[0, 1] == 0.75
+    assert c.rest_layer(0, np.array([1]), 1).tolist() == [3]
+    assert c.rest_layer(0, np.array([1]), 4).tolist() == [3, 5]  # rate 0 is never offered
+    assert c.rest_layer(1, np.array([3]), 2).tolist() == []  # the last layer: nothing ahead
+    for k in [(0, 6), (1, 7)]:  # full, with residents never used since
+        c.on_insert(k, 0, False)
+    c.rest_layer(1, np.array([3]), 2)
+    assert c.victim((1, 3), set(), 1) == (0, 6)  # S = 0.875 over a victim of rate 0
+    with pytest.raises(PrefetchRefused, match="resting offer"):
+        c.victim((1, 4), set(), 1)  # S = 0
+    g.fed = True
+    assert c.rest_layer(0, np.array([1]), 2).tolist() == []
+    off = next_use(rest_prefetch=False)
+    off.set_feed_cost(0.1)
+    assert off.rest_layer(0, np.array([1]), 2).tolist() == []
+    with pytest.raises(PrefetchRefused, match="rests"):
+        off.victim((1, 3), set(), 1)
+    with pytest.raises(ConfigError, match="rest_prefetch"):
+        next_use(rest_prefetch=1)
+
+
 def test_a_burst_of_misses_does_not_buy_a_window() -> None:
     """Probes read the run's long average of the bound: after a window that saved nothing,
     a stream the shadow LRU mostly hits (bound long below f) gets no further window from

@@ -12,7 +12,7 @@ from moeexp.costmodel import CostModel, load_profile
 from moeexp.errors import ConfigError
 from moeexp.predictors import PREDICTORS
 from moeexp.predictors import reuse_features as rf
-from moeexp.predictors.base import IterationStart, LayerObservation
+from moeexp.predictors.base import IterationStart, LayerObservation, RestLayer
 from moeexp.simulator import simulate
 from moeexp.traces.synthetic import random_trace
 
@@ -209,17 +209,18 @@ def test_horizon_hands_the_cache_within_rows_and_false_hands_none() -> None:
 
 def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_without_a_cost() -> None:
     """With a feed cost above anything the misses could cost (f = 10 copies per layer, top-2
-    routing: at most 2 misses a layer), ``prefetch_if_pays`` never feeds its predictor: it
-    is then on-demand LRU (the same hits and TPOT as ``none`` + ``lru``) and faster than the
-    same system always fed. Without a feed cost, the gate changes nothing: every metric
-    equals the run with ``feed_gate=false``."""
+    routing: at most 2 misses a layer), ``prefetch_if_pays`` never feeds its predictor: with
+    ``rest_prefetch`` off it is then on-demand LRU (the same hits and TPOT as ``none`` +
+    ``lru``) and faster than the same system always fed; with it on (the default) it also
+    takes resting offers, for the next layer of a decode step only. Without a feed cost,
+    the gate changes nothing: every metric equals the run with ``feed_gate=false``."""
     tr = trace()
     c = cost(tr, 1.0)
 
-    def run(feed: float, feed_gate: bool):  # type: ignore[no-untyped-def]
+    def run(feed: float, feed_gate: bool, rest: bool = False):  # type: ignore[no-untyped-def]
         pred = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
         cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8,
-                             feed_gate=feed_gate)
+                             feed_gate=feed_gate, rest_prefetch=rest)
         pred.fit(tr.split("store"))
         cache.fit(tr.split("store"))
         return simulate(tr.split("test"), pred, cache, c, progress=False,
@@ -229,6 +230,8 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
     gated, always = run(f, True), run(f, False)
     assert gated["predictor_feed_switches"] == 0.0
     assert gated["predictor_feed_rested_share"] == 1.0 and gated["prefetches_issued"] == 0
+    rest = run(f, True, rest=True)
+    assert rest["predictor_feed_rested_share"] == 1.0 and rest["prefetches_issued"] > 0
     assert gated["tpot_ms_mean"] < always["tpot_ms_mean"]
     assert "predictor_feed_switches" not in always
     lru = simulate(tr.split("test"), PREDICTORS.build("none", dims=tr.dims),
@@ -242,6 +245,28 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
     for k in free_on.keys() - wall:
         a, b = free_on[k], free_off[k]
         assert a == b or (a != a and b != b), k  # NaN where undefined
+
+
+def test_a_rested_layer_passes_on_the_caches_next_layer_offers_in_decode_only() -> None:
+    """``rest_layer`` folds the layer's routing into every bound cache's resting use rate
+    and, in a one-token pass, offers the cache's top ``top_k`` of the next layer (priority
+    below 1, best first); in a prefill it folds the routing and offers nothing."""
+    tr = trace()
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
+    c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+    p.fit(tr.split("store"))
+    c.fit(tr.split("store"))
+    p.bind(cost(tr, 1.0), [c])
+    p.set_feed_cost(1.0)
+    assert not p.feeding()  # the gate starts resting
+    assert p.rest_layer(RestLayer(2, 1, np.array([4, 6]))).prefetch == []  # layer 3 unseen
+    assert p.rest_layer(RestLayer(3, 5, np.array([1, 5, 7]))).prefetch == []  # a prefill
+    assert c.feed_gate is not None and c.feed_gate.scores[3, [1, 5, 7]].tolist() == [0.5] * 3
+    p.rest_layer(RestLayer(3, 1, np.array([5])))
+    out = p.rest_layer(RestLayer(2, 1, np.array([4])))
+    assert [(pf.layer, pf.expert) for pf in out.prefetch] == [(3, 5), (3, 1)]
+    assert 1.0 >= out.prefetch[0].priority > out.prefetch[1].priority
+    assert p.rest_layer(RestLayer(3, 1, np.array([5]))).prefetch == []  # the last layer
 
 
 def test_fed_again_the_reuse_state_catches_up_on_the_rested_passes() -> None:
