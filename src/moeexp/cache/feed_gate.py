@@ -68,13 +68,19 @@ With f = 0 there is no gate: every pass is fed and nothing is kept (every run wi
 feed cost is bit-identical to the policy before the gate).
 
 **What a resting policy may still prefetch** (issue 27's seventeenth stage). While it
-rests, the gate also keeps a model-free score per expert, HybriMoE's "minus recent score"
-on routing alone: at each rested run of layer l, S[l] <- (1 - a) S[l] + a 1[used] (a =
-:data:`REST_ALPHA`, HybriMoE's 0.5; "used": the layer's routing, which the mechanism hands
-over in the rested pass whether the GPU or the CPU computes the expert), a use rate with a
-memory of a few passes, in [0, 1) (:meth:`FeedGate.rest_observe`).
+rests, the gate also keeps each expert's use at the last :data:`REST_BITS` rested runs of
+its layer, a bit pattern h (bit i: used at the (i+1)-th latest; "used": the layer's routing,
+which the mechanism hands over in the rested pass whether the GPU or the CPU computes the
+expert; :meth:`FeedGate.rest_observe`). Its probability of use at the layer's next run is
+a table over the 2^:data:`REST_BITS` patterns, P(h), fitted on the store split's
+consecutive decode passes (:func:`fit_rest_table`: the share of (pass, layer, expert)
+cells with that pattern whose expert was used, Laplace-smoothed; one table for every layer
+and expert). It is model-free (a lookup, no feed), calibrated as the predictor's
+probabilities are, and ranks as HybriMoE's "minus recent score" on routing alone would, a
+recency-weighted use rate, where the store agrees. Without a table (a gate made without a
+fit) P(h) is that score itself, sum over bits of 2^-(i+1) (HybriMoE's alpha 0.5).
 :meth:`FeedGate.rest_offers` ranks a layer's experts by it; the ``next_use`` cache takes
-them as the resting predictor's next-layer offers, under its own cost rule with S as the
+them as the resting predictor's next-layer offers, under its own cost rule with P(h) as the
 probabilities (``NextUseCache.rest_layer``). On the real CPU map HybriMoE's whole lead over
 on-demand LRU is that prefetch (its MRS eviction alone is LRU to 0.5 %:
 ``experiments/regime_map/README.md``, seventeenth stage).
@@ -95,6 +101,7 @@ from collections.abc import Callable
 import numpy as np
 
 from moeexp.errors import ConfigError
+from moeexp.traces.schema import Trace
 
 Key = tuple[int, int]
 
@@ -105,7 +112,7 @@ MAX_BACKOFF = 8  #: most doublings of a rest before the gate measures again
 DECAY = 0.9  #: per-pass decay of the bound's short average
 DECAY_LONG = 0.99  #: per-pass decay of the bound's long average
 HISTORY = 64  #: rested passes whose routing is kept for the predictor's catch-up
-REST_ALPHA = 0.5  #: weight of a layer run's use in the resting score S (HybriMoE's alpha)
+REST_BITS = 6  #: rested runs of a layer whose use the resting probability reads (module doc)
 
 
 class FeedGate:
@@ -119,10 +126,13 @@ class FeedGate:
             execution's miss cost changes).
         initial: keys resident before the first request (a warm cache), oldest first: the
             shadow's start.
+        rest_table: float64[2^REST_BITS], the resting probability of each use pattern
+            (:func:`fit_rest_table`); None: the decayed score (module doc).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
-                 feed_s: float, miss_s: float, initial: list[Key] | None = None) -> None:
+                 feed_s: float, miss_s: float, initial: list[Key] | None = None,
+                 rest_table: np.ndarray | None = None) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
@@ -155,8 +165,15 @@ class FeedGate:
         self._warm = len(self.shadow) >= capacity_slots  # the shadow is full: b counts
         self._used: list[Key] = []  # the resting pass's accesses
         self._rested: deque[list[Key]] = deque(maxlen=HISTORY)  # rested passes' accesses
-        #: float64[L, J]: S, the model-free use rate the resting offers rank by (module doc)
-        self.scores = np.zeros((num_layers, num_experts))
+        #: uint8[L, J]: each expert's use pattern over its layer's last rested runs
+        self.history = np.zeros((num_layers, num_experts), dtype=np.uint8)
+        if rest_table is None:
+            rest_table = decayed_table()
+        if np.shape(rest_table) != (2 ** REST_BITS,):
+            raise ConfigError(f"feed gate: rest_table must have {2 ** REST_BITS} entries, got "
+                              f"shape {np.shape(rest_table)}")
+        #: float64[2^REST_BITS]: P(used at the next run | pattern) (module doc)
+        self.rest_table = np.asarray(rest_table, dtype=np.float64)
 
     # ---- events (the cache forwards them) -------------------------------------------
     def insert(self, key: Key) -> None:
@@ -200,19 +217,27 @@ class FeedGate:
         return None
 
     def rest_observe(self, layer: int, experts: np.ndarray) -> None:
-        """A rested run of ``layer`` routed to ``experts`` (int[n]): S[layer] <- (1 - a)
-        S[layer] + a 1[used] (module doc, What a resting policy may still prefetch)."""
-        row = self.scores[layer]
-        row *= 1.0 - REST_ALPHA
-        row[experts] += REST_ALPHA
+        """A rested run of ``layer`` routed to ``experts`` (int[n]): each expert's use
+        pattern moves on by one run (module doc, What a resting policy may still
+        prefetch)."""
+        row = self.history[layer]
+        row <<= 1
+        row &= 2 ** REST_BITS - 1
+        row[experts] |= 1
+
+    def rest_prob(self, key: Key) -> float:
+        """P(h): the resting probability that ``key`` is used at its layer's next run."""
+        return float(self.rest_table[self.history[key]])
 
     def rest_offers(self, layer: int, k: int) -> np.ndarray:
-        """int64[<= k]: layer ``layer``'s experts of highest resting score S, best first
-        (ties: the lower expert), those with S > 0 (module doc, What a resting policy may
-        still prefetch)."""
-        row = self.scores[layer]
-        order = np.argsort(-row, kind="stable")[:k]
-        return order[row[order] > 0.0]
+        """int64[<= k]: layer ``layer``'s experts of highest resting probability, best
+        first (ties: the lower expert), among those used at one of its last
+        :data:`REST_BITS` rested runs (module doc, What a resting policy may still
+        prefetch)."""
+        hist = self.history[layer]
+        p = self.rest_table[hist]
+        order = np.argsort(-p, kind="stable")[:k]
+        return order[hist[order] > 0]
 
     # ---- the decision ---------------------------------------------------------------
     def pass_begins(self) -> bool:
@@ -346,6 +371,40 @@ class FeedGate:
                 "feed_switches": float(self.switches),
                 "feed_windows_cut": float(self.cut),
                 "feed_saving_us_per_layer": self.saving_s * 1e6}
+
+
+def decayed_table() -> np.ndarray:
+    """float64[2^REST_BITS]: each use pattern's decayed score, sum over its bits i of
+    2^-(i+1) (HybriMoE's score with alpha 0.5 on routing alone; the table without a fit)."""
+    pats = np.arange(2 ** REST_BITS)
+    return sum(((pats >> i) & 1) * 0.5 ** (i + 1) for i in range(REST_BITS))
+
+
+def fit_rest_table(store: Trace) -> np.ndarray:
+    """float64[2^REST_BITS]: P(used at a layer's next run | its use pattern over the layer's
+    last :data:`REST_BITS` runs), from the store split's single-token passes in order (the
+    runs of one layer, consecutive across requests, as the gate sees them), over every layer
+    and expert: (uses + 1) / (cells + 2) per pattern. Store split only (ConfigError
+    otherwise)."""
+    bad = [r.request_id for r in store.requests if r.split != "store"]
+    if bad:
+        raise ConfigError(f"feed gate: fit_rest_table() got {len(bad)} request(s) outside the "
+                          f"store split (e.g. {bad[:3]}): pass trace.split('store')")
+    J = store.dims.num_experts
+    sizes = np.diff(store.iter_offsets)
+    idx = store.topk_idx[np.repeat(sizes == 1, sizes)]  # [N, L, K]
+    n = idx.shape[0]
+    size = 2 ** REST_BITS
+    cells, uses = np.zeros(size), np.zeros(size)
+    for layer in range(idx.shape[1]):  # one layer at a time: [N, J] arrays
+        used = np.zeros((n, J), dtype=np.int64)
+        np.put_along_axis(used, idx[:, layer].astype(np.int64), 1, axis=1)
+        pats = np.zeros((max(0, n - REST_BITS), J), dtype=np.int64)
+        for i in range(REST_BITS):  # bit i: used i + 1 runs before
+            pats |= used[REST_BITS - 1 - i:n - 1 - i] << i
+        cells += np.bincount(pats.ravel(), minlength=size)
+        uses += np.bincount(pats.ravel(), weights=used[REST_BITS:].ravel(), minlength=size)
+    return (uses + 1.0) / (cells + 2.0)
 
 
 def _margin(n: int, total: float, squares: float) -> tuple[float, float]:

@@ -77,10 +77,11 @@ where feeding the predictor costs the run host time per layer, :class:`moeexp.ca
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
 on the same accesses) are worth less than that cost; resting, the cache evicts the least
 recently used. No feed cost, no gate. Resting, it still takes the next layer's experts of
-highest model-free use rate S (the gate's, from the accesses alone; HybriMoE's score-ranked
-prefetch) as prefetches under the gate below with S as their probabilities
-(``rest_prefetch``, the default; :meth:`rest_offers`), so a rested policy is LRU plus the
-prefetches that pay on that estimate, not LRU alone.
+highest model-free probability of use (the gate's lookup of each expert's use at its layer's
+last rested runs, calibrated on the store split: :func:`moeexp.cache.feed_gate.
+fit_rest_table`; offered as HybriMoE's score-ranked prefetch is) as prefetches under the gate
+below with that probability (``rest_prefetch``, the default; :meth:`rest_layer`), so a
+rested policy is LRU plus the prefetches that pay on that estimate, not LRU alone.
 
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
@@ -109,7 +110,7 @@ import numpy as np
 
 from moeexp.cache.base import CACHES, CachePolicy, Key
 from moeexp.cache.belady import PrefetchRefused
-from moeexp.cache.feed_gate import FeedGate
+from moeexp.cache.feed_gate import FeedGate, fit_rest_table
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
@@ -139,7 +140,7 @@ class NextUseCache(CachePolicy):
             device (the CPU systems'); with several, each device starts with those of the
             top ``capacity_slots`` it holds, not with its own budget's worth.
         rest_prefetch: while the feed gate rests the predictor, take the next layer's
-            experts of highest model-free use rate as prefetches where they pay (module
+            experts of highest model-free probability as prefetches where they pay (module
             doc, Whether to run the predictor at all); False: a resting policy is on-demand
             LRU exactly (the eleventh to sixteenth stages).
         fill: while a slot is free, ask the predictor for fills too (:meth:`fills`: experts
@@ -182,6 +183,7 @@ class NextUseCache(CachePolicy):
         self._copies = 0  # copies since the start (demand and prefetch)
         self._steps = 0  # layer changes since the start
         self.feed_gate: FeedGate | None = None  # set_feed_cost > 0
+        self._store: Trace | None = None  # fit's store split
 
     # ---- learning and cost ----------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -201,6 +203,7 @@ class NextUseCache(CachePolicy):
         self.P = (counts + 1.0) / (n + 2.0)
         self.Q = self.P.copy()
         self._fitted = True
+        self._store = store  # the feed gate's resting table is fitted on it (set_feed_cost)
         if self.horizons:
             self.set_horizons(self.horizons)
 
@@ -245,9 +248,11 @@ class NextUseCache(CachePolicy):
         if self.copy_s is None:
             raise ConfigError("next_use: set_feed_cost() needs the copy time first "
                               "(set_link, from the predictor's bind)")
+        table = (fit_rest_table(self._store)
+                 if self.rest_prefetch and self._store is not None else None)
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
-                        initial=self.initial_residents())
+                        initial=self.initial_residents(), rest_table=table)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))
@@ -479,7 +484,7 @@ class NextUseCache(CachePolicy):
 
     def rest_layer(self, layer: int, experts: np.ndarray, k: int) -> np.ndarray:
         """A rested pass's layer ``layer`` routed to ``experts`` (int[n]): int64[<= k], the
-        experts of layer + 1 the resting policy offers, highest model-free use rate first
+        experts of layer + 1 the resting policy offers, highest model-free probability first
         (the feed gate's :meth:`~moeexp.cache.feed_gate.FeedGate.rest_observe` and
         :meth:`~moeexp.cache.feed_gate.FeedGate.rest_offers`); none at the last layer, where
         the predictor is fed, without a feed gate or with ``rest_prefetch`` off."""
@@ -493,14 +498,15 @@ class NextUseCache(CachePolicy):
 
     def _rest_pays(self, k: Key, v: Key | None) -> bool:
         """The gate's rule for a resting offer: :meth:`_rule` with the feed gate's
-        model-free use rate S as every probability (P = Q = S for ``k`` and its victim)."""
+        model-free resting probability as every probability (P = Q = P(h) for ``k`` and for
+        its victim; :meth:`~moeexp.cache.feed_gate.FeedGate.rest_prob`)."""
         if not self.gate or self.copy_s is None or self.touch_all:
             return True
-        assert self.feed_gate is not None
-        S = self.feed_gate.scores
-        sk = float(S[k])
-        sv = float(S[v]) if v is not None else 0.0
-        return self._rule(k, sk, sk, v, sv, sv, self.saturation())
+        gate = self.feed_gate
+        assert gate is not None
+        pk = gate.rest_prob(k)
+        pv = gate.rest_prob(v) if v is not None else 0.0
+        return self._rule(k, pk, pk, v, pv, pv, self.saturation())
 
     def _pays(self, k: Key, v: Key | None, into_room: bool = False) -> bool:
         """The gate's second condition (module docstring); True without a cost model and

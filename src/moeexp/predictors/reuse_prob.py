@@ -21,7 +21,8 @@ predictor then needs ``spec_probs``); on a routing-only trace they do without.
 
 In a pass the ``next_use`` cache's feed gate rests it for (:meth:`feeding`), it is not fed,
 and :meth:`rest_layer` passes on the cache's model-free next-layer offers (HybriMoE's
-score-ranked prefetch on the gate's use rate; decode passes only, as HybriMoE's).
+score-ranked prefetch, on the gate's model-free probabilities; decode passes only, as
+HybriMoE's).
 """
 
 from __future__ import annotations
@@ -259,8 +260,8 @@ class ReuseProbability(Predictor):
     # ---- hooks ------------------------------------------------------------------------
     def rest_layer(self, obs: RestLayer) -> Prediction:
         """A rested pass's layer: every bound ``next_use`` cache folds the layer's routing
-        into its model-free use rate, and in a decode step (one token) this passes on the
-        next layer's ``top_k`` experts of highest rate that they offer
+        into its model-free use patterns, and in a decode step (one token) this passes on the
+        next layer's ``top_k`` experts of highest resting probability that they offer
         (:meth:`NextUseCache.rest_layer`), best first; no offer in a prefill (HybriMoE
         prefetches in decode only)."""
         k = self.dims.top_k

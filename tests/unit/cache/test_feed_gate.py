@@ -9,8 +9,16 @@ import pytest
 
 from moeexp.cache import CACHES
 from moeexp.cache.belady import PrefetchRefused
-from moeexp.cache.feed_gate import EARLY_MIN, WARMUP, WINDOW, FeedGate
+from moeexp.cache.feed_gate import (
+    EARLY_MIN,
+    REST_BITS,
+    WARMUP,
+    WINDOW,
+    FeedGate,
+    fit_rest_table,
+)
 from moeexp.errors import ConfigError
+from moeexp.traces.synthetic import random_trace
 
 
 def gate(feed_s: float = 1.0, miss_s: float = 1.0, capacity: int = 2) -> FeedGate:
@@ -166,11 +174,12 @@ def test_next_use_without_a_feed_cost_has_no_gate_and_resting_it_is_lru() -> Non
 
 
 def test_a_resting_cache_offers_the_next_layers_experts_of_highest_use_rate() -> None:
-    """Resting, ``next_use`` folds each layer's routing into the gate's model-free use rate
-    S (S <- S / 2 + 1[used] / 2) and offers the next layer's top k by S; it takes such a
-    prefetch where its rule pays on S (an expert used at each of the last runs of its layer,
-    over a victim never used), refuses one of rate 0, and offers nothing while fed, at the
-    last layer, or with ``rest_prefetch`` off (then every prefetch is refused)."""
+    """Resting, ``next_use`` folds each layer's routing into the gate's use patterns and
+    offers the next layer's top k by their resting probability (without a fit, the decayed
+    score: sum of 2^-(i+1) over the runs i back that used it); it takes such a prefetch
+    where its rule pays on it (an expert used at each of the last runs of its layer, over a
+    victim never used), refuses one never used, and offers nothing while fed, at the last
+    layer, or with ``rest_prefetch`` off (then every prefetch is refused)."""
     c = next_use()
     c.set_feed_cost(0.1)
     g = c.feed_gate
@@ -179,16 +188,17 @@ def test_a_resting_cache_offers_the_next_layers_experts_of_highest_use_rate() ->
     c.rest_layer(1, np.array([3, 5]), 2)
     c.rest_layer(0, np.array([1]), 2)
     c.rest_layer(1, np.array([3]), 2)
-    assert g.scores[1, 3] == 0.75 and g.scores[1, 5] == 0.25 and g.scores[0, 1] == 0.75
+    assert g.history[1, 3] == 0b11 and g.history[1, 5] == 0b10 and g.history[0, 1] == 0b11
+    assert g.rest_prob((1, 3)) == 0.75 and g.rest_prob((1, 5)) == 0.25
     assert c.rest_layer(0, np.array([1]), 1).tolist() == [3]
     assert c.rest_layer(0, np.array([1]), 4).tolist() == [3, 5]  # rate 0 is never offered
     assert c.rest_layer(1, np.array([3]), 2).tolist() == []  # the last layer: nothing ahead
     for k in [(0, 6), (1, 7)]:  # full, with residents never used since
         c.on_insert(k, 0, False)
     c.rest_layer(1, np.array([3]), 2)
-    assert c.victim((1, 3), set(), 1) == (0, 6)  # S = 0.875 over a victim of rate 0
+    assert c.victim((1, 3), set(), 1) == (0, 6)  # 0.875 over a victim never used
     with pytest.raises(PrefetchRefused, match="resting offer"):
-        c.victim((1, 4), set(), 1)  # S = 0
+        c.victim((1, 4), set(), 1)  # never used
     g.fed = True
     assert c.rest_layer(0, np.array([1]), 2).tolist() == []
     off = next_use(rest_prefetch=False)
@@ -198,6 +208,41 @@ def test_a_resting_cache_offers_the_next_layers_experts_of_highest_use_rate() ->
         off.victim((1, 3), set(), 1)
     with pytest.raises(ConfigError, match="rest_prefetch"):
         next_use(rest_prefetch=1)
+
+
+def test_the_resting_table_is_the_store_splits_next_use_rate_per_pattern() -> None:
+    """``fit_rest_table``: per use pattern over a layer's last REST_BITS decode passes (in
+    order, across requests), the Laplace-smoothed share of cells whose expert is used at the
+    next pass, pooled over layers and experts; the same as a loop over every cell. A fitted
+    ``next_use`` cache's gate reads it; a request of another split raises."""
+    tr = random_trace(num_layers=3, num_experts=6, top_k=2, num_requests=10, output_len=12,
+                      seed=3)
+    store = tr.split("store")
+    table = fit_rest_table(store)
+    sizes = np.diff(store.iter_offsets)
+    idx = store.topk_idx[np.repeat(sizes == 1, sizes)]
+    used = np.zeros((len(idx), 3, 6), dtype=bool)
+    for t, row in enumerate(idx):
+        for layer in range(3):
+            used[t, layer, row[layer]] = True
+    cells, uses = np.zeros(2 ** REST_BITS), np.zeros(2 ** REST_BITS)
+    for t in range(REST_BITS, len(idx)):
+        for layer in range(3):
+            for e in range(6):
+                pat = sum(int(used[t - 1 - i, layer, e]) << i for i in range(REST_BITS))
+                cells[pat] += 1
+                uses[pat] += used[t, layer, e]
+    assert cells.sum() > 100 and np.allclose(table, (uses + 1) / (cells + 2))
+    c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6)
+    c.fit(store)
+    c.set_link(copy_s=1.0, window_s=0.5)
+    c.set_feed_cost(0.1)
+    assert c.feed_gate is not None and np.array_equal(c.feed_gate.rest_table, table)
+    with pytest.raises(ConfigError, match="store split"):
+        fit_rest_table(tr.split("test"))
+    with pytest.raises(ConfigError, match="rest_table"):
+        FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=1.0, miss_s=1.0,
+                 rest_table=np.zeros(3))
 
 
 def test_a_burst_of_misses_does_not_buy_a_window() -> None:

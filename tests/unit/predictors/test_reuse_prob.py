@@ -248,9 +248,10 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
 
 
 def test_a_rested_layer_passes_on_the_caches_next_layer_offers_in_decode_only() -> None:
-    """``rest_layer`` folds the layer's routing into every bound cache's resting use rate
-    and, in a one-token pass, offers the cache's top ``top_k`` of the next layer (priority
-    below 1, best first); in a prefill it folds the routing and offers nothing."""
+    """``rest_layer`` folds the layer's routing into every bound cache's resting use
+    patterns and, in a one-token pass, offers the cache's top ``top_k`` of the next layer
+    by resting probability (experts used lately only; priority below 1, best first); in a
+    prefill it folds the routing and offers nothing."""
     tr = trace()
     p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
     c = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
@@ -261,10 +262,14 @@ def test_a_rested_layer_passes_on_the_caches_next_layer_offers_in_decode_only() 
     assert not p.feeding()  # the gate starts resting
     assert p.rest_layer(RestLayer(2, 1, np.array([4, 6]))).prefetch == []  # layer 3 unseen
     assert p.rest_layer(RestLayer(3, 5, np.array([1, 5, 7]))).prefetch == []  # a prefill
-    assert c.feed_gate is not None and c.feed_gate.scores[3, [1, 5, 7]].tolist() == [0.5] * 3
+    g = c.feed_gate
+    assert g is not None and g.history[3].tolist() == [0, 1, 0, 0, 0, 1, 0, 1]
     p.rest_layer(RestLayer(3, 1, np.array([5])))
     out = p.rest_layer(RestLayer(2, 1, np.array([4])))
-    assert [(pf.layer, pf.expert) for pf in out.prefetch] == [(3, 5), (3, 1)]
+    got = [(pf.layer, pf.expert) for pf in out.prefetch]
+    probs = [g.rest_prob(k) for k in got]
+    assert len(got) == 2 and {k[0] for k in got} == {3} and {k[1] for k in got} < {1, 5, 7}
+    assert probs == sorted(probs, reverse=True) and min(probs) >= g.rest_prob((3, 0))
     assert 1.0 >= out.prefetch[0].priority > out.prefetch[1].priority
     assert p.rest_layer(RestLayer(3, 1, np.array([5]))).prefetch == []  # the last layer
 
