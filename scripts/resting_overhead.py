@@ -5,7 +5,8 @@
 
 Serves the same prompts with ``deepspeed`` and with ``prefetch_if_pays`` told a feed cost no
 miss can pay for (10 s a layer: its feed gate never feeds the predictor, so the cache evicts
-the least recently used), alternating the two in one process ``--rounds`` times, and prints
+the least recently used; ``cache.rest_prefetch`` off, so it takes no resting offer),
+alternating the two in one process ``--rounds`` times, and prints
 each side's TPOT (median of the rounds) and hit counts. The hits, misses and bytes must be
 equal (a resting policy is on-demand LRU decision for decision; the script exits 1 if not):
 the TPOT difference is then the host time of the resting policy's bookkeeping (the feed
@@ -48,7 +49,7 @@ def _serve(model, store, system: str, args, prompts) -> dict[str, float]:
         om = offload(model, system="deepspeed", **kw)
     else:
         om = offload(model, system="prefetch_if_pays", store=store, predictor={"spec": "off"},
-                     **kw)
+                     cache={"rest_prefetch": False}, **kw)
     with om:
         if system != "deepspeed":
             om.engine.runner.predictor.set_feed_cost(10.0)  # never pays: it rests throughout

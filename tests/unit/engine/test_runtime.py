@@ -261,13 +261,16 @@ def test_residency_cycle_sets_each_pass_residency(store_of) -> None:
     assert not torch.allclose(out[1], ref, atol=1e-3) and torch.equal(out[1], out[3])
 
 
-def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> None:
+@pytest.mark.parametrize("rest_prefetch", [False, True])
+def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of,
+                                                                   rest_prefetch: bool) -> None:
     """prefetch_if_pays told a feed cost no miss can pay for (10 s a layer): the engine asks
     ``Predictor.feeding`` as each pass begins and submits none of a resting pass's hooks, so
-    the predictor never sees a layer; greedy tokens equal the plain model's, and every
-    eviction is on-demand LRU's: the same hits, misses and bytes as ``deepspeed`` (recency
-    in the order of events, not the engine's access clock, which ranks a layer's hits and
-    demand loads by expert)."""
+    the predictor never sees a layer; greedy tokens equal the plain model's. With
+    ``rest_prefetch`` off every eviction is on-demand LRU's: the same hits, misses and bytes
+    as ``deepspeed`` (recency in the order of events, not the engine's access clock, which
+    ranks a layer's hits and demand loads by expert); with it on (the default) the engine
+    hands each rested layer's routing to ``rest_layer`` and the cache weighs its offers."""
     model = toy_model("mixtral")
     new = 48
     with torch.no_grad():
@@ -275,23 +278,29 @@ def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of) -> N
                 for n, s in PROMPTS]
     with offload(model, system="prefetch_if_pays", capacity=0.5, store=store_of("mixtral"),
                  predictor={"spec": "off"}, hardware="rtx3090_pcie4",
-                 predictor_async=False) as om:
+                 cache={"rest_prefetch": rest_prefetch}, predictor_async=False) as om:
         runner = om.engine.runner
         runner.predictor.set_feed_cost(10.0)
-        assert om.engine.cache.feed_gate is not None
+        gate = om.engine.cache.feed_gate
+        assert gate is not None
         outs = [om.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
                 for n, s in PROMPTS]
         gated = om.metrics()
-    with offload(model, system="deepspeed", capacity=0.5, predictor_async=False) as om:
-        _serve(om, new)
-        lru = om.metrics()
-    for key in ("hits_total", "misses_total", "h2d_bytes_total"):
-        assert gated[key] == lru[key], key
     assert runner.rested_passes == len(PROMPTS) * new
     assert runner.predictor._queries == 0  # observe_layer never ran (start_request did)
     assert runner.predictor.stats()["feed_rested_share"] == 1.0
     for out, ref in zip(outs, refs, strict=True):
         assert torch.equal(out, ref)
+    if rest_prefetch:  # every rested layer's routing reached the gate's use patterns
+        assert gate.history.any()
+        assert gated["prefetches_issued"] + om.engine.cache.refused > 0
+        return
+    assert not gate.history.any()
+    with offload(model, system="deepspeed", capacity=0.5, predictor_async=False) as om:
+        _serve(om, new)
+        lru = om.metrics()
+    for key in ("hits_total", "misses_total", "h2d_bytes_total"):
+        assert gated[key] == lru[key], key
 
 
 def test_the_knn_feature_runs_on_the_engine_and_the_tokens_stay_exact(
