@@ -268,6 +268,8 @@ class ReuseProbability(Predictor):
         nxt = obs.layer + 1
         seen: set[int] = set()
         out = Prediction()
+        if obs.layer == 0 and obs.tokens == 1 and self._cost is not None:
+            self._rest_window(obs.experts)
         for c in self._caches:
             if not hasattr(c, "rest_layer"):
                 continue
@@ -279,6 +281,18 @@ class ReuseProbability(Predictor):
                     seen.add(e)
                     out.prefetch.append(Prefetch(1.0 - 1e-6 * i, nxt, e))
         return out
+
+    def _rest_window(self, experts: np.ndarray) -> None:
+        """A rested decode pass's compute window, once (its first layer), as a fed pass's
+        (:meth:`observe_layer`): the dense part last priced (0 before any fed pass: a lower
+        bound, so late landings are not underrated) plus one token on each routed expert;
+        the bound caches' gate reads it (without it the copy time stands in, and a copy
+        would seem to land within a layer)."""
+        counts = np.zeros(self.dims.num_experts, dtype=np.int64)
+        counts[experts] = 1
+        window = self._dense_s + float(self._cost.experts_s(counts))
+        for c in self._caches:
+            c.set_link(copy_s=float(self._cost.copy_s), window_s=window)
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         self._prompt_len[ctx.request.request_id] = int(ctx.request.prompt_len)

@@ -272,6 +272,13 @@ def test_a_rested_layer_passes_on_the_caches_next_layer_offers_in_decode_only() 
     assert probs == sorted(probs, reverse=True) and min(probs) >= g.rest_prob((3, 0))
     assert 1.0 >= out.prefetch[0].priority > out.prefetch[1].priority
     assert p.rest_layer(RestLayer(3, 1, np.array([5]))).prefetch == []  # the last layer
+    # a rested decode pass's first layer prices its compute window for the gate (no fed pass
+    # yet: no dense part), as a fed pass's first observation does
+    assert c.window_s is None
+    p.rest_layer(RestLayer(0, 1, np.array([2, 3])))
+    counts = np.zeros(8, dtype=np.int64)
+    counts[[2, 3]] = 1
+    assert c.window_s == p._cost.experts_s(counts) > 0
 
 
 def test_fed_again_the_reuse_state_catches_up_on_the_rested_passes() -> None:
