@@ -212,12 +212,14 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
     routing: at most 2 misses a layer), ``prefetch_if_pays`` never feeds its predictor: with
     ``rest_prefetch`` off it is then on-demand LRU (the same hits and TPOT as ``none`` +
     ``lru``) and faster than the same system always fed; with it on (the default) it also
-    takes resting offers, for the next layer of a decode step only. Without a feed cost,
+    takes resting offers that pay (here on a fast link: on the slow one none does). Without
+    a feed cost,
     the gate changes nothing: every metric equals the run with ``feed_gate=false``."""
     tr = trace()
     c = cost(tr, 1.0)
 
-    def run(feed: float, feed_gate: bool, rest: bool = False):  # type: ignore[no-untyped-def]
+    def run(feed: float, feed_gate: bool, rest: bool = False,  # type: ignore[no-untyped-def]
+            c=c):
         pred = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
         cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8,
                              feed_gate=feed_gate, rest_prefetch=rest)
@@ -230,7 +232,9 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
     gated, always = run(f, True), run(f, False)
     assert gated["predictor_feed_switches"] == 0.0
     assert gated["predictor_feed_rested_share"] == 1.0 and gated["prefetches_issued"] == 0
-    rest = run(f, True, rest=True)
+    assert run(f, True, rest=True)["prefetches_issued"] == 0  # a slow link: none pays
+    fast = cost(tr, 100.0)
+    rest = run(10 * fast.copy_s, True, rest=True, c=fast)
     assert rest["predictor_feed_rested_share"] == 1.0 and rest["prefetches_issued"] > 0
     assert gated["tpot_ms_mean"] < always["tpot_ms_mean"]
     assert "predictor_feed_switches" not in always
