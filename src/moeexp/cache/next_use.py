@@ -499,14 +499,21 @@ class NextUseCache(CachePolicy):
     def _rest_pays(self, k: Key, v: Key | None) -> bool:
         """The gate's rule for a resting offer: :meth:`_rule` with the feed gate's
         model-free resting probability as every probability (P = Q = P(h) for ``k`` and for
-        its victim; :meth:`~moeexp.cache.feed_gate.FeedGate.rest_prob`)."""
+        its victim; :meth:`~moeexp.cache.feed_gate.FeedGate.rest_prob`). The CPU rule's
+        credit for the later passes' uses applies only where the CPU computes a miss for
+        less than a copy: where it is slower, every miss is copied anyway, so the offer
+        only moves a copy earlier and the copy rule weighs it (a resting policy has no
+        model of the later passes to set against that; at a 20 GB/s CPU the residence
+        credit let through offers that cost 2.4 %: ``experiments/regime_map/README.md``,
+        seventeenth stage)."""
         if not self.gate or self.copy_s is None or self.touch_all:
             return True
         gate = self.feed_gate
         assert gate is not None
         pk = gate.rest_prob(k)
         pv = gate.rest_prob(v) if v is not None else 0.0
-        return self._rule(k, pk, pk, v, pv, pv, self.saturation())
+        cpu = self.miss_s is not None and self.miss_s < self.copy_s
+        return self._rule(k, pk, pk, v, pv, pv, self.saturation(), cpu=cpu)
 
     def _pays(self, k: Key, v: Key | None, into_room: bool = False) -> bool:
         """The gate's second condition (module docstring); True without a cost model and
@@ -531,16 +538,19 @@ class NextUseCache(CachePolicy):
         return self._rule(k, pk, float(self.Q[k]), v, qv, pv, s)
 
     def _rule(self, k: Key, pk: float, qk: float, v: Key | None, qv: float, pv: float,
-              s: float) -> bool:
+              s: float, cpu: bool | None = None) -> bool:
         """The gate's second condition (module docstring, Prefetch gate) on given
         probabilities: ``pk``, ``qk`` the prefetch's use at its layer's next run and per
         pass after it, ``qv`` the victim's per pass, ``pv`` the victim's use while the
-        prefetch holds its slot (0 without a victim), ``s`` the link's saturation."""
+        prefetch holds its slot (0 without a victim), ``s`` the link's saturation;
+        ``cpu``: the CPU rule (None: where the execution may compute a miss on the CPU)."""
         assert self.copy_s is not None
         x = self.copy_s
         w = self.window_s if self.window_s else x
         m = self._miss()  # what a miss costs
-        if self.miss_s is None:
+        if cpu is None:
+            cpu = self.miss_s is not None
+        if not cpu:
             gain = pk * min(m, w) - (1.0 - pk) * x * s
         else:  # the CPU computes a miss: the late landing and the residence count
             L = self.num_layers

@@ -199,6 +199,15 @@ def test_a_resting_cache_offers_the_next_layers_experts_of_highest_use_rate() ->
     assert c.victim((1, 3), set(), 1) == (0, 6)  # 0.875 over a victim never used
     with pytest.raises(PrefetchRefused, match="resting offer"):
         c.victim((1, 4), set(), 1)  # never used
+    # the CPU rule (later passes' uses credited) only where the CPU computes a miss for
+    # less than a copy; where it is slower every miss is copied anyway: the copy rule
+    seen: list[bool | None] = []
+    rule = c._rule
+    c._rule = lambda *a, cpu=None: seen.append(cpu) or rule(*a, cpu=cpu)  # type: ignore
+    for miss_s in (0.5, 2.0):
+        c.set_miss_cost(miss_s)
+        c._rest_pays((1, 3), (0, 6))
+    assert seen == [True, False]
     g.fed = True
     assert c.rest_layer(0, np.array([1]), 2).tolist() == []
     off = next_use(rest_prefetch=False)
