@@ -82,7 +82,7 @@ fit) P(h) is that score itself, sum over bits of 2^-(i+1) (HybriMoE's alpha 0.5)
 :meth:`FeedGate.rest_offers` ranks a layer's experts by it; the ``next_use`` cache takes
 them as the resting predictor's next-layer offers, under its own cost rule with P(h) as the
 probabilities (``NextUseCache.rest_layer``). On the real CPU map HybriMoE's whole lead over
-on-demand LRU is that prefetch (its MRS eviction alone is LRU to 0.5 %:
+on-demand LRU is that prefetch (its MRS eviction alone is LRU to 0.4 %:
 ``experiments/regime_map/README.md``, seventeenth stage).
 
 B is an estimate that errs towards feeding: a prefetched hit counts a whole miss saved,
