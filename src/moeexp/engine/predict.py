@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from moeexp.predictors.base import Prediction, Predictor
+from moeexp.predictors.base import Prediction, Predictor, overrides
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,6 @@ _HOOKS = ("start_request", "start_iteration", "observe_layer", "end_iteration", 
 PASS_HOOKS = frozenset({"start_iteration", "observe_layer", "end_iteration"})
 #: the hooks called only while the predictor rests (``Predictor.rest_layer``)
 REST_HOOKS = frozenset({"rest_layer"})
-
-
-def overrides(predictor: Predictor, hook: str) -> bool:
-    """Whether ``predictor``'s class overrides the base-class ``hook`` (else it is a no-op)."""
-    return getattr(type(predictor), hook) is not getattr(Predictor, hook)
 
 
 class PredictorRunner:

@@ -253,6 +253,11 @@ PREDICTORS: Registry[Predictor] = Registry("predictor")
 PREDICTORS.register("none")(Predictor)
 
 
+def overrides(predictor: Predictor, hook: str) -> bool:
+    """Whether ``predictor``'s class overrides the base-class ``hook`` (else it is a no-op)."""
+    return getattr(type(predictor), hook) is not getattr(Predictor, hook)
+
+
 def topk_prefetch(layer: int, scores: np.ndarray, k: int, priority: float) -> list[Prefetch]:
     """Prefetches for the ``k`` highest ``scores`` (float[J]) of ``layer``, best first."""
     order = np.argsort(-scores, kind="stable")[:k]

@@ -46,6 +46,7 @@ from moeexp.predictors.base import (
     RequestStart,
     RestLayer,
     layer_observations,
+    overrides,
 )
 from moeexp.prefetching import PredictionSets
 from moeexp.simulator.device import Device
@@ -284,8 +285,7 @@ class Replay:
         self.psets = PredictionSets()
         self.timed = HookTimer()
         #: Predictor.rest_layer where the class has one (a resting predictor's offers)
-        self.rest = (predictor.rest_layer if type(predictor).rest_layer
-                     is not Predictor.rest_layer else None)
+        self.rest = predictor.rest_layer if overrides(predictor, "rest_layer") else None
         needs = predictor.needs
         # what observe_layer sees beyond the router's float32[T, J] probabilities: float32
         # [T, D, J] speculative gates and [T, H] hidden states, when the predictor needs them
