@@ -85,6 +85,19 @@ probabilities (``NextUseCache.rest_layer``). On the real CPU map HybriMoE's whol
 on-demand LRU is that prefetch (its MRS eviction alone is LRU to 0.4 %:
 ``experiments/regime_map/README.md``, seventeenth stage).
 
+**Against the resting policy, not LRU** (issue 27's eighteenth stage). With resting offers
+the policy the predictor would replace is no longer on-demand LRU: the offers save misses of
+their own. So the gate also measures what resting saves, g, the shadow's misses minus this
+cache's per layer over rested passes, decayed as b_long is (:data:`DECAY_LONG`), counted
+from the :data:`SETTLE`-th pass of a rest that follows a fed one (before it this cache still
+holds what the fed predictor left, which is not the resting policy's doing); the first
+window waits until g has :data:`WINDOW` passes (a predictor that pays against LRU would
+otherwise be fed for good before g is ever measured). Every test weighs the fed saving
+beyond it: a window pays if B − g·m ≥ f, it is cut short when its upper bound less
+g·m is below f, and the routes feed when ρ⁺ · r · b_short · m − g·m > f and r⁺ · b_long ·
+m − g·m > f. Without resting offers g is 0 (resting is LRU, and the difference a rest sees
+is the fed window's leftovers), and so is every run without them: bit-identical.
+
 B is an estimate that errs towards feeding: a prefetched hit counts a whole miss saved,
 though a late copy saves only part of one, and the link time that prefetches take from
 demand loads is not charged (the prefetch gate weighs that per prefetch).
@@ -113,6 +126,7 @@ DECAY = 0.9  #: per-pass decay of the bound's short average
 DECAY_LONG = 0.99  #: per-pass decay of the bound's long average
 HISTORY = 64  #: rested passes whose routing is kept for the predictor's catch-up
 REST_BITS = 6  #: rested runs of a layer whose use the resting probability reads (module doc)
+SETTLE = WINDOW  #: passes of a rest before its savings count towards g (module doc)
 
 
 class FeedGate:
@@ -128,11 +142,14 @@ class FeedGate:
             shadow's start.
         rest_table: float64[2^REST_BITS], the resting probability of each use pattern
             (:func:`fit_rest_table`); None: the decayed score (module doc).
+        rest_gain: measure g, what resting saves against the shadow, and weigh the fed
+            saving beyond it (module doc, Against the resting policy); False (a resting
+            policy that is LRU): g = 0.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  feed_s: float, miss_s: float, initial: list[Key] | None = None,
-                 rest_table: np.ndarray | None = None) -> None:
+                 rest_table: np.ndarray | None = None, rest_gain: bool = False) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
@@ -174,6 +191,12 @@ class FeedGate:
                               f"shape {np.shape(rest_table)}")
         #: float64[2^REST_BITS]: P(used at the next run | pattern) (module doc)
         self.rest_table = np.asarray(rest_table, dtype=np.float64)
+        self.measure_rest = bool(rest_gain)
+        #: g: misses per layer resting saves against the shadow, decayed (0 until measured)
+        self.rest_gain = 0.0
+        self._gain_avg = 0.0  # g before the clip at 0
+        self._gain_n = 0  # rested passes measured into g
+        self._gain_needed = WINDOW if self.measure_rest else 0  # before the first window
 
     # ---- events (the cache forwards them) -------------------------------------------
     def insert(self, key: Key) -> None:
@@ -250,12 +273,13 @@ class FeedGate:
         if self.fed:
             if self._win[2] and (self._since > WARMUP + WINDOW or self._hopeless()):
                 self._close_window()
-        elif math.isfinite(self.bound):
+        elif math.isfinite(self.bound) and self._gain_n >= self._gain_needed:
             promise = self.share * self.bound * m
-            if promise * self._kept_word() > f:
+            g = self.rest_gain * m
+            if promise * self._kept_word() - g > f:
                 self._promise = promise
                 self._switch(True)
-            elif self._since > self._rest and self._hope() * self.bound_long * m > f:
+            elif self._since > self._rest and self._hope() * self.bound_long * m - g > f:
                 self._switch(True)
         if self.fed:
             self.fed_passes += 1
@@ -288,7 +312,7 @@ class FeedGate:
         self._win = [0, 0, 0]
         self._wpass = [0, 0.0, 0.0]
         self._since = WARMUP + 1  # the pass that begins is the next window's first
-        if saving < self.feed_s:
+        if saving - self.rest_gain * self.miss_s < self.feed_s:
             self._rest = WINDOW * 2 ** self._backoff
             self._backoff = min(MAX_BACKOFF, self._backoff + 1)
             self._switch(False)
@@ -303,7 +327,7 @@ class FeedGate:
         if n < EARLY_MIN:
             return False
         mean, margin = _margin(n, *self._wpass[1:])
-        return mean + margin < self.feed_s
+        return mean + margin - self.rest_gain * self.miss_s < self.feed_s
 
     def _hope(self) -> float:
         """r⁺: 1 before two windows, then min(1, r + 2 s / √n) (module doc)."""
@@ -341,11 +365,24 @@ class FeedGate:
                 w[2] += b * b
         if not self.fed and p[2]:  # a rested pass: its routing, for the catch-up
             self._rested.append(self._used)
+            if self.measure_rest and self._warm and (not self.fed_passes
+                                                     or self._since > SETTLE):
+                self._gain((p[0] - p[1]) / p[2])
             self._used = []
         self._pass = [0, 0, 0]
         self._layer = -1
         if not self._warm and len(self.shadow) >= self.capacity:
             self._warm, self._since = True, 0  # at rest since the start: WARMUP passes of b
+
+    def _gain(self, rate: float) -> None:
+        """A settled rested pass saved ``rate`` misses per layer against the shadow: into g
+        (module doc, Against the resting policy), never below 0."""
+        self._gain_n += 1
+        if self._gain_n == 1:
+            self._gain_avg = rate
+        else:
+            self._gain_avg = DECAY_LONG * self._gain_avg + (1.0 - DECAY_LONG) * rate
+        self.rest_gain = max(0.0, self._gain_avg)
 
     def rested(self) -> list[np.ndarray]:
         """The routing of the rested passes kept since the last call, oldest first (bool[L,
@@ -370,7 +407,8 @@ class FeedGate:
                 self.resting_passes / n if n else math.nan,
                 "feed_switches": float(self.switches),
                 "feed_windows_cut": float(self.cut),
-                "feed_saving_us_per_layer": self.saving_s * 1e6}
+                "feed_saving_us_per_layer": self.saving_s * 1e6,
+                "feed_rest_gain_us_per_layer": self.rest_gain * self.miss_s * 1e6}
 
 
 def decayed_table() -> np.ndarray:

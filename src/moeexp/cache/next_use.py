@@ -252,7 +252,8 @@ class NextUseCache(CachePolicy):
                  if self.rest_prefetch and self._store is not None else None)
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
-                        initial=self.initial_residents(), rest_table=table)
+                        initial=self.initial_residents(), rest_table=table,
+                        rest_gain=self.rest_prefetch)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))

@@ -347,3 +347,43 @@ def test_the_short_route_stops_once_its_windows_do_not_keep_their_promise() -> N
     opened = [i for i in range(1, len(fed)) if fed[i] and not fed[i - 1]]
     assert len(opened) >= 9 and g._kept_word() == 1.0
     assert g.stats()["feed_rested_share"] > 0.5  # the hot stretches rest it again
+
+
+def against_rest(rest_gain: bool, feed_s: float, fed_hits: list[bool], n: int = 120
+                 ) -> tuple[FeedGate, list[bool]]:
+    """``n`` passes of :data:`CYCLE` (every access a shadow miss) through a gate that
+    weighs the fed saving against the resting policy's (``rest_gain``) or LRU's: a rested
+    pass hits one of its two accesses (resting saves 0.5 misses a layer), a fed pass hits
+    as ``fed_hits`` says."""
+    g = FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=feed_s, miss_s=1.0,
+                 rest_gain=rest_gain)
+    now, fed = 0, []
+    for i in range(n):
+        fed.append(g.pass_begins())
+        now = run_pass(g, CYCLE[i % 4], fed_hits if fed[-1] else [True, False], now)
+    return g, fed
+
+
+def test_a_fed_window_must_beat_what_resting_saves_not_lru() -> None:
+    """Eighteenth stage: with resting offers the policy a fed predictor replaces saves
+    misses of its own (g); a window pays only if its saving beyond g pays the feed."""
+    # saving what resting saves (0.5 of 1 miss a layer): against LRU it pays f = 0.3 and
+    # is fed for good; against resting it saves nothing, and its window is cut
+    _, fed = against_rest(False, 0.3, [True, False])
+    assert fed == [False] * FIRST + [True] * (len(fed) - FIRST)
+    g, fed = against_rest(True, 0.3, [True, False])
+    assert g.rest_gain == pytest.approx(0.5)
+    # g is measured on WINDOW rested passes before the first window (from the pass after
+    # the one that filled the shadow); the window is cut after EARLY_MIN, and g is
+    # measured again only SETTLE passes into the rest
+    first = 1 + WINDOW
+    assert fed[:first + WARMUP + EARLY_MIN] == [False] * first + [True] * (WARMUP + EARLY_MIN)
+    assert not any(fed[first + WARMUP + EARLY_MIN:first + WARMUP + EARLY_MIN + WINDOW])
+    assert g.stats()["feed_windows_cut"] >= 1.0
+    assert g.stats()["feed_rest_gain_us_per_layer"] == pytest.approx(0.5e6)
+    # saving every miss: 0.5 beyond resting pays f = 0.4, and it is fed for good
+    g, fed = against_rest(True, 0.4, [True, True])
+    assert fed == [False] * (1 + WINDOW) + [True] * (len(fed) - 1 - WINDOW)
+    # ... but not f = 0.6, which no predictor could earn beyond g (bound 1 - 0.5): never fed
+    g, fed = against_rest(True, 0.6, [True, True])
+    assert not any(fed) and g.windows == 0
