@@ -7,8 +7,11 @@ predictor sees exactly the sequence the simulator feeds it), and their
 :class:`~moeexp.predictors.base.Prediction` results apply when ready, as FineMoE's
 publisher/subscriber design requires: the worker calls ``on_result`` (the engine takes the
 new predictions at once and queues their prefetches) as soon as a hook returns one, and the
-engine also collects whatever is pending when it next looks (``drain``). ``asynchronous=False`` runs every hook inline instead (deterministic: used by
-tests that compare the engine with the simulator decision for decision).
+engine also collects whatever is pending when it next looks (``drain``). A resting
+predictor's ``rest_layer`` (a lookup) runs inline on the engine's thread while the worker is
+idle (:meth:`PredictorRunner.submit`). ``asynchronous=False`` runs every hook inline
+instead (deterministic: used by tests that compare the engine with the simulator decision
+for decision).
 
 An exception raised by the predictor is re-raised on the engine's thread at the next
 ``submit``/``drain``/``flush``; it is never swallowed.
@@ -31,7 +34,8 @@ _HOOKS = ("start_request", "start_iteration", "observe_layer", "end_iteration", 
           "rest_layer")
 #: the hooks of one pass, not called while the predictor rests (``Predictor.feeding``)
 PASS_HOOKS = frozenset({"start_iteration", "observe_layer", "end_iteration"})
-#: the hooks called only while the predictor rests (``Predictor.rest_layer``)
+#: the hooks called only while the predictor rests (``Predictor.rest_layer``); they run on
+#: the engine's thread when the worker is idle (:meth:`PredictorRunner.submit`)
 REST_HOOKS = frozenset({"rest_layer"})
 
 
@@ -79,11 +83,18 @@ class PredictorRunner:
         return self.active[hook] and not (self.resting and hook in PASS_HOOKS)
 
     def submit(self, hook: str, arg: Any = None, tag: Any = None) -> None:
-        """Run ``predictor.<hook>(arg)``; its Prediction (if any) is kept with ``tag``."""
+        """Run ``predictor.<hook>(arg)``; its Prediction (if any) is kept with ``tag``.
+
+        A rest hook (:data:`REST_HOOKS`: a lookup, no model) runs at once on the calling
+        thread when the worker has nothing queued or running, so the order of hooks is kept
+        and the predictor is never entered from two threads; its Prediction is taken at the
+        engine's next look (``begin_layer``, on the same layer). Handing it to the worker
+        instead costs a thread wake-up and GIL hand-offs per layer, more host time than
+        the hook itself (issue 27's eighteenth stage)."""
         self._raise_if_failed()
         if not self.wants(hook):
             return
-        if self._thread is None:
+        if self._thread is None or (hook in REST_HOOKS and not self._q.unfinished_tasks):
             self._call(hook, arg, tag)
         else:
             self._q.put((hook, arg, tag))
