@@ -140,8 +140,11 @@ class FeedGate:
             execution's miss cost changes).
         initial: keys resident before the first request (a warm cache), oldest first: the
             shadow's start.
-        rest_table: float64[2^REST_BITS], the resting probability of each use pattern
-            (:func:`fit_rest_table`); None: the decayed score (module doc).
+        rest_table: float64[2^REST_BITS] or float64[B, 2^REST_BITS], the resting
+            probability of each use pattern (in each of B store-frequency buckets:
+            :func:`fit_rest_table`); None: the decayed score (module doc).
+        rest_bucket: int[L, J], each expert's store-frequency bucket (:func:`store_buckets`),
+            the row of ``rest_table`` it reads; None: bucket 0 for all.
         rest_gain: measure g, what resting saves against the shadow, and weigh the fed
             saving beyond it (module doc, Against the resting policy); False (a resting
             policy that is LRU): g = 0.
@@ -149,7 +152,8 @@ class FeedGate:
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  feed_s: float, miss_s: float, initial: list[Key] | None = None,
-                 rest_table: np.ndarray | None = None, rest_gain: bool = False) -> None:
+                 rest_table: np.ndarray | None = None, rest_gain: bool = False,
+                 rest_bucket: np.ndarray | None = None) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
@@ -186,11 +190,23 @@ class FeedGate:
         self.history = np.zeros((num_layers, num_experts), dtype=np.uint8)
         if rest_table is None:
             rest_table = decayed_table()
-        if np.shape(rest_table) != (2 ** REST_BITS,):
-            raise ConfigError(f"feed gate: rest_table must have {2 ** REST_BITS} entries, got "
-                              f"shape {np.shape(rest_table)}")
-        #: float64[2^REST_BITS]: P(used at the next run | pattern) (module doc)
-        self.rest_table = np.asarray(rest_table, dtype=np.float64)
+        table = np.asarray(rest_table, dtype=np.float64)
+        if table.ndim == 1:
+            table = table[None, :]
+        if table.ndim != 2 or table.shape[1] != 2 ** REST_BITS:
+            raise ConfigError(f"feed gate: rest_table must have {2 ** REST_BITS} entries (per "
+                              f"bucket), got shape {np.shape(rest_table)}")
+        #: float64[B, 2^REST_BITS]: P(used at the next run | bucket, pattern) (module doc)
+        self.rest_table = table
+        bucket = (np.zeros((num_layers, num_experts), dtype=np.intp) if rest_bucket is None
+                  else np.asarray(rest_bucket, dtype=np.intp))
+        if bucket.shape != (num_layers, num_experts) or not (
+                (bucket >= 0) & (bucket < table.shape[0])).all():
+            raise ConfigError(f"feed gate: rest_bucket must be int[{num_layers}, "
+                              f"{num_experts}] in [0, {table.shape[0]}), got shape "
+                              f"{bucket.shape}")
+        #: int[L, J]: each expert's row of :attr:`rest_table`
+        self.rest_bucket = bucket
         self.measure_rest = bool(rest_gain)
         #: g: misses per layer resting saves against the shadow, decayed (0 until measured)
         self.rest_gain = 0.0
@@ -250,7 +266,20 @@ class FeedGate:
 
     def rest_prob(self, key: Key) -> float:
         """P(h): the resting probability that ``key`` is used at its layer's next run."""
-        return float(self.rest_table[self.history[key]])
+        return float(self.rest_table[self.rest_bucket[key], self.history[key]])
+
+    def rest_victim(self, allowed: Callable[[Key], bool]) -> Key | None:
+        """The resident for which ``allowed`` holds of least resting probability, the least
+        recently inserted or used among equals (the resting cache's victim under
+        ``rest_evict: prob``); None if there is none."""
+        best, best_p = None, math.inf
+        table, bucket, hist = self.rest_table, self.rest_bucket, self.history
+        for key in self.order:
+            if allowed(key):
+                p = table[bucket[key], hist[key]]
+                if p < best_p:
+                    best, best_p = key, p
+        return best
 
     def rest_offers(self, layer: int, k: int) -> np.ndarray:
         """int64[<= k]: layer ``layer``'s experts of highest resting probability, best
@@ -258,7 +287,7 @@ class FeedGate:
         :data:`REST_BITS` rested runs (module doc, What a resting policy may still
         prefetch)."""
         hist = self.history[layer]
-        p = self.rest_table[hist]
+        p = self.rest_table[self.rest_bucket[layer], hist]
         order = np.argsort(-p, kind="stable")[:k]
         return order[hist[order] > 0]
 
@@ -418,31 +447,48 @@ def decayed_table() -> np.ndarray:
     return sum(((pats >> i) & 1) * 0.5 ** (i + 1) for i in range(REST_BITS))
 
 
-def fit_rest_table(store: Trace) -> np.ndarray:
-    """float64[2^REST_BITS]: P(used at a layer's next run | its use pattern over the layer's
-    last :data:`REST_BITS` runs), from the store split's single-token passes in order (the
-    runs of one layer, consecutive across requests, as the gate sees them), over every layer
-    and expert: (uses + 1) / (cells + 2) per pattern. Store split only (ConfigError
-    otherwise)."""
+def store_buckets(counts: np.ndarray, buckets: int) -> np.ndarray:
+    """int[L, J]: each expert's store-frequency bucket, 0 the most used: its rank among all
+    L·J experts by ``counts`` (float[L, J], the store split's uses; ties: the lower layer,
+    then expert, first) times ``buckets`` over L·J."""
+    if not (isinstance(buckets, int) and buckets >= 1):
+        raise ConfigError(f"feed gate: rest buckets must be an integer >= 1, got {buckets!r}")
+    flat = np.asarray(counts, dtype=np.float64).reshape(-1)
+    rank = np.empty(flat.size, dtype=np.intp)
+    rank[np.argsort(-flat, kind="stable")] = np.arange(flat.size)
+    return (rank * buckets // flat.size).reshape(np.shape(counts))
+
+
+def fit_rest_table(store: Trace, bucket: np.ndarray | None = None) -> np.ndarray:
+    """float64[B, 2^REST_BITS]: P(used at a layer's next run | its store-frequency bucket,
+    its use pattern over the layer's last :data:`REST_BITS` runs), from the store split's
+    single-token passes in order (the runs of one layer, consecutive across requests, as the
+    gate sees them), over every layer and expert of the bucket: (uses + 1) / (cells + 2) per
+    pattern. ``bucket``: int[L, J] (:func:`store_buckets`); None: one bucket (B = 1). Store
+    split only (ConfigError otherwise)."""
     bad = [r.request_id for r in store.requests if r.split != "store"]
     if bad:
         raise ConfigError(f"feed gate: fit_rest_table() got {len(bad)} request(s) outside the "
                           f"store split (e.g. {bad[:3]}): pass trace.split('store')")
-    J = store.dims.num_experts
+    L, J = store.dims.num_layers, store.dims.num_experts
+    if bucket is None:
+        bucket = np.zeros((L, J), dtype=np.intp)
+    B = int(bucket.max()) + 1
     sizes = np.diff(store.iter_offsets)
     idx = store.topk_idx[np.repeat(sizes == 1, sizes)]  # [N, L, K]
     n = idx.shape[0]
     size = 2 ** REST_BITS
-    cells, uses = np.zeros(size), np.zeros(size)
+    cells, uses = np.zeros(B * size), np.zeros(B * size)
     for layer in range(idx.shape[1]):  # one layer at a time: [N, J] arrays
         used = np.zeros((n, J), dtype=np.int64)
         np.put_along_axis(used, idx[:, layer].astype(np.int64), 1, axis=1)
         pats = np.zeros((max(0, n - REST_BITS), J), dtype=np.int64)
         for i in range(REST_BITS):  # bit i: used i + 1 runs before
             pats |= used[REST_BITS - 1 - i:n - 1 - i] << i
-        cells += np.bincount(pats.ravel(), minlength=size)
-        uses += np.bincount(pats.ravel(), weights=used[REST_BITS:].ravel(), minlength=size)
-    return (uses + 1.0) / (cells + 2.0)
+        pats += np.asarray(bucket[layer], dtype=np.int64)[None, :] * size  # the bucket's row
+        cells += np.bincount(pats.ravel(), minlength=B * size)
+        uses += np.bincount(pats.ravel(), weights=used[REST_BITS:].ravel(), minlength=B * size)
+    return ((uses + 1.0) / (cells + 2.0)).reshape(B, size)
 
 
 def _margin(n: int, total: float, squares: float) -> tuple[float, float]:

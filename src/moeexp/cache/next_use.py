@@ -105,12 +105,13 @@ whose victim's next run comes later (the first condition alone).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from moeexp.cache.base import CACHES, CachePolicy, Key
 from moeexp.cache.belady import PrefetchRefused
-from moeexp.cache.feed_gate import FeedGate, fit_rest_table
+from moeexp.cache.feed_gate import FeedGate, fit_rest_table, store_buckets
 from moeexp.errors import ConfigError
 from moeexp.traces.schema import Trace
 
@@ -146,12 +147,17 @@ class NextUseCache(CachePolicy):
         fill: while a slot is free, ask the predictor for fills too (:meth:`fills`: experts
             likely used within a few passes, not only in this one; module doc, Fill; the
             default); False: this pass's offers alone.
+        rest_buckets: the resting probability's store-frequency buckets (B of
+            :func:`~moeexp.cache.feed_gate.fit_rest_table`); 1: one table for every expert.
+        rest_evict: the resting cache's victim: ``lru`` (the least recently used) or
+            ``prob`` (the least resting probability, LRU among equals).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
                  victim_horizon: bool = False, fill: bool = True,
-                 rest_prefetch: bool = True) -> None:
+                 rest_prefetch: bool = True, rest_buckets: int = 1,
+                 rest_evict: str = "lru") -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
@@ -161,6 +167,13 @@ class NextUseCache(CachePolicy):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
         self.victim_horizon, self.fill, self.rest_prefetch = victim_horizon, fill, rest_prefetch
+        if isinstance(rest_buckets, bool) or not isinstance(rest_buckets, int) or rest_buckets < 1:
+            raise ConfigError(f"next_use: rest_buckets must be an integer >= 1, got "
+                              f"{rest_buckets!r}")
+        if rest_evict not in ("lru", "prob"):
+            raise ConfigError(f"next_use: rest_evict must be 'lru' or 'prob', got "
+                              f"{rest_evict!r}")
+        self.rest_buckets, self.rest_evict = rest_buckets, rest_evict
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
@@ -248,12 +261,14 @@ class NextUseCache(CachePolicy):
         if self.copy_s is None:
             raise ConfigError("next_use: set_feed_cost() needs the copy time first "
                               "(set_link, from the predictor's bind)")
-        table = (fit_rest_table(self._store)
-                 if self.rest_prefetch and self._store is not None else None)
+        table = bucket = None
+        if self.rest_prefetch and self._store is not None:
+            bucket = store_buckets(self.P, self.rest_buckets)  # P: the store's use shares
+            table = fit_rest_table(self._store, bucket)
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
                         initial=self.initial_residents(), rest_table=table,
-                        rest_gain=self.rest_prefetch)
+                        rest_gain=self.rest_prefetch, rest_bucket=bucket)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))
@@ -449,7 +464,7 @@ class NextUseCache(CachePolicy):
                                       incoming)
             v = None
             if not self.has_room(incoming):
-                v = gate.lru(lambda k: k not in protected)
+                v = self._rest_victim(gate, lambda k: k not in protected)
                 if v is None:
                     raise ConfigError(f"{self.name}: no evictable expert for {incoming} "
                                       f"(capacity {self.capacity_slots} slots, "
@@ -474,14 +489,21 @@ class NextUseCache(CachePolicy):
 
     def choose(self, candidates: list[Key], incoming: Key, now: int) -> Key:
         gate = self.feed_gate
-        if gate is not None and not gate.fed:  # resting: the least recently used
+        if gate is not None and not gate.fed:  # resting: rest_evict's victim
             allowed = set(candidates)
-            v = gate.lru(allowed.__contains__)
+            v = self._rest_victim(gate, allowed.__contains__)
             if v is None:
                 raise ValueError("no candidate is resident")
             return v
         E = self.expected_next_use()
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
+
+    def _rest_victim(self, gate: FeedGate, allowed: Callable[[Key], bool]) -> Key | None:
+        """The resting cache's victim among residents ``allowed``: the least recently used,
+        or (``rest_evict: prob``, with resting offers) the least resting probability."""
+        if self.rest_evict == "prob" and self.rest_prefetch:
+            return gate.rest_victim(allowed)
+        return gate.lru(allowed)
 
     def rest_layer(self, layer: int, experts: np.ndarray, k: int) -> np.ndarray:
         """A rested pass's layer ``layer`` routed to ``experts`` (int[n]): int64[<= k], the
