@@ -16,6 +16,7 @@ from moeexp.cache.feed_gate import (
     WINDOW,
     FeedGate,
     fit_rest_table,
+    store_buckets,
 )
 from moeexp.errors import ConfigError
 from moeexp.traces.synthetic import random_trace
@@ -228,20 +229,9 @@ def test_the_resting_table_is_the_store_splits_next_use_rate_per_pattern() -> No
                       seed=3)
     store = tr.split("store")
     table = fit_rest_table(store)
-    sizes = np.diff(store.iter_offsets)
-    idx = store.topk_idx[np.repeat(sizes == 1, sizes)]
-    used = np.zeros((len(idx), 3, 6), dtype=bool)
-    for t, row in enumerate(idx):
-        for layer in range(3):
-            used[t, layer, row[layer]] = True
-    cells, uses = np.zeros(2 ** REST_BITS), np.zeros(2 ** REST_BITS)
-    for t in range(REST_BITS, len(idx)):
-        for layer in range(3):
-            for e in range(6):
-                pat = sum(int(used[t - 1 - i, layer, e]) << i for i in range(REST_BITS))
-                cells[pat] += 1
-                uses[pat] += used[t, layer, e]
-    assert cells.sum() > 100 and np.allclose(table, (uses + 1) / (cells + 2))
+    cells, want = loop_table(store, np.zeros((3, 6), dtype=int))
+    assert cells.sum() > 100 and table.shape == (1, 2 ** REST_BITS)
+    assert np.allclose(table, want)
     c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6)
     c.fit(store)
     c.set_link(copy_s=1.0, window_s=0.5)
@@ -252,6 +242,71 @@ def test_the_resting_table_is_the_store_splits_next_use_rate_per_pattern() -> No
     with pytest.raises(ConfigError, match="rest_table"):
         FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=1.0, miss_s=1.0,
                  rest_table=np.zeros(3))
+
+
+def loop_table(store, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``fit_rest_table`` by a loop over every (pass, layer, expert) cell: the cells per
+    (bucket, pattern), and the Laplace-smoothed share used next."""
+    sizes = np.diff(store.iter_offsets)
+    idx = store.topk_idx[np.repeat(sizes == 1, sizes)]
+    L, J = bucket.shape
+    used = np.zeros((len(idx), L, J), dtype=bool)
+    for t, row in enumerate(idx):
+        for layer in range(L):
+            used[t, layer, row[layer]] = True
+    B = bucket.max() + 1
+    cells, uses = np.zeros((B, 2 ** REST_BITS)), np.zeros((B, 2 ** REST_BITS))
+    for t in range(REST_BITS, len(idx)):
+        for layer in range(L):
+            for e in range(J):
+                pat = sum(int(used[t - 1 - i, layer, e]) << i for i in range(REST_BITS))
+                cells[bucket[layer, e], pat] += 1
+                uses[bucket[layer, e], pat] += used[t, layer, e]
+    return cells, (uses + 1) / (cells + 2)
+
+
+def test_store_frequency_buckets_split_the_resting_table_and_the_victim_reads_it() -> None:
+    """``store_buckets``: rank by store use (ties: the lower key), B equal parts, 0 the most
+    used; ``fit_rest_table`` with them is the loop's table per bucket; a ``next_use`` cache
+    with ``rest_buckets`` reads its rows by expert, and under ``rest_evict: prob`` a resting
+    victim is the resident of least resting probability (LRU among equals)."""
+    counts = np.array([[5.0, 1.0, 5.0], [0.0, 9.0, 2.0]])
+    assert store_buckets(counts, 2).tolist() == [[0, 1, 0], [1, 0, 1]]
+    assert store_buckets(counts, 6).tolist() == [[1, 4, 2], [5, 0, 3]]
+    assert not store_buckets(counts, 1).any()
+    with pytest.raises(ConfigError, match="buckets"):
+        store_buckets(counts, 0)
+    tr = random_trace(num_layers=3, num_experts=6, top_k=2, num_requests=10, output_len=12,
+                      seed=3)
+    store = tr.split("store")
+    c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6,
+                     rest_buckets=3, rest_evict="prob")
+    c.fit(store)
+    c.set_link(copy_s=1.0, window_s=0.5)
+    c.set_feed_cost(0.1)
+    g = c.feed_gate
+    assert g is not None
+    bucket = store_buckets(c.P, 3)
+    assert np.array_equal(g.rest_bucket, bucket) and sorted(np.bincount(bucket.ravel())) == [6] * 3
+    assert np.allclose(g.rest_table, loop_table(store, bucket)[1])
+    g.history[:] = 0
+    g.history[0, 2] = 0b1
+    assert g.rest_prob((0, 2)) == g.rest_table[bucket[0, 2], 1]
+    for k in [(0, 2), (1, 1), (1, 4), (2, 0)]:
+        c.on_insert(k, 0, False)
+    probs = {k: g.rest_prob(k) for k in g.order}
+    low = min(probs.values())
+    first_low = next(k for k in g.order if probs[k] == low)
+    assert first_low != next(iter(g.order))  # not the least recently used
+    assert c.victim((2, 5), {(2, 5)}, 1) == first_low
+    assert c.choose(list(g.order), (2, 5), 1) == first_low
+    with pytest.raises(ConfigError, match="rest_evict"):
+        next_use(rest_evict="lfu")
+    with pytest.raises(ConfigError, match="rest_buckets"):
+        next_use(rest_buckets=0)
+    with pytest.raises(ConfigError, match="rest_bucket"):
+        FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=1.0, miss_s=1.0,
+                 rest_bucket=np.ones((2, 8), dtype=int))
 
 
 def test_a_burst_of_misses_does_not_buy_a_window() -> None:
