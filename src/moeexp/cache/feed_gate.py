@@ -282,10 +282,12 @@ class FeedGate:
         return best
 
     def rest_offers(self, layer: int, k: int) -> np.ndarray:
-        """int64[<= k]: layer ``layer``'s experts of highest resting probability, best
-        first (ties: the lower expert), among those used at one of its last
-        :data:`REST_BITS` rested runs (module doc, What a resting policy may still
-        prefetch)."""
+        """int64[<= k]: of layer ``layer``'s k experts of highest resting probability (best
+        first; ties: the lower expert), those used at one of its last :data:`REST_BITS`
+        rested runs (module doc, What a resting policy may still prefetch). With
+        store-frequency buckets a hot expert idle that long may rank among the k; it is
+        not offered (under ``rest_evict: prob`` it is most likely resident anyway), so a
+        layer may get fewer than k offers."""
         hist = self.history[layer]
         p = self.rest_table[self.rest_bucket[layer], hist]
         order = np.argsort(-p, kind="stable")[:k]

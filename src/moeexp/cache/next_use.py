@@ -148,16 +148,19 @@ class NextUseCache(CachePolicy):
             likely used within a few passes, not only in this one; module doc, Fill; the
             default); False: this pass's offers alone.
         rest_buckets: the resting probability's store-frequency buckets (B of
-            :func:`~moeexp.cache.feed_gate.fit_rest_table`); 1: one table for every expert.
-        rest_evict: the resting cache's victim: ``lru`` (the least recently used) or
-            ``prob`` (the least resting probability, LRU among equals).
+            :func:`~moeexp.cache.feed_gate.fit_rest_table`; 4, the default since issue
+            27's eighteenth stage); 1: one table for every expert (the seventeenth stage).
+        rest_evict: the resting cache's victim: ``prob`` (the least resting probability,
+            LRU among equals; the default since the eighteenth stage) or ``lru`` (the least
+            recently used; the seventeenth stage). Either way, with ``rest_prefetch`` off a
+            resting cache is LRU.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
                  victim_horizon: bool = False, fill: bool = True,
-                 rest_prefetch: bool = True, rest_buckets: int = 1,
-                 rest_evict: str = "lru") -> None:
+                 rest_prefetch: bool = True, rest_buckets: int = 4,
+                 rest_evict: str = "prob") -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),

@@ -232,7 +232,8 @@ def test_the_resting_table_is_the_store_splits_next_use_rate_per_pattern() -> No
     cells, want = loop_table(store, np.zeros((3, 6), dtype=int))
     assert cells.sum() > 100 and table.shape == (1, 2 ** REST_BITS)
     assert np.allclose(table, want)
-    c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6)
+    c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6,
+                     rest_buckets=1)
     c.fit(store)
     c.set_link(copy_s=1.0, window_s=0.5)
     c.set_feed_cost(0.1)
@@ -300,6 +301,13 @@ def test_store_frequency_buckets_split_the_resting_table_and_the_victim_reads_it
     assert first_low != next(iter(g.order))  # not the least recently used
     assert c.victim((2, 5), {(2, 5)}, 1) == first_low
     assert c.choose(list(g.order), (2, 5), 1) == first_low
+    # a hot expert idle for REST_BITS runs may rank among the top k; it is not offered
+    hot = FeedGate(capacity_slots=2, num_layers=2, num_experts=4, feed_s=1.0, miss_s=1.0,
+                   rest_table=np.stack([np.full(2 ** REST_BITS, 0.9),
+                                        np.linspace(0.0, 0.5, 2 ** REST_BITS)]),
+                   rest_bucket=np.array([[0, 1, 1, 1], [0, 1, 1, 1]]))
+    hot.history[1] = [0, 1, 3, 0]
+    assert hot.rest_offers(1, 2).tolist() == [2] and hot.rest_offers(1, 3).tolist() == [2, 1]
     with pytest.raises(ConfigError, match="rest_evict"):
         next_use(rest_evict="lfu")
     with pytest.raises(ConfigError, match="rest_buckets"):

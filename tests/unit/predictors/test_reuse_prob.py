@@ -251,11 +251,12 @@ def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_witho
         assert a == b or (a != a and b != b), k  # NaN where undefined
 
 
-def resting_pair(tr):  # type: ignore[no-untyped-def]
-    """``reuse_prob`` bound to a fitted ``next_use`` cache (8 slots) with a feed cost of 1 s a
-    layer, so its gate starts resting."""
+def resting_pair(tr, **cache_kw):  # type: ignore[no-untyped-def]
+    """``reuse_prob`` bound to a fitted ``next_use`` cache (8 slots, ``cache_kw`` its
+    options) with a feed cost of 1 s a layer, so its gate starts resting."""
     pred = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2)
-    cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+    cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8,
+                         **cache_kw)
     pred.fit(tr.split("store"))
     cache.fit(tr.split("store"))
     pred.bind(cost(tr, 1.0), [cache])
@@ -268,7 +269,7 @@ def test_a_rested_layer_passes_on_the_caches_next_layer_offers_in_decode_only() 
     patterns and, in a one-token pass, offers the cache's top ``top_k`` of the next layer
     by resting probability (experts used lately only; priority below 1, best first); in a
     prefill it folds the routing and offers nothing."""
-    p, c = resting_pair(trace())
+    p, c = resting_pair(trace(), rest_buckets=1)  # one table: P(0) ranks last
     assert not p.feeding()  # the gate starts resting
     assert p.rest_layer(RestLayer(2, 1, np.array([4, 6]))).prefetch == []  # layer 3 unseen
     assert p.rest_layer(RestLayer(3, 5, np.array([1, 5, 7]))).prefetch == []  # a prefill
