@@ -56,8 +56,10 @@ A window whose passes could still pay runs its 16 passes.
 
 While it rests the cache evicts the least recently used expert (:meth:`FeedGate.lru`: the
 cache's residents in the order of their last insert or use, as ``lru`` keeps them; the
-predictor's probabilities are stale), so a resting ``prefetch_if_pays`` is on-demand LRU
-exactly, decision for decision, on the simulator and on the engine (whose access clock is
+predictor's probabilities are stale), or by default the resident of least resting
+probability, LRU among equals (:meth:`FeedGate.rest_victim`, ``rest_evict: prob``; below,
+eighteenth stage). With ``rest_prefetch`` off it is LRU, so a resting ``prefetch_if_pays``
+is on-demand LRU exactly, decision for decision, on the simulator and on the engine (whose access clock is
 not the order of events: a layer's hits are used before its demand loads but ranked by
 expert). It also keeps the routing of the last :data:`HISTORY` rested passes
 (:meth:`FeedGate.rested`: bool[L, J] each, from the accesses it sees anyway), which the
@@ -84,6 +86,13 @@ them as the resting predictor's next-layer offers, under its own cost rule with 
 probabilities (``NextUseCache.rest_layer``). On the real CPU map HybriMoE's whole lead over
 on-demand LRU is that prefetch (its MRS eviction alone is LRU to 0.4 %:
 ``experiments/regime_map/README.md``, seventeenth stage).
+
+**Store-frequency buckets** (eighteenth stage). The table may have a row per bucket b of
+the experts' store-split use (:func:`store_buckets`: quarters of the L·J experts by rank
+with ``rest_buckets: 4``, the default), P(b, h), so an expert the store used often keeps a
+higher probability through a few idle runs (kTransformers' frequency pinning) and a rarely
+used one a lower one after a single use. Under ``rest_evict: prob`` the resting victim is
+the resident of least P(b, h).
 
 **Against the resting policy, not LRU** (issue 27's eighteenth stage). With resting offers
 the policy the predictor would replace is no longer on-demand LRU: the offers save misses of

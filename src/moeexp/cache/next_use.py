@@ -75,13 +75,16 @@ gates.
 **Whether to run the predictor at all** (:meth:`set_feed_cost`, issue 27's eleventh stage):
 where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
-on the same accesses) are worth less than that cost; resting, the cache evicts the least
-recently used. No feed cost, no gate. Resting, it still takes the next layer's experts of
+on the same accesses, less what resting itself saves against it) are worth less than that
+cost; resting, the cache evicts the resident of least model-free probability of use, the
+least recently used among equals (``rest_evict: prob``, the default; ``lru``: the least
+recently used). No feed cost, no gate. Resting, it still takes the next layer's experts of
 highest model-free probability of use (the gate's lookup of each expert's use at its layer's
 last rested runs, calibrated on the store split: :func:`moeexp.cache.feed_gate.
 fit_rest_table`; offered as HybriMoE's score-ranked prefetch is) as prefetches under the gate
 below with that probability (``rest_prefetch``, the default; :meth:`rest_layer`), so a
-rested policy is LRU plus the prefetches that pay on that estimate, not LRU alone.
+rested policy is eviction by that estimate plus the prefetches that pay on it, not LRU
+(with ``rest_prefetch`` off, it is LRU exactly).
 
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
