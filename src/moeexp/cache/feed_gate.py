@@ -94,7 +94,10 @@ higher probability through a few idle runs (kTransformers' frequency pinning) an
 used one a lower one after a single use. Under ``rest_evict: prob`` the resting victim is
 the resident of least P(b, h).
 
-**Against the resting policy, not LRU** (issue 27's eighteenth stage). With resting offers
+**Against the resting policy, not LRU** (issue 27's eighteenth stage; ``rest_gain``, the
+``next_use`` option ``rest_baseline``, off by default: on the embedded CPU map it rested the
+predictor where feeding it paid, +1.7 % and +2.1 % TPOT at two points, and changed nothing
+at the other six; ``experiments/regime_map/README.md``). With resting offers
 the policy the predictor would replace is no longer on-demand LRU: the offers save misses of
 their own. So the gate also measures what resting saves, g, the shadow's misses minus this
 cache's per layer over rested passes, decayed as b_long is (:data:`DECAY_LONG`), counted

@@ -75,8 +75,8 @@ gates.
 **Whether to run the predictor at all** (:meth:`set_feed_cost`, issue 27's eleventh stage):
 where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
-on the same accesses, less what resting itself saves against it) are worth less than that
-cost; resting, the cache evicts the resident of least model-free probability of use, the
+on the same accesses; ``rest_baseline``: less what resting itself saves against it) are
+worth less than that cost; resting, the cache evicts the resident of least model-free probability of use, the
 least recently used among equals (``rest_evict: prob``, the default; ``lru``: the least
 recently used). No feed cost, no gate. Resting, it still takes the next layer's experts of
 highest model-free probability of use (the gate's lookup of each expert's use at its layer's
@@ -157,18 +157,22 @@ class NextUseCache(CachePolicy):
             LRU among equals; the default since the eighteenth stage) or ``lru`` (the least
             recently used; the seventeenth stage). Either way, with ``rest_prefetch`` off a
             resting cache is LRU.
+        rest_baseline: the feed gate weighs a fed window's saving beyond what resting with
+            offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_gain``), not
+            against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
+            rested the predictor where feeding it paid).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
                  victim_horizon: bool = False, fill: bool = True,
                  rest_prefetch: bool = True, rest_buckets: int = 4,
-                 rest_evict: str = "prob") -> None:
+                 rest_evict: str = "prob", rest_baseline: bool = False) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
                          ("victim_horizon", victim_horizon), ("fill", fill),
-                         ("rest_prefetch", rest_prefetch)):
+                         ("rest_prefetch", rest_prefetch), ("rest_baseline", rest_baseline)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
@@ -180,6 +184,7 @@ class NextUseCache(CachePolicy):
             raise ConfigError(f"next_use: rest_evict must be 'lru' or 'prob', got "
                               f"{rest_evict!r}")
         self.rest_buckets, self.rest_evict = rest_buckets, rest_evict
+        self.rest_baseline = rest_baseline
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
@@ -274,7 +279,8 @@ class NextUseCache(CachePolicy):
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
                         initial=self.initial_residents(), rest_table=table,
-                        rest_gain=self.rest_prefetch, rest_bucket=bucket)
+                        rest_gain=self.rest_prefetch and self.rest_baseline,
+                        rest_bucket=bucket)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))
