@@ -172,6 +172,10 @@ class ReuseProbability(Predictor):
         self._ev = 0  # which of them this pass uses (start_iteration)
         self._fol: tuple[int, np.ndarray] | None = None  # (layer, follow column): _next_p
         self._feed_s = 0.0  # set_feed_cost: host seconds per layer fed
+        #: preview_pass of a one-token pass with the kNN: (the observations previewed, every
+        #: layer's kNN rows float64[L, H1, J] and ahead rows float64[L, D, J]); None: none
+        self._pv: tuple[Sequence[LayerObservation], np.ndarray, np.ndarray] | None = None
+        self._pv_layer = -1  # the layer whose kNN rows came from the preview (-1: none)
 
     # ---- learning ---------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -314,6 +318,7 @@ class ReuseProbability(Predictor):
                 self._knn_rows[:] = self.models.knn.prior
         self._lstate.step = int(ctx.step)
         self._window_set = False
+        self._pv, self._pv_layer = None, -1
         self._qpass = self._wpass = None  # once per pass (_hand_later, _hand_within)
         if self._cost is not None:
             prompt = sum(self._prompt_len.get(int(r), 0) for r in ctx.request_ids)
@@ -350,7 +355,7 @@ class ReuseProbability(Predictor):
         used[obs.experts] = 1.0
         self.state.update(layer, used)
         if self._kind == 0 and self.models.knn is not None:
-            self._knn_rows[:, layer] = self.models.knn.observe(layer, np.asarray(obs.experts))
+            self._knn_rows[:, layer] = self._knn_observe(obs)
         if self._lrb is not None:
             self._lstate.update(layer, used)
             dist = self._lrb.lookup(self._lstate, layer)  # float64[J], passes
@@ -367,7 +372,8 @@ class ReuseProbability(Predictor):
                 extra = carried(counts, self._from[layer])  # [n, J]
             ka = None  # float64[n, J]: the neighbours' use of the layers ahead (knn_ahead)
             if self.knn_ahead and self._kind == 0:
-                ka = self.models.knn.ahead(layer, n)  # type: ignore[union-attr]
+                ka = (self._pv[2][layer, :n] if self._pv_layer == layer  # type: ignore[index]
+                      else self.models.knn.ahead(layer, n))  # type: ignore[union-attr]
             p = self._ahead(layer, n, extra, obs.spec_probs, ka)
             for d in range(n):
                 scores[layer + 1 + d] = p[d]
@@ -382,6 +388,40 @@ class ReuseProbability(Predictor):
         self._query_ns += time.perf_counter_ns() - t0
         self._queries += 1
         return out
+
+    previews = True  # preview_pass batches a one-token pass's kNN queries
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        """Speed hook (:meth:`Predictor.preview_pass`): in a one-token pass with the kNN,
+        every layer's trajectory kNN rows and ahead rows at once
+        (:meth:`~moeexp.predictors.trajectory_index.TrajectoryIndex.token_rows`, bit-identical
+        to the per-layer queries), which :meth:`observe_layer` reads for the observations
+        previewed (:meth:`_knn_observe`); nothing otherwise."""
+        self._pv, self._pv_layer = None, -1
+        knn = None if self.models is None else self.models.knn
+        if knn is None or self._kind != 0 or len(obs) != self.dims.num_layers \
+                or len({len(o.experts) for o in obs}) != 1:
+            return
+        rows, ahead = knn.token_rows(np.array([o.experts for o in obs], dtype=np.int64),
+                                     self._reach[0])
+        self._pv = (obs, rows, ahead)
+
+    def _knn_observe(self, obs: LayerObservation) -> np.ndarray:
+        """float64[H1, J]: the kNN rows of ``obs``'s layer in a one-token pass: the preview's
+        where ``obs`` is the observation previewed, else the index's query (the index first
+        catching up on the layers the preview served, as its per-layer state needs them)."""
+        knn, pv, layer = self.models.knn, self._pv, obs.layer  # type: ignore[union-attr]
+        assert knn is not None
+        if pv is not None:
+            if pv[0][layer] is obs:
+                self._pv_layer = layer
+                return pv[1][layer]
+            self._pv = None  # not what was previewed: the index answers from here on
+            knn.begin()
+            for o in pv[0][:layer]:
+                knn.observe(o.layer, np.asarray(o.experts))
+        self._pv_layer = -1
+        return knn.observe(layer, np.asarray(obs.experts))
 
     def _ahead(self, layer: int, n: int, extra: np.ndarray,
                spec: np.ndarray | None = None, ka: np.ndarray | None = None) -> np.ndarray:

@@ -80,6 +80,11 @@ class TrajectoryIndex:
         self._nn = np.zeros(0, dtype=np.int64)  # observe's neighbours (rows of this index)
         #: _walk's last request: (request, its other tokens' rows int[M], cols float32[L, J, M])
         self._sub: tuple[int, np.ndarray, np.ndarray] | None = None
+        #: token_rows' tables by depth: uint8[L * N, (H1 + depth) * J], row l * N + i: token
+        #: i's target rows at layer l, then its own use of layers l + 1 .. l + depth (0 past L)
+        self._rows: dict[int, np.ndarray] = {}
+        #: token_rows' minus overlaps, float32[L, N]: row l after layers 0..l
+        self._negs = np.zeros((L, len(used)), dtype=np.float32)
 
     def __len__(self) -> int:
         return len(self.request)
@@ -107,6 +112,57 @@ class TrajectoryIndex:
         if not self.k:
             return self.use[rows].copy()
         return self._ahead_shares(self._nn, layer, n)
+
+    def token_rows(self, experts: np.ndarray, depth: int) -> tuple[np.ndarray, np.ndarray]:
+        """A whole decode token's queries at once (a speed hook for a replay that knows the
+        token's routing of every layer in advance): ``experts`` int[L, K], each layer's
+        routed experts; (float64[L, H1, J], float64[L, depth, J]): row l of the first is
+        :meth:`observe` of layer l after :meth:`begin` and layers 0..l - 1, row l of the
+        second :meth:`ahead` (l, n) in its first n = min(depth, L - 1 - l) rows (0 after).
+
+        Bit-identical to those calls: the same integer overlaps (exact in float32, so their
+        order of summation does not matter), each layer's neighbours by one argpartition of
+        the same float32[N] row (one call over the [L, N] rows, row by row), the same sums
+        over the same neighbours. The state :meth:`observe` keeps is left as it was."""
+        L, J = self.use.shape
+        if not self.k:
+            ahead = np.zeros((L, depth, J))
+            for d in range(depth):
+                ahead[:L - 1 - d, d] = self.use[d + 1:]
+            return np.moveaxis(self.prior, 0, 1).copy(), ahead
+        negs, cols = self._negs, self.cols
+        prev = np.zeros(len(self), dtype=np.float32)
+        for layer, row in enumerate(experts.tolist()):  # K in-place subtractions per layer
+            out = negs[layer]
+            if row:
+                np.subtract(prev, cols[layer, row[0]], out=out)
+            else:  # no expert routed (not a decode token's layer, but defined)
+                out[:] = prev
+            for e in row[1:]:
+                np.subtract(out, cols[layer, e], out=out)
+            prev = out
+        nn = negs.argpartition(self.k - 1, axis=1)[:, :self.k]  # [L, k]
+        table = self._rows.get(depth)
+        if table is None:
+            table = self._rows[depth] = self._row_table(depth)
+        nn += np.arange(0, L * len(self), len(self))[:, None]
+        got = np.add.reduce(table[nn.ravel()].reshape(L, self.k, -1), axis=1,
+                            dtype=np.float64) / self.k  # [L, (H1 + depth) * J]
+        H1 = self.tgt.shape[2]
+        return (got[:, :H1 * J].reshape(L, H1, J), got[:, H1 * J:].reshape(L, depth, J))
+
+    def _row_table(self, depth: int) -> np.ndarray:
+        """uint8[L * N, (H1 + depth) * J]: row l * N + i holds token i's :attr:`tgt` at
+        layer l, then its own use (:attr:`_used`) of layers l + 1 .. l + depth (0 past the
+        last layer): what :meth:`token_rows` sums over each layer's neighbours."""
+        N, L, H1, J = self.tgt.shape
+        used = np.zeros((N, L + depth, J), dtype=np.uint8)
+        used[:, :L] = self._used
+        table = np.empty((L, N, (H1 + depth) * J), dtype=np.uint8)
+        for layer in range(L):
+            table[layer, :, :H1 * J] = self.tgt[:, layer].reshape(N, -1)
+            table[layer, :, H1 * J:] = used[:, layer + 1:layer + 1 + depth].reshape(N, -1)
+        return table.reshape(L * N, -1)
 
     def _shares(self, nn: np.ndarray, layer: int) -> np.ndarray:
         """float64[H1, J]: the share of the tokens ``nn`` (int[k] rows) whose next token used

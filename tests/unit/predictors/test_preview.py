@@ -50,6 +50,11 @@ CASES = [
     ({"name": "emoe", "steps": 20, "period": 1}, "emoe"),
     ({"name": "emoe", "steps": 20, "period": 2}, "emoe"),
     ({"name": "emoe", "steps": 20, "period": 1, "variant": "emoe_a"}, "emoe"),
+    # reuse_prob: its one-token passes' trajectory kNN, with and without each kNN column
+    ({"name": "reuse_prob", "depth": 2}, "next_use"),
+    ({"name": "reuse_prob", "depth": 3, "knn_within": False}, "next_use"),
+    ({"name": "reuse_prob", "depth": 1, "knn_ahead": False, "horizon": False}, "next_use"),
+    ({"name": "reuse_prob", "depth": 2, "knn": False}, "next_use"),
 ]
 
 

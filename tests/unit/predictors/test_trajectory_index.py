@@ -131,3 +131,43 @@ def test_the_online_query_picks_the_fit_walks_neighbours_among_tied_overlaps() -
             k = min(3, L - 1 - layer)
             if k:
                 assert np.array_equal(idx.ahead(layer, k), fa[:k, layer])
+
+
+def test_token_rows_are_every_layers_observe_and_ahead_bit_for_bit() -> None:
+    """The whole-token query (a replay's preview) gives, layer by layer, exactly what
+    observe and ahead give after begin, among overlaps tied by the hundred; the per-layer
+    state is left alone; an empty index gives the prior and the popularity."""
+    rng = np.random.default_rng(5)
+    n, L, J, K, depth = 900, 7, 8, 2, 3
+    used = _onehot(np.argsort(rng.random((n, L, J)), axis=2)[..., :K], J)
+    wait = rng.integers(0, 5, size=used.shape)
+    idx = TrajectoryIndex(used, np.roll(used, -1, axis=0), np.arange(n) // 10, wait=wait,
+                          horizons=(2, 4))
+    for token in rng.integers(0, n, size=6):  # a store token's routing, then a random one
+        for experts in (np.argsort(~used[token], axis=1, kind="stable")[:, :K],
+                        np.argsort(rng.random((L, J)), axis=1)[:, :K]):
+            _check_token_rows(idx, experts, depth)
+    empty = TrajectoryIndex(np.zeros((0, 3, J), bool), np.zeros((0, 3, J), bool),
+                            np.zeros(0, int))
+    rows, ahead = empty.token_rows(np.zeros((3, K), dtype=np.int64), 2)
+    assert np.array_equal(rows, np.moveaxis(empty.prior, 0, 1))
+    assert np.array_equal(ahead[0], empty.use[1:3]) and np.array_equal(ahead[1, :1],
+                                                                       empty.use[2:])
+    assert not ahead[1, 1:].any() and not ahead[2].any()
+
+
+def _check_token_rows(idx: TrajectoryIndex, experts: np.ndarray, depth: int) -> None:
+    """token_rows of ``experts`` (int[L, K]) == begin, then observe and ahead per layer."""
+    L, J = idx.use.shape
+    rows, ahead = idx.token_rows(experts, depth)
+    assert rows.shape == (L, 1 + len(idx.horizons), J) and ahead.shape == (L, depth, J)
+    idx.begin()
+    for layer in range(L):
+        assert np.array_equal(idx.observe(layer, np.sort(experts[layer])), rows[layer])
+        k = min(depth, L - 1 - layer)
+        assert np.array_equal(idx.ahead(layer, k), ahead[layer, :k])
+        assert not ahead[layer, k:].any()
+    idx.begin()  # another token's whole query between two layers: observe's state kept
+    idx.observe(0, experts[0])
+    idx.token_rows(experts[::-1], depth)
+    assert np.array_equal(idx.observe(1, experts[1]), rows[1])
