@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -65,6 +66,23 @@ from moeexp.traces.schema import Trace, TraceDims
 
 #: ``next_model`` values
 NEXT_MODELS = ("logistic", "logistic_no_follow", "logistic_no_recency", "lrb")
+
+
+@dataclass
+class _KnnPreview:
+    """A one-token pass's trajectory kNN, every layer at once (:meth:`ReuseProbability.
+    preview_pass`): ``obs`` the observations previewed; ``rows`` float64[L, H1, J] the kNN
+    rows (:meth:`~moeexp.predictors.trajectory_index.TrajectoryIndex.observe` of each
+    layer); and the kNN terms of the models' logits, each the product the per-layer code
+    makes, for every layer: ``next`` float64[L, J] (``_next_p``), ``ahead`` float64[L, D,
+    J] (``_ahead``, with ``knn_ahead``; row d of layer l: layer l + 1 + d) and ``within``
+    float64[L, H, J] (``_within``, with the kNN's within shares); None where not read."""
+
+    obs: Sequence[LayerObservation]
+    rows: np.ndarray
+    next: np.ndarray
+    ahead: np.ndarray | None
+    within: np.ndarray | None
 
 
 @PREDICTORS.register("reuse_prob")
@@ -172,10 +190,10 @@ class ReuseProbability(Predictor):
         self._ev = 0  # which of them this pass uses (start_iteration)
         self._fol: tuple[int, np.ndarray] | None = None  # (layer, follow column): _next_p
         self._feed_s = 0.0  # set_feed_cost: host seconds per layer fed
-        #: preview_pass of a one-token pass with the kNN: (the observations previewed, every
-        #: layer's kNN rows float64[L, H1, J] and ahead rows float64[L, D, J]); None: none
-        self._pv: tuple[Sequence[LayerObservation], np.ndarray, np.ndarray] | None = None
-        self._pv_layer = -1  # the layer whose kNN rows came from the preview (-1: none)
+        self._pv: _KnnPreview | None = None  # preview_pass of a one-token pass with the kNN
+        #: the layer whose kNN rows and terms come from the preview (-1: none): the logits'
+        #: kNN terms are read from it at that layer (_next_p, _ahead, _within)
+        self._pv_layer = -1
 
     # ---- learning ---------------------------------------------------------------------
     def fit(self, store: Trace) -> None:
@@ -371,9 +389,8 @@ class ReuseProbability(Predictor):
             else:
                 extra = carried(counts, self._from[layer])  # [n, J]
             ka = None  # float64[n, J]: the neighbours' use of the layers ahead (knn_ahead)
-            if self.knn_ahead and self._kind == 0:
-                ka = (self._pv[2][layer, :n] if self._pv_layer == layer  # type: ignore[index]
-                      else self.models.knn.ahead(layer, n))  # type: ignore[union-attr]
+            if self.knn_ahead and self._kind == 0 and self._pv_layer != layer:
+                ka = self.models.knn.ahead(layer, n)  # type: ignore[union-attr]
             p = self._ahead(layer, n, extra, obs.spec_probs, ka)
             for d in range(n):
                 scores[layer + 1 + d] = p[d]
@@ -402,9 +419,14 @@ class ReuseProbability(Predictor):
         if knn is None or self._kind != 0 or len(obs) != self.dims.num_layers \
                 or len({len(o.experts) for o in obs}) != 1:
             return
-        rows, ahead = knn.token_rows(np.array([o.experts for o in obs], dtype=np.int64),
-                                     self._reach[0])
-        self._pv = (obs, rows, ahead)
+        D = self._reach[0]
+        rows, ahead = knn.token_rows(np.array([o.experts for o in obs], dtype=np.int64), D)
+        nxt, wcoef, _, _ = self._evict[self._ev]
+        self._pv = _KnnPreview(
+            obs, rows, nxt.coef[-1] * rows[:, 0],
+            self._coef[0][:D, -1, None] * ahead if self.knn_ahead else None,
+            wcoef[:, -1, None] * (rows[:, 1:] - rows[:, :1])
+            if rows.shape[1] > 1 and len(wcoef) else None)
 
     def _knn_observe(self, obs: LayerObservation) -> np.ndarray:
         """float64[H1, J]: the kNN rows of ``obs``'s layer in a one-token pass: the preview's
@@ -413,12 +435,12 @@ class ReuseProbability(Predictor):
         knn, pv, layer = self.models.knn, self._pv, obs.layer  # type: ignore[union-attr]
         assert knn is not None
         if pv is not None:
-            if pv[0][layer] is obs:
+            if pv.obs[layer] is obs:
                 self._pv_layer = layer
-                return pv[1][layer]
+                return pv.rows[layer]
             self._pv = None  # not what was previewed: the index answers from here on
             knn.begin()
-            for o in pv[0][:layer]:
+            for o in pv.obs[:layer]:
                 knn.observe(o.layer, np.asarray(o.experts))
         self._pv_layer = -1
         return knn.observe(layer, np.asarray(obs.experts))
@@ -444,8 +466,11 @@ class ReuseProbability(Predictor):
             sf = spec_features(spec[:, :m], self.dims.top_k)  # [m, J, 2]
             z[:m] += coef[:m, 5, None] * sf[..., 0] + coef[:m, 6, None] * sf[..., 1]
         if self.knn_ahead:  # the last feature
-            z += coef[:n, -1, None] * (ka if ka is not None
-                                       else self.models.knn.use[rows])  # type: ignore[union-attr]
+            if self._pv_layer == layer:  # previewed: the same products, made for the pass
+                z += self._pv.ahead[layer, :n]  # type: ignore[union-attr,index]
+            else:
+                z += coef[:n, -1, None] * (ka if ka is not None
+                                           else self.models.knn.use[rows])  # type: ignore[union-attr]
         return sigmoid(z)
 
     def _next_p(self, rows: slice | int, unused: bool = False) -> np.ndarray:
@@ -467,8 +492,11 @@ class ReuseProbability(Predictor):
         if len(c) >= 5:
             z += c[4] * np.log(rec)
         if knn:  # the last coefficient (the follow one before it)
-            z += c[-1] * (m.knn.prior[0, rows] if unused  # type: ignore[union-attr]
-                          else self._knn_rows[0, rows])
+            if rows == self._pv_layer and not unused:  # previewed: the same product
+                z += self._pv.next[rows]  # type: ignore[union-attr]
+            else:
+                z += c[-1] * (m.knn.prior[0, rows] if unused  # type: ignore[union-attr]
+                              else self._knn_rows[0, rows])
         if m.follow is not None:  # the last coefficient, or the one before the kNN's
             fol = m.follow.prior[rows] if unused else m.follow.feature(f[0, rows], rows)
             z += c[-1 - int(knn)] * fol
@@ -506,7 +534,10 @@ class ReuseProbability(Predictor):
         if z.ndim == 3:  # [H, J, L] -> [H, L, J]
             z = z.transpose(0, 2, 1)
         if knn is not None and len(knn) > 1:  # each h its own share in the kNN column
-            z = z + wcoef[:, -1].reshape((-1,) + (1,) * (z.ndim - 1)) * (knn[1:] - knn[0])
+            if rows == self._pv_layer and not unused:  # previewed: the same products
+                z = z + self._pv.within[rows]  # type: ignore[union-attr,index]
+            else:
+                z = z + wcoef[:, -1].reshape((-1,) + (1,) * (z.ndim - 1)) * (knn[1:] - knn[0])
         return sigmoid(z + wicpt.reshape((-1,) + (1,) * (z.ndim - 1)))
 
     def _hand_within(self, layer: int, ahead: np.ndarray | None) -> np.ndarray | None:
