@@ -31,6 +31,7 @@ import numpy as np
 
 NEIGHBOURS = 8  #: store tokens averaged
 MAX_ROWS = 8192  #: store tokens kept (a seeded sample beyond): bounds a query's work
+MEMO_MAX = 1 << 15  #: routing prefixes whose neighbours :meth:`TrajectoryIndex.token_rows` keeps
 
 
 class TrajectoryIndex:
@@ -85,6 +86,10 @@ class TrajectoryIndex:
         self._rows: dict[int, np.ndarray] = {}
         #: token_rows' minus overlaps, float32[L, N]: row l after layers 0..l
         self._negs = np.zeros((L, len(used)), dtype=np.float32)
+        #: token_rows' neighbours (int64[k]) of routing prefixes seen, by K, then by the bytes
+        #: of the int64[l + 1, K] prefix: the same prefix, the same overlaps, the same
+        #: argpartition
+        self._memo: dict[int, dict[bytes, np.ndarray]] = {}
 
     def __len__(self) -> int:
         return len(self.request)
@@ -122,7 +127,8 @@ class TrajectoryIndex:
 
         Bit-identical to those calls: the same integer overlaps (exact in float32, so their
         order of summation does not matter), each layer's neighbours by one argpartition of
-        the same float32[N] row (one call over the [L, N] rows, row by row), the same sums
+        the same float32[N] row (one call over the [L, N] rows, row by row; a routing prefix
+        seen before gives the neighbours it gave then: :meth:`_neighbours`), the same sums
         over the same neighbours. The state :meth:`observe` keeps is left as it was."""
         L, J = self.use.shape
         if not self.k:
@@ -130,6 +136,34 @@ class TrajectoryIndex:
             for d in range(depth):
                 ahead[:L - 1 - d, d] = self.use[d + 1:]
             return np.moveaxis(self.prior, 0, 1).copy(), ahead
+        nn = self._neighbours(np.ascontiguousarray(experts, dtype=np.int64))  # [L, k]
+        table = self._rows.get(depth)
+        if table is None:
+            table = self._rows[depth] = self._row_table(depth)
+        nn += np.arange(0, L * len(self), len(self))[:, None]
+        got = np.add.reduce(table[nn.ravel()].reshape(L, self.k, -1), axis=1,
+                            dtype=np.float64) / self.k  # [L, (H1 + depth) * J]
+        H1 = self.tgt.shape[2]
+        return (got[:, :H1 * J].reshape(L, H1, J), got[:, H1 * J:].reshape(L, depth, J))
+
+    def _neighbours(self, experts: np.ndarray) -> np.ndarray:
+        """int64[L, k]: :meth:`observe`'s neighbours of each layer of a token routed
+        ``experts`` (int64[L, K]): the leading layers whose routing prefix was seen before
+        from :attr:`_memo`, the rest by one argpartition of their rows of the overlaps; the
+        first two layers past the known prefix are remembered (while fewer than
+        :data:`MEMO_MAX` are: a longer prefix is rarely seen again)."""
+        L, width = len(experts), experts.shape[1] * 8  # bytes of a layer's row
+        key, memo = experts.tobytes(), self._memo.setdefault(width, {})
+        nn = np.empty((L, self.k), dtype=np.int64)
+        known = 0  # leading layers whose prefix is memoised
+        while known < L:
+            hit = memo.get(key[:(known + 1) * width])
+            if hit is None:
+                break
+            nn[known] = hit
+            known += 1
+        if known == L:
+            return nn
         negs, cols = self._negs, self.cols
         prev = np.zeros(len(self), dtype=np.float32)
         for layer, row in enumerate(experts.tolist()):  # K in-place subtractions per layer
@@ -141,15 +175,11 @@ class TrajectoryIndex:
             for e in row[1:]:
                 np.subtract(out, cols[layer, e], out=out)
             prev = out
-        nn = negs.argpartition(self.k - 1, axis=1)[:, :self.k]  # [L, k]
-        table = self._rows.get(depth)
-        if table is None:
-            table = self._rows[depth] = self._row_table(depth)
-        nn += np.arange(0, L * len(self), len(self))[:, None]
-        got = np.add.reduce(table[nn.ravel()].reshape(L, self.k, -1), axis=1,
-                            dtype=np.float64) / self.k  # [L, (H1 + depth) * J]
-        H1 = self.tgt.shape[2]
-        return (got[:, :H1 * J].reshape(L, H1, J), got[:, H1 * J:].reshape(L, depth, J))
+        nn[known:] = negs[known:].argpartition(self.k - 1, axis=1)[:, :self.k]
+        if len(memo) < MEMO_MAX:
+            for layer in range(known, min(known + 2, L)):
+                memo[key[:(layer + 1) * width]] = nn[layer].copy()
+        return nn
 
     def _row_table(self, depth: int) -> np.ndarray:
         """uint8[L * N, (H1 + depth) * J]: row l * N + i holds token i's :attr:`tgt` at

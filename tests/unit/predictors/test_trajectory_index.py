@@ -147,6 +147,11 @@ def test_token_rows_are_every_layers_observe_and_ahead_bit_for_bit() -> None:
         for experts in (np.argsort(~used[token], axis=1, kind="stable")[:, :K],
                         np.argsort(rng.random((L, J)), axis=1)[:, :K]):
             _check_token_rows(idx, experts, depth)
+            for _ in range(L // 2):  # two more layers' prefixes remembered at each query
+                _check_token_rows(idx, experts, depth)  # at last, every layer's
+            again = experts.copy()  # the same first layers, then others
+            again[3:] = np.argsort(rng.random((L - 3, J)), axis=1)[:, :K]
+            _check_token_rows(idx, again, depth)
     empty = TrajectoryIndex(np.zeros((0, 3, J), bool), np.zeros((0, 3, J), bool),
                             np.zeros(0, int))
     rows, ahead = empty.token_rows(np.zeros((3, K), dtype=np.int64), 2)
