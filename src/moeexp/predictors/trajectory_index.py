@@ -32,6 +32,9 @@ import numpy as np
 NEIGHBOURS = 8  #: store tokens averaged
 MAX_ROWS = 8192  #: store tokens kept (a seeded sample beyond): bounds a query's work
 MEMO_MAX = 1 << 15  #: routing prefixes whose neighbours :meth:`TrajectoryIndex.token_rows` keeps
+#: bytes of the experts' summed columns :meth:`TrajectoryIndex.token_rows` keeps (one per
+#: layer and routed set: Mixtral's 8 experts, 2 routed, 32 layers: 896 of N float32)
+SUMS_BYTES = 32 << 20
 
 
 class TrajectoryIndex:
@@ -90,6 +93,10 @@ class TrajectoryIndex:
         #: of the int64[l + 1, K] prefix: the same prefix, the same overlaps, the same
         #: argpartition
         self._memo: dict[int, dict[bytes, np.ndarray]] = {}
+        #: token_rows' summed columns float32[N] of a layer's routed experts, by layer, then
+        #: by the bytes of its int64[K] experts (integer sums: exact, as the K subtractions)
+        self._sums: list[dict[bytes, np.ndarray]] = [{} for _ in range(L)]
+        self._sums_left = SUMS_BYTES // max(4 * len(used), 1)  # columns it may still keep
 
     def __len__(self) -> int:
         return len(self.request)
@@ -164,22 +171,35 @@ class TrajectoryIndex:
             known += 1
         if known == L:
             return nn
-        negs, cols = self._negs, self.cols
-        prev = np.zeros(len(self), dtype=np.float32)
-        for layer, row in enumerate(experts.tolist()):  # K in-place subtractions per layer
-            out = negs[layer]
-            if row:
-                np.subtract(prev, cols[layer, row[0]], out=out)
-            else:  # no expert routed (not a decode token's layer, but defined)
-                out[:] = prev
-            for e in row[1:]:
-                np.subtract(out, cols[layer, e], out=out)
-            prev = out
+        negs = self._minus_overlaps(experts, key, width)
         nn[known:] = negs[known:].argpartition(self.k - 1, axis=1)[:, :self.k]
         if len(memo) < MEMO_MAX:
             for layer in range(known, min(known + 2, L)):
                 memo[key[:(layer + 1) * width]] = nn[layer].copy()
         return nn
+
+    def _minus_overlaps(self, experts: np.ndarray, key: bytes, width: int) -> np.ndarray:
+        """float32[L, N]: row l is :meth:`observe`'s minus overlaps after layers 0..l of a
+        token routed ``experts`` (int64[L, K]; ``key`` its bytes, ``width`` a layer's): one
+        subtraction per layer of the layer's routed columns summed (:attr:`_sums`; integer
+        counts, so the same floats as the K subtractions, +0.0 where nothing overlaps)."""
+        negs, cols, sums = self._negs, self.cols, self._sums
+        prev = np.zeros(len(self), dtype=np.float32)
+        for layer, row in enumerate(experts.tolist()):
+            out = negs[layer]
+            if len(row) == 1:
+                col = cols[layer, row[0]]
+            else:
+                kb = key[layer * width:(layer + 1) * width]
+                col = sums[layer].get(kb)
+                if col is None:
+                    col = cols[layer, row].sum(axis=0)  # 0.0 with no expert routed
+                    if self._sums_left > 0:
+                        sums[layer][kb] = col
+                        self._sums_left -= 1
+            np.subtract(prev, col, out=out)
+            prev = out
+        return negs
 
     def _row_table(self, depth: int) -> np.ndarray:
         """uint8[L * N, (H1 + depth) * J]: row l * N + i holds token i's :attr:`tgt` at
