@@ -147,9 +147,10 @@ class TrajectoryIndex:
         table = self._rows.get(depth)
         if table is None:
             table = self._rows[depth] = self._row_table(depth)
-        nn += np.arange(0, L * len(self), len(self))[:, None]
-        got = np.add.reduce(table[nn.ravel()].reshape(L, self.k, -1), axis=1,
-                            dtype=np.float64) / self.k  # [L, (H1 + depth) * J]
+        nn += np.arange(0, L * len(self), len(self))[:, None]  # rows of the table
+        # neighbour-major [k, L * W] (W = (H1 + depth) * J), so the sum runs over whole rows
+        got = np.add.reduce(table.take(nn.T.ravel(), axis=0).reshape(self.k, -1), axis=0,
+                            dtype=np.float64).reshape(L, -1) / self.k  # [L, W]
         H1 = self.tgt.shape[2]
         return (got[:, :H1 * J].reshape(L, H1, J), got[:, H1 * J:].reshape(L, depth, J))
 
