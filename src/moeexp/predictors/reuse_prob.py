@@ -19,6 +19,9 @@ which at the next token) too. With
 the layers ahead also read the gates' evidence from the running layer's hidden state (the
 predictor then needs ``spec_probs``); on a routing-only trace they do without.
 
+In the simulator, a one-token pass's trajectory kNN rows and their logit terms are made
+for every layer at once (:meth:`preview_pass`), with the same numbers as layer by layer.
+
 In a pass the ``next_use`` cache's feed gate rests it for (:meth:`feeding`), it is not fed,
 and :meth:`rest_layer` passes on the cache's model-free next-layer offers (HybriMoE's
 score-ranked prefetch, on the gate's model-free probabilities; decode passes only, as

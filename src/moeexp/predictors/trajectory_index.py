@@ -21,6 +21,12 @@ this token's went next in the pass.
 
 Why hand-written: an overlap count and a partial sort over at most ``max_rows`` tokens;
 scikit-learn's neighbours would rebuild per layer prefix.
+
+:meth:`~TrajectoryIndex.token_rows` answers every layer of a decode token whose routing is
+known in advance (the simulator's per-pass preview) in a few batched calls, bit-identical to
+:meth:`~TrajectoryIndex.observe` and :meth:`~TrajectoryIndex.ahead` layer by layer: the
+same float32 overlap rows, the same argpartition of each row (whose choice among tied
+overlaps the features depend on), a routing prefix seen before answered from a memo.
 """
 
 from __future__ import annotations
