@@ -422,6 +422,7 @@ class ReuseProbability(Predictor):
         if knn is None or self._kind != 0 or len(obs) != self.dims.num_layers \
                 or len({len(o.experts) for o in obs}) != 1:
             return
+        t0 = time.perf_counter_ns()  # counted in query_us_mean, as the per-layer queries were
         D = self._reach[0]
         rows, ahead = knn.token_rows(np.array([o.experts for o in obs], dtype=np.int64), D)
         nxt, wcoef, _, _ = self._evict[self._ev]
@@ -430,6 +431,7 @@ class ReuseProbability(Predictor):
             self._coef[0][:D, -1, None] * ahead if self.knn_ahead else None,
             wcoef[:, -1, None] * (rows[:, 1:] - rows[:, :1])
             if rows.shape[1] > 1 and len(wcoef) else None)
+        self._query_ns += time.perf_counter_ns() - t0
 
     def _knn_observe(self, obs: LayerObservation) -> np.ndarray:
         """float64[H1, J]: the kNN rows of ``obs``'s layer in a one-token pass: the preview's
