@@ -76,15 +76,15 @@ gates.
 where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
 on the same accesses; ``rest_baseline``: less what resting itself saves against it) are
-worth less than that cost; resting, the cache evicts the resident of least model-free probability of use, the
-least recently used among equals (``rest_evict: prob``, the default; ``lru``: the least
-recently used). No feed cost, no gate. Resting, it still takes the next layer's experts of
+worth less than that cost; resting, the cache evicts the least recently used (``rest_evict: lru``, the default;
+``prob``: the resident of least model-free probability of use, the least recently used among
+equals). No feed cost, no gate. Resting, it still takes the next layer's experts of
 highest model-free probability of use (the gate's lookup of each expert's use at its layer's
 last rested runs, calibrated on the store split: :func:`moeexp.cache.feed_gate.
 fit_rest_table`; offered as HybriMoE's score-ranked prefetch is) as prefetches under the gate
 below with that probability (``rest_prefetch``, the default; :meth:`rest_layer`), so a
-rested policy is eviction by that estimate plus the prefetches that pay on it, not LRU
-(with ``rest_prefetch`` off, it is LRU exactly).
+rested policy is LRU plus the prefetches that pay on that estimate, not LRU alone (with
+``rest_prefetch`` off, it is LRU exactly).
 
 **Warm start** (``warm``): the store split's most used experts fill the cache before the
 first request (as kTransformers pins them at start-up; preloaded, not counted as traffic).
@@ -151,12 +151,12 @@ class NextUseCache(CachePolicy):
             likely used within a few passes, not only in this one; module doc, Fill; the
             default); False: this pass's offers alone.
         rest_buckets: the resting probability's store-frequency buckets (B of
-            :func:`~moeexp.cache.feed_gate.fit_rest_table`; 4, the default since issue
-            27's eighteenth stage); 1: one table for every expert (the seventeenth stage).
-        rest_evict: the resting cache's victim: ``prob`` (the least resting probability,
-            LRU among equals; the default since the eighteenth stage) or ``lru`` (the least
-            recently used; the seventeenth stage). Either way, with ``rest_prefetch`` off a
-            resting cache is LRU.
+            :func:`~moeexp.cache.feed_gate.fit_rest_table`); 1 (the default): one table for
+            every expert. Issue 27's eighteenth stage measured 4 with ``rest_evict: prob``:
+            ahead at small budgets, behind at 50 % of the real trace (module doc).
+        rest_evict: the resting cache's victim: ``lru`` (the least recently used; the
+            default) or ``prob`` (the least resting probability, LRU among equals). Either
+            way, with ``rest_prefetch`` off a resting cache is LRU.
         rest_baseline: the feed gate weighs a fed window's saving beyond what resting with
             offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_gain``), not
             against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
@@ -166,8 +166,8 @@ class NextUseCache(CachePolicy):
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
                  victim_horizon: bool = False, fill: bool = True,
-                 rest_prefetch: bool = True, rest_buckets: int = 4,
-                 rest_evict: str = "prob", rest_baseline: bool = False) -> None:
+                 rest_prefetch: bool = True, rest_buckets: int = 1,
+                 rest_evict: str = "lru", rest_baseline: bool = False) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
