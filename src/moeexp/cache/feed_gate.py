@@ -98,10 +98,10 @@ eviction at 25 % of the real CPU map, but up to 4 % slower at 50 % of it: six ru
 pattern cannot tell an expert idle for 7 runs from one idle for 100, and at a large budget
 that long recency is what LRU keeps and the bucket overrides. So it is an option, off.
 
-**Against the resting policy, not LRU** (issue 27's eighteenth stage; ``rest_gain``, the
-``next_use`` option ``rest_baseline``, off by default: on the embedded CPU map it rested the
-predictor where feeding it paid, +1.7 % and +2.1 % TPOT at two points, and changed nothing
-at the other six; ``experiments/regime_map/README.md``). With resting offers
+**Against the resting policy, not LRU** (issue 27's eighteenth stage; ``rest_baseline``, here and
+as the ``next_use`` option, off by default: on the embedded CPU map it rested the predictor
+where feeding it paid, +1.7 % and +2.1 % TPOT at two points, and moved the other six by at
+most 0.5 %; ``experiments/regime_map/README.md``). With resting offers
 the policy the predictor would replace is no longer on-demand LRU: the offers save misses of
 their own. So the gate also measures what resting saves, g, the shadow's misses minus this
 cache's per layer over rested passes, decayed as b_long is (:data:`DECAY_LONG`), counted
@@ -161,14 +161,14 @@ class FeedGate:
             :func:`fit_rest_table`); None: the decayed score (module doc).
         rest_bucket: int[L, J], each expert's store-frequency bucket (:func:`store_buckets`),
             the row of ``rest_table`` it reads; None: bucket 0 for all.
-        rest_gain: measure g, what resting saves against the shadow, and weigh the fed
+        rest_baseline: measure g, what resting saves against the shadow, and weigh the fed
             saving beyond it (module doc, Against the resting policy); False (a resting
             policy that is LRU): g = 0.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  feed_s: float, miss_s: float, initial: list[Key] | None = None,
-                 rest_table: np.ndarray | None = None, rest_gain: bool = False,
+                 rest_table: np.ndarray | None = None, rest_baseline: bool = False,
                  rest_bucket: np.ndarray | None = None) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
@@ -223,7 +223,7 @@ class FeedGate:
                               f"{bucket.shape}")
         #: int[L, J]: each expert's row of :attr:`rest_table`
         self.rest_bucket = bucket
-        self.measure_rest = bool(rest_gain)
+        self.measure_rest = bool(rest_baseline)
         #: g: misses per layer resting saves against the shadow, decayed (0 until measured)
         self.rest_gain = 0.0
         self._gain_avg = 0.0  # g before the clip at 0

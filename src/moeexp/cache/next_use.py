@@ -158,7 +158,7 @@ class NextUseCache(CachePolicy):
             default) or ``prob`` (the least resting probability, LRU among equals). Either
             way, with ``rest_prefetch`` off a resting cache is LRU.
         rest_baseline: the feed gate weighs a fed window's saving beyond what resting with
-            offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_gain``), not
+            offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_baseline``), not
             against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
             rested the predictor where feeding it paid).
     """
@@ -279,7 +279,7 @@ class NextUseCache(CachePolicy):
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
                         initial=self.initial_residents(), rest_table=table,
-                        rest_gain=self.rest_prefetch and self.rest_baseline,
+                        rest_baseline=self.rest_prefetch and self.rest_baseline,
                         rest_bucket=bucket)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them

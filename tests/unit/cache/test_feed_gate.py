@@ -412,14 +412,14 @@ def test_the_short_route_stops_once_its_windows_do_not_keep_their_promise() -> N
     assert g.stats()["feed_rested_share"] > 0.5  # the hot stretches rest it again
 
 
-def against_rest(rest_gain: bool, feed_s: float, fed_hits: list[bool], n: int = 120
+def against_rest(rest_baseline: bool, feed_s: float, fed_hits: list[bool], n: int = 120
                  ) -> tuple[FeedGate, list[bool]]:
     """``n`` passes of :data:`CYCLE` (every access a shadow miss) through a gate that
-    weighs the fed saving against the resting policy's (``rest_gain``) or LRU's: a rested
+    weighs the fed saving against the resting policy's (``rest_baseline``) or LRU's: a rested
     pass hits one of its two accesses (resting saves 0.5 misses a layer), a fed pass hits
     as ``fed_hits`` says."""
     g = FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=feed_s, miss_s=1.0,
-                 rest_gain=rest_gain)
+                 rest_baseline=rest_baseline)
     now, fed = 0, []
     for i in range(n):
         fed.append(g.pass_begins())
