@@ -98,6 +98,15 @@ eviction at 25 % of the real CPU map, but up to 4 % slower at 50 % of it: six ru
 pattern cannot tell an expert idle for 7 runs from one idle for 100, and at a large budget
 that long recency is what LRU keeps and the bucket overrides. So it is an option, off.
 
+**Age classes** (issue 27's nineteenth stage; the ``next_use`` option ``rest_ages: A``, 0
+by default). An expert unused for the last :data:`REST_BITS` runs (h = 0) reads, in place
+of the one column P(b, 0), the column of its age class: its runs since its last use, a,
+in doubling classes, c = min(A − 1, ⌊log2(a − REST_BITS + 1)⌋) (a = 6: class 0; 7–8: 1;
+9–12: 2; ...; never used: A − 1), so the table has 2^REST_BITS + A columns, the first
+(h = 0) unread. The fit counts the same classes on the store passes. An expert idle for
+7 runs and one idle for 100 then have the probabilities the store gives them, and the
+``prob`` victim among a bucket's idle experts is the one idle longest, as LRU's would be.
+
 **Against the resting policy, not LRU** (issue 27's eighteenth stage; ``rest_baseline``, here and
 as the ``next_use`` option, off by default: on the embedded CPU map it rested the predictor
 where feeding it paid, +1.7 % and +2.1 % TPOT at two points, and moved the other six by at
@@ -142,6 +151,7 @@ DECAY = 0.9  #: per-pass decay of the bound's short average
 DECAY_LONG = 0.99  #: per-pass decay of the bound's long average
 HISTORY = 64  #: rested passes whose routing is kept for the predictor's catch-up
 REST_BITS = 6  #: rested runs of a layer whose use the resting probability reads (module doc)
+NEVER = 2 ** 30  #: the age of an expert not used since the gate began (runs)
 SETTLE = WINDOW  #: passes of a rest before its savings count towards g (module doc)
 
 
@@ -164,12 +174,15 @@ class FeedGate:
         rest_baseline: measure g, what resting saves against the shadow, and weigh the fed
             saving beyond it (module doc, Against the resting policy); False (a resting
             policy that is LRU): g = 0.
+        rest_ages: A, the age classes of an expert idle for :data:`REST_BITS` runs or more
+            (module doc, Age classes): ``rest_table`` then has 2^REST_BITS + A columns;
+            0: none (2^REST_BITS columns).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  feed_s: float, miss_s: float, initial: list[Key] | None = None,
                  rest_table: np.ndarray | None = None, rest_baseline: bool = False,
-                 rest_bucket: np.ndarray | None = None) -> None:
+                 rest_bucket: np.ndarray | None = None, rest_ages: int = 0) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
@@ -204,14 +217,18 @@ class FeedGate:
         self._rested: deque[list[Key]] = deque(maxlen=HISTORY)  # rested passes' accesses
         #: uint8[L, J]: each expert's use pattern over its layer's last rested runs
         self.history = np.zeros((num_layers, num_experts), dtype=np.uint8)
+        _check_ages(rest_ages)
+        self.rest_ages = rest_ages
         if rest_table is None:
-            rest_table = decayed_table()
+            rest_table = decayed_table(rest_ages)
         table = np.asarray(rest_table, dtype=np.float64)
         if table.ndim == 1:
             table = table[None, :]
-        if table.ndim != 2 or table.shape[1] != 2 ** REST_BITS:
-            raise ConfigError(f"feed gate: rest_table must have {2 ** REST_BITS} entries (per "
-                              f"bucket), got shape {np.shape(rest_table)}")
+        width = 2 ** REST_BITS + rest_ages
+        if table.ndim != 2 or table.shape[1] != width:
+            raise ConfigError(f"feed gate: rest_table must have {width} entries (per bucket: "
+                              f"2^{REST_BITS} patterns and {rest_ages} age classes), got "
+                              f"shape {np.shape(rest_table)}")
         #: float64[B, 2^REST_BITS]: P(used at the next run | bucket, pattern) (module doc)
         self.rest_table = table
         bucket = (np.zeros((num_layers, num_experts), dtype=np.intp) if rest_bucket is None
@@ -223,6 +240,13 @@ class FeedGate:
                               f"{bucket.shape}")
         #: int[L, J]: each expert's row of :attr:`rest_table`
         self.rest_bucket = bucket
+        #: int[L, J]: runs of its layer since each expert's last use (:data:`NEVER` before
+        #: it); kept only with age classes
+        self.age = np.full((num_layers, num_experts), NEVER, dtype=np.int64)
+        #: int[L, J]: each expert's column of :attr:`rest_table` (:attr:`history` itself
+        #: without age classes)
+        self.column = (self.history if not rest_ages else
+                       rest_column(self.history, self.age, rest_ages))
         self.measure_rest = bool(rest_baseline)
         #: g: misses per layer resting saves against the shadow, decayed (0 until measured)
         self.rest_gain = 0.0
@@ -279,20 +303,25 @@ class FeedGate:
         row <<= 1
         row &= 2 ** REST_BITS - 1
         row[experts] |= 1
+        if self.rest_ages:
+            age = self.age[layer]
+            np.minimum(age + 1, NEVER, out=age)
+            age[experts] = 0
+            self.column[layer] = rest_column(row, age, self.rest_ages)
 
     def rest_prob(self, key: Key) -> float:
         """P(h): the resting probability that ``key`` is used at its layer's next run."""
-        return float(self.rest_table[self.rest_bucket[key], self.history[key]])
+        return float(self.rest_table[self.rest_bucket[key], self.column[key]])
 
     def rest_victim(self, allowed: Callable[[Key], bool]) -> Key | None:
         """The resident for which ``allowed`` holds of least resting probability, the least
         recently inserted or used among equals (the resting cache's victim under
         ``rest_evict: prob``); None if there is none."""
         best, best_p = None, math.inf
-        table, bucket, hist = self.rest_table, self.rest_bucket, self.history
+        table, bucket, column = self.rest_table, self.rest_bucket, self.column
         for key in self.order:
             if allowed(key):
-                p = table[bucket[key], hist[key]]
+                p = table[bucket[key], column[key]]
                 if p < best_p:
                     best, best_p = key, p
         return best
@@ -305,7 +334,7 @@ class FeedGate:
         not offered (under ``rest_evict: prob`` it is most likely resident anyway), so a
         layer may get fewer than k offers."""
         hist = self.history[layer]
-        p = self.rest_table[self.rest_bucket[layer], hist]
+        p = self.rest_table[self.rest_bucket[layer], self.column[layer]]
         order = np.argsort(-p, kind="stable")[:k]
         return order[hist[order] > 0]
 
@@ -458,11 +487,29 @@ class FeedGate:
                 "feed_rest_gain_us_per_layer": self.rest_gain * self.miss_s * 1e6}
 
 
-def decayed_table() -> np.ndarray:
-    """float64[2^REST_BITS]: each use pattern's decayed score, sum over its bits i of
-    2^-(i+1) (HybriMoE's score with alpha 0.5 on routing alone; the table without a fit)."""
+def decayed_table(ages: int = 0) -> np.ndarray:
+    """float64[2^REST_BITS + ages]: each use pattern's decayed score, sum over its bits i of
+    2^-(i+1) (HybriMoE's score with alpha 0.5 on routing alone; the table without a fit),
+    and 0 for every age class."""
     pats = np.arange(2 ** REST_BITS)
-    return sum(((pats >> i) & 1) * 0.5 ** (i + 1) for i in range(REST_BITS))
+    score = sum(((pats >> i) & 1) * 0.5 ** (i + 1) for i in range(REST_BITS))
+    return np.concatenate([score, np.zeros(ages)])
+
+
+def _check_ages(ages: int) -> None:
+    if isinstance(ages, bool) or not isinstance(ages, int) or ages < 0:
+        raise ConfigError(f"feed gate: rest ages must be an integer >= 0, got {ages!r}")
+
+
+def rest_column(history: np.ndarray, age: np.ndarray, ages: int) -> np.ndarray:
+    """int[...]: the resting table's column of each expert (module doc, Age classes): its
+    use pattern ``history`` where it is not 0, else 2^REST_BITS plus its age class,
+    min(ages − 1, ⌊log2(age − REST_BITS + 1)⌋), ``age`` its runs since its last use (≥
+    REST_BITS where the pattern is 0)."""
+    hist = np.asarray(history, dtype=np.int64)
+    idle = np.maximum(np.asarray(age, dtype=np.int64) - REST_BITS + 1, 1)
+    cls = np.minimum(ages - 1, np.frexp(idle.astype(np.float64))[1] - 1)
+    return np.where(hist > 0, hist, 2 ** REST_BITS + cls)
 
 
 def store_buckets(counts: np.ndarray, buckets: int) -> np.ndarray:
@@ -477,13 +524,16 @@ def store_buckets(counts: np.ndarray, buckets: int) -> np.ndarray:
     return (rank * buckets // flat.size).reshape(np.shape(counts))
 
 
-def fit_rest_table(store: Trace, bucket: np.ndarray | None = None) -> np.ndarray:
-    """float64[B, 2^REST_BITS]: P(used at a layer's next run | its store-frequency bucket,
-    its use pattern over the layer's last :data:`REST_BITS` runs), from the store split's
-    single-token passes in order (the runs of one layer, consecutive across requests, as the
-    gate sees them), over every layer and expert of the bucket: (uses + 1) / (cells + 2) per
-    pattern. ``bucket``: int[L, J] (:func:`store_buckets`); None: one bucket (B = 1). Store
-    split only (ConfigError otherwise)."""
+def fit_rest_table(store: Trace, bucket: np.ndarray | None = None,
+                   ages: int = 0) -> np.ndarray:
+    """float64[B, 2^REST_BITS + ages]: P(used at a layer's next run | its store-frequency
+    bucket, its use pattern over the layer's last :data:`REST_BITS` runs, or its age class
+    where that is 0), from the store split's single-token passes in order (the runs of one
+    layer, consecutive across requests, as the gate sees them), over every layer and expert
+    of the bucket: (uses + 1) / (cells + 2) per column. ``bucket``: int[L, J]
+    (:func:`store_buckets`); None: one bucket (B = 1). ``ages``: the age classes (module
+    doc, Age classes; 0: none). Store split only (ConfigError otherwise)."""
+    _check_ages(ages)
     bad = [r.request_id for r in store.requests if r.split != "store"]
     if bad:
         raise ConfigError(f"feed gate: fit_rest_table() got {len(bad)} request(s) outside the "
@@ -495,14 +545,19 @@ def fit_rest_table(store: Trace, bucket: np.ndarray | None = None) -> np.ndarray
     sizes = np.diff(store.iter_offsets)
     idx = store.topk_idx[np.repeat(sizes == 1, sizes)]  # [N, L, K]
     n = idx.shape[0]
-    size = 2 ** REST_BITS
+    size = 2 ** REST_BITS + ages
     cells, uses = np.zeros(B * size), np.zeros(B * size)
+    runs = np.arange(n, dtype=np.int64)[:, None]
     for layer in range(idx.shape[1]):  # one layer at a time: [N, J] arrays
         used = np.zeros((n, J), dtype=np.int64)
         np.put_along_axis(used, idx[:, layer].astype(np.int64), 1, axis=1)
         pats = np.zeros((max(0, n - REST_BITS), J), dtype=np.int64)
         for i in range(REST_BITS):  # bit i: used i + 1 runs before
             pats |= used[REST_BITS - 1 - i:n - 1 - i] << i
+        if ages and n > REST_BITS:  # the age at run t: t - 1 - the last use before t
+            last = np.maximum.accumulate(np.where(used > 0, runs, -NEVER), axis=0)
+            age = np.minimum(runs[REST_BITS - 1:n - 1] - last[REST_BITS - 1:n - 1], NEVER)
+            pats = rest_column(pats, age, ages)
         pats += np.asarray(bucket[layer], dtype=np.int64)[None, :] * size  # the bucket's row
         cells += np.bincount(pats.ravel(), minlength=B * size)
         uses += np.bincount(pats.ravel(), weights=used[REST_BITS:].ravel(), minlength=B * size)

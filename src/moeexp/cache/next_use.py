@@ -154,6 +154,9 @@ class NextUseCache(CachePolicy):
             :func:`~moeexp.cache.feed_gate.fit_rest_table`); 1 (the default): one table for
             every expert. Issue 27's eighteenth stage measured 4 with ``rest_evict: prob``:
             ahead at small budgets, behind at 50 % of the real trace (module doc).
+        rest_ages: the resting probability's age classes for experts idle for the table's
+            whole pattern (A of :func:`~moeexp.cache.feed_gate.fit_rest_table`; feed_gate
+            module doc, Age classes); 0 (the default): none.
         rest_evict: the resting cache's victim: ``lru`` (the least recently used; the
             default) or ``prob`` (the least resting probability, LRU among equals). Either
             way, with ``rest_prefetch`` off a resting cache is LRU.
@@ -167,7 +170,8 @@ class NextUseCache(CachePolicy):
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
                  victim_horizon: bool = False, fill: bool = True,
                  rest_prefetch: bool = True, rest_buckets: int = 1,
-                 rest_evict: str = "lru", rest_baseline: bool = False) -> None:
+                 rest_evict: str = "lru", rest_baseline: bool = False,
+                 rest_ages: int = 0) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
@@ -183,7 +187,10 @@ class NextUseCache(CachePolicy):
         if rest_evict not in ("lru", "prob"):
             raise ConfigError(f"next_use: rest_evict must be 'lru' or 'prob', got "
                               f"{rest_evict!r}")
-        self.rest_buckets, self.rest_evict = rest_buckets, rest_evict
+        if isinstance(rest_ages, bool) or not isinstance(rest_ages, int) or rest_ages < 0:
+            raise ConfigError(f"next_use: rest_ages must be an integer >= 0, got "
+                              f"{rest_ages!r}")
+        self.rest_buckets, self.rest_evict, self.rest_ages = rest_buckets, rest_evict, rest_ages
         self.rest_baseline = rest_baseline
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
@@ -275,12 +282,12 @@ class NextUseCache(CachePolicy):
         table = bucket = None
         if self.rest_prefetch and self._store is not None:
             bucket = store_buckets(self.P, self.rest_buckets)  # P: the store's use shares
-            table = fit_rest_table(self._store, bucket)
+            table = fit_rest_table(self._store, bucket, self.rest_ages)
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
                         initial=self.initial_residents(), rest_table=table,
                         rest_baseline=self.rest_prefetch and self.rest_baseline,
-                        rest_bucket=bucket)
+                        rest_bucket=bucket, rest_ages=self.rest_ages)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))

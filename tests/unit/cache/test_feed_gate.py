@@ -11,11 +11,13 @@ from moeexp.cache import CACHES
 from moeexp.cache.belady import PrefetchRefused
 from moeexp.cache.feed_gate import (
     EARLY_MIN,
+    NEVER,
     REST_BITS,
     WARMUP,
     WINDOW,
     FeedGate,
     fit_rest_table,
+    rest_column,
     store_buckets,
 )
 from moeexp.errors import ConfigError
@@ -245,9 +247,11 @@ def test_the_resting_table_is_the_store_splits_next_use_rate_per_pattern() -> No
                  rest_table=np.zeros(3))
 
 
-def loop_table(store, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def loop_table(store, bucket: np.ndarray, ages: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """``fit_rest_table`` by a loop over every (pass, layer, expert) cell: the cells per
-    (bucket, pattern), and the Laplace-smoothed share used next."""
+    (bucket, column), and the Laplace-smoothed share used next; with ``ages``, a pattern 0
+    reads the age class of the runs since the expert's last use (all of them: class
+    ``ages`` - 1 if never), counted back by hand."""
     sizes = np.diff(store.iter_offsets)
     idx = store.topk_idx[np.repeat(sizes == 1, sizes)]
     L, J = bucket.shape
@@ -256,11 +260,21 @@ def loop_table(store, bucket: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         for layer in range(L):
             used[t, layer, row[layer]] = True
     B = bucket.max() + 1
-    cells, uses = np.zeros((B, 2 ** REST_BITS)), np.zeros((B, 2 ** REST_BITS))
+    size = 2 ** REST_BITS + ages
+    cells, uses = np.zeros((B, size)), np.zeros((B, size))
     for t in range(REST_BITS, len(idx)):
         for layer in range(L):
             for e in range(J):
                 pat = sum(int(used[t - 1 - i, layer, e]) << i for i in range(REST_BITS))
+                if ages and not pat:
+                    back = [s for s in range(t) if used[s, layer, e]]
+                    age = t - 1 - back[-1] if back else None
+                    cls = ages - 1
+                    for c in range(ages):  # class c: age in [6 + 2^c - 1, 6 + 2^(c+1) - 2]
+                        if age is not None and REST_BITS + 2 ** c - 1 <= age <= (
+                                REST_BITS + 2 ** (c + 1) - 2):
+                            cls = min(c, ages - 1)
+                    pat = 2 ** REST_BITS + cls
                 cells[bucket[layer, e], pat] += 1
                 uses[bucket[layer, e], pat] += used[t, layer, e]
     return cells, (uses + 1) / (cells + 2)
@@ -315,6 +329,54 @@ def test_store_frequency_buckets_split_the_resting_table_and_the_victim_reads_it
     with pytest.raises(ConfigError, match="rest_bucket"):
         FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=1.0, miss_s=1.0,
                  rest_bucket=np.ones((2, 8), dtype=int))
+
+
+def test_age_classes_tell_a_long_idle_expert_from_a_short_idle_one() -> None:
+    """``rest_ages``: an expert whose pattern is 0 reads its age class, doubling from
+    REST_BITS runs since its last use (``rest_column``); ``fit_rest_table`` counts the same
+    classes on the store passes (the loop's table); the gate ages its experts as it
+    observes rested runs, and under ``rest_evict: prob`` the resting victim among a
+    bucket's idle experts is the one idle longest where the store says so."""
+    base = 2 ** REST_BITS
+    ages = np.array([6, 7, 8, 9, 12, 13, 20, 21, 100, NEVER])
+    assert rest_column(np.zeros(10, dtype=np.uint8), ages, 4).tolist() == [
+        base, base + 1, base + 1, base + 2, base + 2, base + 3, base + 3, base + 3,
+        base + 3, base + 3]
+    assert rest_column(np.zeros(3, dtype=np.uint8), np.array([20, 21, 37]), 8).tolist() == [
+        base + 3, base + 4, base + 5]
+    assert rest_column(np.array([5, 0]), np.array([0, 6]), 3).tolist() == [5, base]
+    tr = random_trace(num_layers=3, num_experts=6, top_k=2, num_requests=10, output_len=12,
+                      seed=3)
+    store = tr.split("store")
+    table = fit_rest_table(store, None, 5)
+    cells, want = loop_table(store, np.zeros((3, 6), dtype=int), 5)
+    assert table.shape == (1, base + 5) and np.allclose(table, want)
+    assert cells[0, base + 1:].sum() > 20 and cells[0, 0] == 0  # pattern 0 is never read
+    assert np.array_equal(fit_rest_table(store)[0, 1:], table[0, 1:base])  # h > 0: as before
+    c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6,
+                     rest_ages=5, rest_evict="prob")
+    c.fit(store)
+    c.set_link(copy_s=1.0, window_s=0.5)
+    c.set_feed_cost(0.1)
+    g = c.feed_gate
+    assert g is not None and np.allclose(g.rest_table, table)
+    assert (g.column == base + 4).all()  # never used: the last class
+    for run in range(9):  # expert 1 used at the first run only, expert 2 at the fourth
+        g.rest_observe(1, np.array([1] if run == 0 else [2] if run == 3 else [5]))
+    assert g.age[1].tolist() == [NEVER, 8, 5, NEVER, NEVER, 0]
+    assert g.column[1].tolist() == [base + 4, base + 1, 0b100000, base + 4, base + 4, 0b11111]
+    assert g.rest_prob((1, 1)) == table[0, base + 1]
+    g.rest_table = np.tile(np.linspace(0.9, 0.1, base + 5), (1, 1))  # older: less likely
+    for k in [(1, 1), (1, 5), (1, 2), (1, 4)]:
+        c.on_insert(k, 0, False)
+    assert c.victim((2, 5), {(2, 5)}, 1) == (1, 4)  # never used, though inserted last
+    with pytest.raises(ConfigError, match="rest_ages"):
+        next_use(rest_ages=-1)
+    with pytest.raises(ConfigError, match="rest ages"):
+        fit_rest_table(store, None, True)
+    with pytest.raises(ConfigError, match="age classes"):
+        FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=1.0, miss_s=1.0,
+                 rest_table=np.zeros(2 ** REST_BITS), rest_ages=2)
 
 
 def test_a_burst_of_misses_does_not_buy_a_window() -> None:
