@@ -131,10 +131,7 @@ embedded trace, 25 %: fed passes had 14 % fewer misses than resting ones and 70 
 stall, and the gate, counting misses, fed 96 % of passes where resting on all of them was
 6 % faster). With ``time`` the mechanism reports each pass's overhead o (:meth:`pass_time`:
 the seconds the pass took beyond its compute with every expert resident, the feed
-excluded; the simulator's replay reports it for passes of one token, and the gate leaves
-the others, prefills, out of its windows once it has a clock: their overhead per shadow
-miss is not a decode pass's, and a rest that takes a request's start would price c at its
-prefill), and the gate prices the two policies in
+excluded; the simulator's replay computes it), and the gate prices the two policies in
 those seconds: c, the resting policy's overhead per shadow miss (Σ o / Σ shadow misses over
 rested passes, decayed as b_long, counted from the :data:`SETTLE`-th pass of a rest that
 follows a fed one; m until measured), takes m's place in the bound (b = shadow misses ·
@@ -489,16 +486,15 @@ class FeedGate:
         over, self._over = self._over, None
         if over is not None:
             self.timed_passes += 1
-        # with a clock (measure: time, a pass timed), an untimed pass (a prefill) is left out
-        # of the window: its overhead per shadow miss is not a decode pass's
-        skip = over is None and self.timed_passes > 0
-        if self.fed and self._since > WARMUP and not skip:
+        if self.fed and self._since > WARMUP:
             own_s = None
             if over is not None:  # measure: time; the window counts seconds, not misses
                 own_s = over
                 if not self._win_secs:  # the window's untimed passes so far, in seconds
                     self._win[1] = self._win[1] * self.miss_s
                     self._win_secs = True
+            elif self._win_secs:
+                own_s = p[1] * self.miss_s
             for i in (0, 2):
                 self._win[i] += p[i]
             self._win[1] += p[1] if own_s is None else own_s

@@ -210,8 +210,7 @@ class Predictor:
     def pass_time(self, overhead_s: float) -> None:
         """The pass that ended took ``overhead_s`` seconds beyond its compute with every
         expert resident, the feed cost excluded (stalls, and a CPU chain that outlasted the
-        GPU's): the simulator's replay reports it after every pass of one token (a decode
-        step; not a prefill, nor a batch of several requests) to a class that overrides
+        GPU's): the simulator's replay reports it after every pass to a class that overrides
         this (``reuse_prob``, whose ``next_use`` caches' feed gate may weigh feeding in
         seconds: :mod:`moeexp.cache.feed_gate`, Measured in time). Default: nothing."""
 

@@ -364,8 +364,7 @@ class Replay:
             self.dev.flush()
         if fed:
             self.predictor.end_iteration()
-        if self.report is not None and len(gd.token_request) == 1:  # a decode pass: beyond
-            # its all-resident compute, the feed excluded
+        if self.report is not None:  # beyond the all-resident compute, the feed excluded
             work = self.L * (gd.dense_s + (self.feed_s if fed else 0.0)) + sum(map(sum, gd.ce))
             self.report(end - t - work)
         self.tally.iteration(hits, misses, stall, end - t)
