@@ -123,24 +123,6 @@ g·m is below f, and the routes feed when ρ⁺ · r · b_short · m − g·m > 
 m − g·m > f. Without resting offers g is 0 (resting is LRU, and the difference a rest sees
 is the fed window's leftovers), and so is every run without them: bit-identical.
 
-**Measured in time** (issue 27's nineteenth stage; ``measure: time``, the ``next_use``
-option ``feed_measure``; ``misses`` by default). Counting misses prices each at m, but the
-two policies' misses do not cost the same: a fed predictor's eager prefetches hold the
-link, so its demand loads and late copies wait longer (hqq3 experts at a 100 GB/s CPU,
-embedded trace, 25 %: fed passes had 14 % fewer misses than resting ones and 70 % more
-stall, and the gate, counting misses, fed 96 % of passes where resting on all of them was
-6 % faster). With ``time`` the mechanism reports each pass's overhead o (:meth:`pass_time`:
-the seconds the pass took beyond its compute with every expert resident, the feed
-excluded; the simulator's replay computes it), and the gate prices the two policies in
-those seconds: c, the resting policy's overhead per shadow miss (Σ o / Σ shadow misses over
-rested passes, decayed as b_long, counted from the :data:`SETTLE`-th pass of a rest that
-follows a fed one; m until measured), takes m's place in the bound (b = shadow misses ·
-c), and a fed pass saves shadow misses · c − o (in place of (shadow − own misses) · m).
-The shadow's misses stay the measure of how hard the routing of the moment is, so the two
-sides of the comparison are paired as before; c already holds what resting's offers save,
-so ``rest_baseline`` is refused with it. A pass with no overhead reported (the engine does
-not report one) counts misses, as before; :meth:`stats` counts the passes timed.
-
 B is an estimate that errs towards feeding: a prefetched hit counts a whole miss saved,
 though a late copy saves only part of one, and the link time that prefetches take from
 demand loads is not charged (the prefetch gate weighs that per prefetch).
@@ -192,8 +174,6 @@ class FeedGate:
         rest_baseline: measure g, what resting saves against the shadow, and weigh the fed
             saving beyond it (module doc, Against the resting policy); False (a resting
             policy that is LRU): g = 0.
-        measure: ``misses`` (price a pass's misses at m) or ``time`` (the overhead the
-            mechanism reports: :meth:`pass_time`; module doc, Measured in time).
         rest_ages: A, the age classes of an expert idle for :data:`REST_BITS` runs or more
             (module doc, Age classes): ``rest_table`` then has 2^REST_BITS + A columns;
             0: none (2^REST_BITS columns).
@@ -202,8 +182,7 @@ class FeedGate:
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  feed_s: float, miss_s: float, initial: list[Key] | None = None,
                  rest_table: np.ndarray | None = None, rest_baseline: bool = False,
-                 rest_bucket: np.ndarray | None = None, rest_ages: int = 0,
-                 measure: str = "misses") -> None:
+                 rest_bucket: np.ndarray | None = None, rest_ages: int = 0) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
@@ -225,8 +204,7 @@ class FeedGate:
         self._since = 0  # passes in the present state, the one that begins included
         self._backoff = 0  # k
         self._rest = WARMUP  # passes of the running rest before the gate measures again
-        self._win = [0, 0, 0]  # the window's shadow misses, own misses (or seconds), layers
-        self._win_secs = False  # the window's own count is seconds of overhead (timed)
+        self._win = [0, 0, 0]  # the window's shadow misses, own misses, layers
         self._wpass = [0, 0.0, 0.0]  # the window's passes, sum and sum of squares of their B
         self.cut = 0  # windows cut short (module doc)
         self._promise = 0.0  # P of the running window if the short route opened it, else 0
@@ -270,15 +248,6 @@ class FeedGate:
         self.column = (self.history if not rest_ages else
                        rest_column(self.history, self.age, rest_ages))
         self.measure_rest = bool(rest_baseline)
-        if measure not in ("misses", "time"):
-            raise ConfigError(f"feed gate: measure must be 'misses' or 'time', got {measure!r}")
-        if measure == "time" and self.measure_rest:
-            raise ConfigError("feed gate: measure=time already prices the resting policy (c); "
-                              "rest_baseline must be false with it")
-        self.timed = measure == "time"
-        self._over: float | None = None  # the ended pass's overhead, s (pass_time)
-        self._rest_cost = [0.0, 0.0]  # decayed Σ o and Σ shadow misses of rested passes
-        self.timed_passes = 0
         #: g: misses per layer resting saves against the shadow, decayed (0 until measured)
         self.rest_gain = 0.0
         self._gain_avg = 0.0  # g before the clip at 0
@@ -369,21 +338,6 @@ class FeedGate:
         order = np.argsort(-p, kind="stable")[:k]
         return order[hist[order] > 0]
 
-    def pass_time(self, overhead_s: float) -> None:
-        """The pass that ended took ``overhead_s`` seconds beyond its compute with every
-        expert resident, the feed excluded (module doc, Measured in time); read with
-        ``measure: time`` only, by the next :meth:`pass_begins`."""
-        if self.timed:
-            self._over = float(overhead_s)
-
-    @property
-    def unit_s(self) -> float:
-        """Seconds per shadow miss the bound is priced at: m, or with ``measure: time`` c
-        once a rested pass has been measured (module doc, Measured in time)."""
-        if self.timed and self._rest_cost[1] > 0:
-            return self._rest_cost[0] / self._rest_cost[1]
-        return self.miss_s
-
     # ---- the decision ---------------------------------------------------------------
     def pass_begins(self) -> bool:
         """Fold the pass that ended into the counts; True: feed the pass that begins."""
@@ -391,7 +345,7 @@ class FeedGate:
             self._fold()
         self._started = True
         self._since += 1
-        f, m = self.feed_s, self.unit_s
+        f, m = self.feed_s, self.miss_s
         if self.fed:
             if self._win[2] and (self._since > WARMUP + WINDOW or self._hopeless()):
                 self._close_window()
@@ -414,16 +368,10 @@ class FeedGate:
         then rest ``WINDOW * 2^k`` passes if B < f (k the failed windows in a row), else a
         new window."""
         shadow, own, layers = self._win
-        if self._win_secs:  # own: seconds of overhead; the shadow's misses priced at c
-            c = self.unit_s
-            saving = (shadow * c - own) / layers
-            own = own / c  # the overhead in shadow misses' worth, for the shares
-            r_win = max(0.0, (shadow - own) / shadow) if shadow else 0.0
-        else:
-            saving = (shadow - own) * self.miss_s / layers
-            r_win = max(0.0, (shadow - own) / shadow) if shadow else 0.0
+        saving = (shadow - own) * self.miss_s / layers
         self.saving_s = saving
         self.windows += 1
+        r_win = max(0.0, (shadow - own) / shadow) if shadow else 0.0
         self._shares[0] += r_win  # the windows' own shares: sum, sum of squares
         self._shares[1] += r_win * r_win
         pooled = self._pooled
@@ -438,7 +386,6 @@ class FeedGate:
             self._kept[1] += ratio
             self._promise = 0.0
         self._win = [0, 0, 0]
-        self._win_secs = False
         self._wpass = [0, 0.0, 0.0]
         self._since = WARMUP + 1  # the pass that begins is the next window's first
         if saving - self.rest_gain * self.miss_s < self.feed_s:
@@ -483,39 +430,20 @@ class FeedGate:
             else:
                 self.bound = DECAY * self.bound + (1.0 - DECAY) * rate
                 self.bound_long = DECAY_LONG * self.bound_long + (1.0 - DECAY_LONG) * rate
-        over, self._over = self._over, None
-        if over is not None:
-            self.timed_passes += 1
         if self.fed and self._since > WARMUP:
-            own_s = None
-            if over is not None:  # measure: time; the window counts seconds, not misses
-                own_s = over
-                if not self._win_secs:  # the window's untimed passes so far, in seconds
-                    self._win[1] = self._win[1] * self.miss_s
-                    self._win_secs = True
-            elif self._win_secs:
-                own_s = p[1] * self.miss_s
-            for i in (0, 2):
+            for i in range(3):
                 self._win[i] += p[i]
-            self._win[1] += p[1] if own_s is None else own_s
             if p[2]:
-                if own_s is None:
-                    b = (p[0] - p[1]) * self.miss_s / p[2]  # this pass's saving, s per layer
-                else:
-                    b = (p[0] * self.unit_s - own_s) / p[2]
+                b = (p[0] - p[1]) * self.miss_s / p[2]  # this pass's saving, s per layer
                 w = self._wpass
                 w[0] += 1
                 w[1] += b
                 w[2] += b * b
         if not self.fed and p[2]:  # a rested pass: its routing, for the catch-up
             self._rested.append(self._used)
-            settled = self._warm and (not self.fed_passes or self._since > SETTLE)
-            if self.measure_rest and settled:
+            if self.measure_rest and self._warm and (not self.fed_passes
+                                                     or self._since > SETTLE):
                 self._gain((p[0] - p[1]) / p[2])
-            if over is not None and settled:  # c: the resting policy's cost per shadow miss
-                rc = self._rest_cost
-                rc[0] = DECAY_LONG * rc[0] + over
-                rc[1] = DECAY_LONG * rc[1] + p[0]
             self._used = []
         self._pass = [0, 0, 0]
         self._layer = -1
@@ -556,8 +484,6 @@ class FeedGate:
                 "feed_switches": float(self.switches),
                 "feed_windows_cut": float(self.cut),
                 "feed_saving_us_per_layer": self.saving_s * 1e6,
-                **({"feed_timed_passes": float(self.timed_passes),
-                    "feed_rest_cost_us_per_miss": self.unit_s * 1e6} if self.timed else {}),
                 "feed_rest_gain_us_per_layer": self.rest_gain * self.miss_s * 1e6}
 
 

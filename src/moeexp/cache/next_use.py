@@ -157,9 +157,6 @@ class NextUseCache(CachePolicy):
         rest_ages: the resting probability's age classes for experts idle for the table's
             whole pattern (A of :func:`~moeexp.cache.feed_gate.fit_rest_table`; feed_gate
             module doc, Age classes); 0 (the default): none.
-        feed_measure: how the feed gate prices a pass: ``misses`` (the default; m each) or
-            ``time`` (the overhead the simulator reports, :meth:`pass_time`; feed_gate
-            module doc, Measured in time).
         rest_evict: the resting cache's victim: ``lru`` (the least recently used; the
             default) or ``prob`` (the least resting probability, LRU among equals). Either
             way, with ``rest_prefetch`` off a resting cache is LRU.
@@ -174,7 +171,7 @@ class NextUseCache(CachePolicy):
                  victim_horizon: bool = False, fill: bool = True,
                  rest_prefetch: bool = True, rest_buckets: int = 1,
                  rest_evict: str = "lru", rest_baseline: bool = False,
-                 rest_ages: int = 0, feed_measure: str = "misses") -> None:
+                 rest_ages: int = 0) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
@@ -193,14 +190,7 @@ class NextUseCache(CachePolicy):
         if isinstance(rest_ages, bool) or not isinstance(rest_ages, int) or rest_ages < 0:
             raise ConfigError(f"next_use: rest_ages must be an integer >= 0, got "
                               f"{rest_ages!r}")
-        if feed_measure not in ("misses", "time"):
-            raise ConfigError(f"next_use: feed_measure must be 'misses' or 'time', got "
-                              f"{feed_measure!r}")
-        if feed_measure == "time" and rest_baseline:
-            raise ConfigError("next_use: feed_measure=time already prices the resting policy; "
-                              "set rest_baseline=false with it")
         self.rest_buckets, self.rest_evict, self.rest_ages = rest_buckets, rest_evict, rest_ages
-        self.feed_measure = feed_measure
         self.rest_baseline = rest_baseline
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
@@ -297,8 +287,7 @@ class NextUseCache(CachePolicy):
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
                         initial=self.initial_residents(), rest_table=table,
                         rest_baseline=self.rest_prefetch and self.rest_baseline,
-                        rest_bucket=bucket, rest_ages=self.rest_ages,
-                        measure=self.feed_measure)
+                        rest_bucket=bucket, rest_ages=self.rest_ages)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))
@@ -318,13 +307,6 @@ class NextUseCache(CachePolicy):
             return True
         gate.miss_s = self._miss()  # set_miss_cost may come after set_feed_cost
         return gate.pass_begins()
-
-    def pass_time(self, overhead_s: float) -> None:
-        """The pass that ended took ``overhead_s`` beyond its all-resident compute (the
-        simulator's report, :meth:`~moeexp.predictors.base.Predictor.pass_time`): to the feed
-        gate, which reads it with ``feed_measure: time``."""
-        if self.feed_gate is not None:
-            self.feed_gate.pass_time(overhead_s)
 
     def initial_residents(self) -> list[Key]:
         """With ``warm``: the ``capacity_slots`` experts of highest store popularity P, most

@@ -207,13 +207,6 @@ class Predictor:
         Default: always."""
         return True
 
-    def pass_time(self, overhead_s: float) -> None:
-        """The pass that ended took ``overhead_s`` seconds beyond its compute with every
-        expert resident, the feed cost excluded (stalls, and a CPU chain that outlasted the
-        GPU's): the simulator's replay reports it after every pass to a class that overrides
-        this (``reuse_prob``, whose ``next_use`` caches' feed gate may weigh feeding in
-        seconds: :mod:`moeexp.cache.feed_gate`, Measured in time). Default: nothing."""
-
     def rest_layer(self, obs: RestLayer) -> Prediction:
         """Layer ``obs.layer``'s router has run in a pass this predictor rests (``feeding``
         said False): what it can offer without being fed (no feed cost is charged for it,

@@ -282,13 +282,6 @@ class ReuseProbability(Predictor):
                 self._knn_rows[:] = self.models.knn.prior  # stale after a rest
         return fed
 
-    def pass_time(self, overhead_s: float) -> None:
-        """Every bound ``next_use`` cache's feed gate gets the pass's overhead (it reads it
-        with ``feed_measure: time`` only)."""
-        for c in self._caches:
-            if hasattr(c, "pass_time"):
-                c.pass_time(overhead_s)
-
     # ---- hooks ------------------------------------------------------------------------
     def rest_layer(self, obs: RestLayer) -> Prediction:
         """A rested pass's layer: every bound ``next_use`` cache folds the layer's routing

@@ -286,8 +286,6 @@ class Replay:
         self.timed = HookTimer()
         #: Predictor.rest_layer where the class has one (a resting predictor's offers)
         self.rest = predictor.rest_layer if overrides(predictor, "rest_layer") else None
-        #: Predictor.pass_time where the class has one (each pass's overhead, reported)
-        self.report = predictor.pass_time if overrides(predictor, "pass_time") else None
         needs = predictor.needs
         # what observe_layer sees beyond the router's float32[T, J] probabilities: float32
         # [T, D, J] speculative gates and [T, H] hidden states, when the predictor needs them
@@ -364,9 +362,6 @@ class Replay:
             self.dev.flush()
         if fed:
             self.predictor.end_iteration()
-        if self.report is not None:  # beyond the all-resident compute, the feed excluded
-            work = self.L * (gd.dense_s + (self.feed_s if fed else 0.0)) + sum(map(sum, gd.ce))
-            self.report(end - t - work)
         self.tally.iteration(hits, misses, stall, end - t)
         return end
 

@@ -94,60 +94,6 @@ def test_a_predictor_that_removes_the_misses_stays_fed() -> None:
     assert g.saving_s == pytest.approx(1.0) and g.share == pytest.approx(1.0)
 
 
-def timed_passes(g: FeedGate, n: int, rest_s: float, fed_s: float) -> list[bool]:
-    """As :func:`passes`, every access a hit of this cache, and after each pass the
-    overhead the mechanism reports: ``rest_s`` for a rested pass, ``fed_s`` for a fed one."""
-    now, fed = 0, []
-    for i in range(n):
-        fed.append(g.pass_begins())
-        now = run_pass(g, CYCLE[i % 4], [True] * 2, now)
-        g.pass_time(fed_s if fed[-1] else rest_s)
-    return fed
-
-
-def test_measured_in_time_a_fed_window_pays_only_if_its_overhead_does() -> None:
-    """``measure: time``: c, the rested passes' overhead per shadow miss, prices the bound,
-    and a fed pass saves shadow misses · c − its overhead. A predictor that removes every
-    miss but leaves 2.8 s of a rested pass's 3 s overhead (2 shadow misses, c = 1.5) saves
-    0.1 s per layer, below f = 0.5: its window is cut and it rests, where counting misses
-    feeds it for good; one that leaves none saves 1.5 and stays fed. Without overheads
-    reported the gate counts misses."""
-    n = 4 * (WARMUP + WINDOW)
-    counted = gate(feed_s=0.5, miss_s=1.0)
-    assert all(passes(counted, n, hit=True)[FIRST:])
-    g = FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=0.5, miss_s=1.0,
-                 measure="time")
-    fed = timed_passes(g, FIRST + WARMUP + EARLY_MIN + 3, rest_s=3.0, fed_s=2.8)
-    assert fed == [False] * FIRST + [True] * (WARMUP + EARLY_MIN) + [False] * 3
-    assert g.unit_s == pytest.approx(1.5) and g.saving_s == pytest.approx(0.1)
-    st = g.stats()
-    assert st["feed_timed_passes"] == len(fed) - 1 and st["feed_windows_cut"] == 1.0
-    assert st["feed_rest_cost_us_per_miss"] == pytest.approx(1.5e6)
-    g = FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=0.5, miss_s=1.0,
-                 measure="time")
-    assert timed_passes(g, n, rest_s=3.0, fed_s=0.0) == [False] * FIRST + [True] * (n - FIRST)
-    assert g.saving_s == pytest.approx(1.5) and g.share == pytest.approx(1.0)
-    g = FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=0.5, miss_s=1.0,
-                 measure="time")
-    assert passes(g, n, hit=True) == passes(gate(feed_s=0.5, miss_s=1.0), n, hit=True)
-    assert g.unit_s == 1.0 and g.stats()["feed_timed_passes"] == 0
-    with pytest.raises(ConfigError, match="measure"):
-        FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=0.5, miss_s=1.0,
-                 measure="seconds")
-    with pytest.raises(ConfigError, match="rest_baseline"):
-        FeedGate(capacity_slots=2, num_layers=2, num_experts=8, feed_s=0.5, miss_s=1.0,
-                 measure="time", rest_baseline=True)
-    with pytest.raises(ConfigError, match="feed_measure"):
-        next_use(feed_measure="time", rest_baseline=True)
-    with pytest.raises(ConfigError, match="feed_measure"):
-        next_use(feed_measure="stall")
-    c = next_use(feed_measure="time")
-    c.set_feed_cost(0.1)
-    assert c.feed_gate is not None and c.feed_gate.timed
-    c.pass_time(0.25)
-    assert c.feed_gate._over == 0.25
-
-
 def test_rests_double_and_a_bound_below_the_feed_is_never_fed() -> None:
     g = gate(feed_s=0.1, miss_s=1.0)
     fed = passes(g, 400, hit=False)

@@ -291,32 +291,3 @@ def test_a_resting_predictor_sees_none_of_the_pass_and_costs_no_feed() -> None:
         assert never[k] == free[k]
     assert always["tpot_ms_mean"] - free["tpot_ms_mean"] == pytest.approx(1.0, abs=1e-9)
     assert 0 < half["tpot_ms_mean"] - free["tpot_ms_mean"] < 1.0
-
-
-class _Timed(_Resting):
-    """A resting predictor that keeps the overhead the replay reports after every pass."""
-
-    def __init__(self, *, dims, fed) -> None:  # type: ignore[no-untyped-def]
-        super().__init__(dims=dims, fed=fed)
-        self.overheads: list[float] = []
-
-    def pass_time(self, overhead_s: float) -> None:
-        self.overheads.append(overhead_s)
-
-
-def test_the_replay_reports_each_passs_overhead_beyond_its_compute() -> None:
-    """``Predictor.pass_time``: after every pass, the seconds it took beyond its compute
-    with every expert resident, the feed excluded; on one device, where only stalls add
-    to that compute, they sum to the run's stall whether the pass is fed or not, and to 0
-    with every expert resident."""
-    tr = random_trace(num_requests=3, num_layers=4, num_experts=8, top_k=2, output_len=5, seed=2)
-    cost = CostModel.from_profile(load_profile("rtx3090_pcie4"), tr.dims)
-    for cache_name, capacity in (("lru", 0.5), ("resident", 0.25)):
-        pred = _Timed(dims=tr.dims, fed=lambda i: i % 2 == 0)
-        cache = CACHES.build(cache_name, capacity_slots=capacity_slots(capacity, tr.dims),
-                             num_layers=4, num_experts=8)
-        m = simulate(tr, pred, cache, cost, progress=False, predictor_feed_s=250e-6).metrics
-        assert len(pred.overheads) == tr.num_iterations
-        assert min(pred.overheads) > -1e-12
-        assert sum(pred.overheads) * 1e3 == pytest.approx(m["stall_ms_total"], abs=1e-9)
-        assert (m["stall_ms_total"] > 1.0) == (cache_name == "lru")
