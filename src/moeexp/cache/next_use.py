@@ -76,12 +76,13 @@ gates.
 where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
 on the same accesses; ``rest_baseline``: less what resting itself saves against it) are
-worth less than that cost; resting, the cache evicts the least recently used (``rest_evict: lru``, the default;
-``prob``: the resident of least model-free probability of use, the least recently used among
-equals). No feed cost, no gate. Resting, it still takes the next layer's experts of
-highest model-free probability of use (the gate's lookup of each expert's use at its layer's
-last rested runs, calibrated on the store split: :func:`moeexp.cache.feed_gate.
-fit_rest_table`; offered as HybriMoE's score-ranked prefetch is) as prefetches under the gate
+worth less than that cost; resting, the cache evicts the resident of least model-free
+probability of use, the least recently used among equals (``rest_evict: prob``, the default
+since issue 27's nineteenth stage; ``lru``: the least recently used). No feed cost, no
+gate. Resting, it still takes the next layer's experts of highest model-free probability of
+use (the gate's lookup of each expert's use at its layer's last rested runs, or its age
+class if unused in them, in its store-frequency bucket, calibrated on the store split:
+:func:`moeexp.cache.feed_gate.fit_rest_table`; ``rest_buckets``, ``rest_ages``; offered as HybriMoE's score-ranked prefetch is) as prefetches under the gate
 below with that probability (``rest_prefetch``, the default; :meth:`rest_layer`), so a
 rested policy is LRU plus the prefetches that pay on that estimate, not LRU alone (with
 ``rest_prefetch`` off, it is LRU exactly).
@@ -151,15 +152,17 @@ class NextUseCache(CachePolicy):
             likely used within a few passes, not only in this one; module doc, Fill; the
             default); False: this pass's offers alone.
         rest_buckets: the resting probability's store-frequency buckets (B of
-            :func:`~moeexp.cache.feed_gate.fit_rest_table`); 1 (the default): one table for
-            every expert. Issue 27's eighteenth stage measured 4 with ``rest_evict: prob``:
-            ahead at small budgets, behind at 50 % of the real trace (module doc).
+            :func:`~moeexp.cache.feed_gate.fit_rest_table`); 4 (the default since issue 27's
+            nineteenth stage, with ``rest_ages: 8`` and ``rest_evict: prob``); 1: one table
+            for every expert (the seventeenth and eighteenth stages' default).
         rest_ages: the resting probability's age classes for experts idle for the table's
             whole pattern (A of :func:`~moeexp.cache.feed_gate.fit_rest_table`; feed_gate
-            module doc, Age classes); 0 (the default): none.
-        rest_evict: the resting cache's victim: ``lru`` (the least recently used; the
-            default) or ``prob`` (the least resting probability, LRU among equals). Either
-            way, with ``rest_prefetch`` off a resting cache is LRU.
+            module doc, Age classes); 8 (the default); 0: none (the eighteenth stage's
+            buckets without them were behind at 50 % of the real CPU map).
+        rest_evict: the resting cache's victim: ``prob`` (the least resting probability, LRU
+            among equals; the default) or ``lru`` (the least recently used; the default
+            before the nineteenth stage). Either way, with ``rest_prefetch`` off a resting
+            cache is LRU.
         rest_baseline: the feed gate weighs a fed window's saving beyond what resting with
             offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_baseline``), not
             against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
@@ -169,9 +172,9 @@ class NextUseCache(CachePolicy):
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  gate: bool = True, warm: bool = False, feed_gate: bool = True,
                  victim_horizon: bool = False, fill: bool = True,
-                 rest_prefetch: bool = True, rest_buckets: int = 1,
-                 rest_evict: str = "lru", rest_baseline: bool = False,
-                 rest_ages: int = 0) -> None:
+                 rest_prefetch: bool = True, rest_buckets: int = 4,
+                 rest_evict: str = "prob", rest_baseline: bool = False,
+                 rest_ages: int = 8) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),

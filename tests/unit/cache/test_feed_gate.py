@@ -235,7 +235,7 @@ def test_the_resting_table_is_the_store_splits_next_use_rate_per_pattern() -> No
     assert cells.sum() > 100 and table.shape == (1, 2 ** REST_BITS)
     assert np.allclose(table, want)
     c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6,
-                     rest_buckets=1)
+                     rest_buckets=1, rest_ages=0)
     c.fit(store)
     c.set_link(copy_s=1.0, window_s=0.5)
     c.set_feed_cost(0.1)
@@ -295,7 +295,7 @@ def test_store_frequency_buckets_split_the_resting_table_and_the_victim_reads_it
                       seed=3)
     store = tr.split("store")
     c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6,
-                     rest_buckets=3, rest_evict="prob")
+                     rest_buckets=3, rest_evict="prob", rest_ages=0)
     c.fit(store)
     c.set_link(copy_s=1.0, window_s=0.5)
     c.set_feed_cost(0.1)
@@ -354,7 +354,7 @@ def test_age_classes_tell_a_long_idle_expert_from_a_short_idle_one() -> None:
     assert cells[0, base + 1:].sum() > 20 and cells[0, 0] == 0  # pattern 0 is never read
     assert np.array_equal(fit_rest_table(store)[0, 1:], table[0, 1:base])  # h > 0: as before
     c = CACHES.build("next_use", capacity_slots=4, num_layers=3, num_experts=6,
-                     rest_ages=5, rest_evict="prob")
+                     rest_ages=5, rest_evict="prob", rest_buckets=1)
     c.fit(store)
     c.set_link(copy_s=1.0, window_s=0.5)
     c.set_feed_cost(0.1)
