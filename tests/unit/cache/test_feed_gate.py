@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
 
 from moeexp.cache import CACHES
 from moeexp.cache.belady import PrefetchRefused
@@ -20,6 +23,7 @@ from moeexp.cache.feed_gate import (
     rest_column,
     store_buckets,
 )
+from moeexp.cache.next_use import NextUseCache
 from moeexp.errors import ConfigError
 from moeexp.traces.synthetic import random_trace
 
@@ -512,3 +516,17 @@ def test_a_fed_window_must_beat_what_resting_saves_not_lru() -> None:
     # ... but not f = 0.6, which no predictor could earn beyond g (bound 1 - 0.5): never fed
     g, fed = against_rest(True, 0.6, [True, True])
     assert not any(fed) and g.windows == 0
+
+
+def test_the_config_and_the_class_agree_on_every_option() -> None:
+    """``conf/cache/next_use.yaml`` gives each option of ``NextUseCache`` the class's own
+    default (the resting options' defaults changed in issue 27's nineteenth stage: both at
+    once)."""
+    conf = OmegaConf.load(Path(__file__).parents[3] / "conf" / "cache" / "next_use.yaml")
+    params = inspect.signature(NextUseCache.__init__).parameters
+    options = [k for k in params if k not in ("self", "capacity_slots", "num_layers",
+                                              "num_experts")]
+    assert {"rest_buckets", "rest_ages", "rest_evict"} <= set(options)
+    for key in options:
+        assert conf[key] == params[key].default, key
+    assert (conf.rest_buckets, conf.rest_ages, conf.rest_evict) == (4, 8, "prob")
