@@ -85,13 +85,15 @@ class CachePolicy:
         :mod:`moeexp.simulator.mechanics`), before the first request; the simulator and
         the engine call it. Default: nothing (``next_use`` reads it)."""
 
-    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False) -> None:
+    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False,
+                      relief_s: float = 0.0) -> None:
         """What one decode miss costs the run when no prefetch hides it (seconds), where
         missed experts may run on the CPU (:meth:`moeexp.execution.base.ExecutionPolicy.miss_s`);
         ``late_to_cpu``: a copy still in flight when its layer runs may be computed on the
-        CPU instead of waited for (the execution's key). The simulator and the engine call
-        it for such a run, after :meth:`set_mechanics`. Default: nothing (``next_use``'s
-        prefetch gate reads it)."""
+        CPU instead of waited for (the execution's key); ``relief_s``: the GPU seconds such
+        a miss takes off the GPU's chain (:meth:`~moeexp.execution.base.ExecutionPolicy.
+        miss_relief_s`). The simulator and the engine call it for such a run, after
+        :meth:`set_mechanics`. Default: nothing (``next_use``'s gates read it)."""
 
     def initial_residents(self) -> list[Key]:
         """Experts to load before the first request (``static``). Default: none."""

@@ -122,6 +122,7 @@ from moeexp.traces.schema import Trace
 P_MIN = 1e-3  #: floor of a probability before 1 / P
 R_CAP = 16.0  #: most passes of residence a CPU-execution prefetch is credited with (module doc)
 NEED_DECAY = 0.8  #: per-layer decay of the average of copies needed per layer
+FREE_MISS_S = 1e-9  #: the feed gate's m where a miss costs nothing beyond the GPU's work (s)
 
 
 @CACHES.register("next_use")
@@ -163,6 +164,10 @@ class NextUseCache(CachePolicy):
             among equals; the default) or ``lru`` (the least recently used; the default
             before the nineteenth stage). Either way, with ``rest_prefetch`` off a resting
             cache is LRU.
+        feed_overlap: the feed gate prices a miss the CPU computes at its cost less the GPU
+            time it takes off the GPU's chain (the GPU's own compute of the expert, which
+            the CPU's runs beside; ``relief_s`` of :meth:`set_miss_cost`); False: at its
+            whole cost, as the prefetch gate does.
         rest_baseline: the feed gate weighs a fed window's saving beyond what resting with
             offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_baseline``), not
             against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
@@ -174,12 +179,13 @@ class NextUseCache(CachePolicy):
                  victim_horizon: bool = False, fill: bool = True,
                  rest_prefetch: bool = True, rest_buckets: int = 4,
                  rest_evict: str = "prob", rest_baseline: bool = False,
-                 rest_ages: int = 8) -> None:
+                 rest_ages: int = 8, feed_overlap: bool = False) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
                          ("victim_horizon", victim_horizon), ("fill", fill),
-                         ("rest_prefetch", rest_prefetch), ("rest_baseline", rest_baseline)):
+                         ("rest_prefetch", rest_prefetch), ("rest_baseline", rest_baseline),
+                         ("feed_overlap", feed_overlap)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
@@ -195,8 +201,10 @@ class NextUseCache(CachePolicy):
                               f"{rest_ages!r}")
         self.rest_buckets, self.rest_evict, self.rest_ages = rest_buckets, rest_evict, rest_ages
         self.rest_baseline = rest_baseline
+        self.feed_overlap = feed_overlap
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
+        self.miss_relief_s = 0.0  # set_miss_cost: GPU time a CPU-computed miss takes off
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
         self.P = np.full((num_layers, num_experts), 0.5)  # float64[L, J]
         self.Q = self.P.copy()  # float64[L, J], per pass after the next run (module doc)
@@ -259,15 +267,22 @@ class NextUseCache(CachePolicy):
         self.touch_all = demand_load == "all_experts"
         self._E = None
 
-    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False) -> None:
+    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False,
+                      relief_s: float = 0.0) -> None:
         """What a decode miss costs where the CPU may compute it (module doc, Prefetch gate):
         the stall a prefetch can hide and a wasted victim's reload, instead of a copy;
-        ``late_to_cpu``: a late copy's wait is at most that miss (the CPU takes it)."""
+        ``late_to_cpu``: a late copy's wait is at most that miss (the CPU takes it);
+        ``relief_s``: the GPU time such a miss takes off the GPU's chain, which the feed
+        gate subtracts under ``feed_overlap`` (module doc, Whether to run the predictor)."""
         if not (seconds > 0 and math.isfinite(seconds)):
             raise ConfigError(f"next_use: a miss's cost must be a finite number > 0 s, got "
                               f"{seconds}")
+        if not (relief_s >= 0 and math.isfinite(relief_s)):
+            raise ConfigError(f"next_use: a miss's GPU relief must be a finite number >= 0 s, "
+                              f"got {relief_s}")
         self.miss_s = float(seconds)
         self.late_capped = bool(late_to_cpu)
+        self.miss_relief_s = float(relief_s)
 
     def set_feed_cost(self, seconds: float) -> None:
         """Host seconds per MoE layer of feeding the predictor (module doc, Whether to run
@@ -287,7 +302,7 @@ class NextUseCache(CachePolicy):
             bucket = store_buckets(self.P, self.rest_buckets)  # P: the store's use shares
             table = fit_rest_table(self._store, bucket, self.rest_ages)
         gate = FeedGate(capacity_slots=self.capacity_slots, num_layers=self.num_layers,
-                        num_experts=self.num_experts, feed_s=seconds, miss_s=self._miss(),
+                        num_experts=self.num_experts, feed_s=seconds, miss_s=self._feed_miss(),
                         initial=self.initial_residents(), rest_table=table,
                         rest_baseline=self.rest_prefetch and self.rest_baseline,
                         rest_bucket=bucket, rest_ages=self.rest_ages)
@@ -301,6 +316,15 @@ class NextUseCache(CachePolicy):
         assert self.copy_s is not None
         return self.copy_s if self.miss_s is None else min(self.copy_s, self.miss_s)
 
+    def _feed_miss(self) -> float:
+        """The feed gate's m: :meth:`_miss`, less (under ``feed_overlap``, where the CPU
+        computes a miss) the GPU time the miss takes off the GPU's chain, as the CPU's
+        computation runs beside the GPU's hits; at least :data:`FREE_MISS_S`."""
+        m = self._miss()
+        if self.feed_overlap and self.miss_s is not None and self.miss_s < self.copy_s:
+            return max(FREE_MISS_S, m - self.miss_relief_s)
+        return m
+
     def feeding(self) -> bool:
         """Whether the pass that begins is handed to the predictor (always without a feed
         cost); asked once per pass, by the predictor's :meth:`~moeexp.predictors.base.
@@ -308,7 +332,7 @@ class NextUseCache(CachePolicy):
         gate = self.feed_gate
         if gate is None:
             return True
-        gate.miss_s = self._miss()  # set_miss_cost may come after set_feed_cost
+        gate.miss_s = self._feed_miss()  # set_miss_cost may come after set_feed_cost
         return gate.pass_begins()
 
     def initial_residents(self) -> list[Key]:

@@ -221,7 +221,8 @@ def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cac
     miss_s = execution.miss_s(cost) if cost is not None else None
     if miss_s is not None:
         for c in cache.caches if isinstance(cache, DeviceCaches) else [cache]:
-            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu)
+            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu,
+                            relief_s=execution.miss_relief_s(cost))
     return pinned
 
 

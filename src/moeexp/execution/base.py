@@ -181,6 +181,18 @@ class ExecutionPolicy:
             return None
         return min(float(cost.copy_s), float(cost.cpu_miss_s(1)))
 
+    def miss_relief_s(self, cost: CostModel) -> float:
+        """GPU seconds a decode miss takes off the GPU's chain where the CPU computes it
+        (it is cheaper than a copy: :meth:`miss_s`): the GPU's own compute of the expert
+        for one token (:meth:`~moeexp.costmodel.roofline.CostModel.expert_s`, its
+        dequantisation included), which the CPU's runs beside instead; 0 where a miss is a
+        copy (the GPU still computes it after the copy) or no miss runs on the CPU. The
+        ``next_use`` feed gate may price a miss at :meth:`miss_s` less it
+        (``feed_overlap``; :meth:`moeexp.cache.base.CachePolicy.set_miss_cost`)."""
+        if self.plain or not self.needs_cpu() or not cost.cpu_miss_s(1) < cost.copy_s:
+            return 0.0
+        return float(cost.expert_s(1))
+
     def place(self, misses: LayerMisses, cost: CostModel) -> Placement:
         """Where each of ``misses.experts`` runs."""
         raise NotImplementedError

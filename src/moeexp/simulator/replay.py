@@ -170,7 +170,8 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     for c in caches:  # ... and the demand loading it is served with (next_use)
         c.set_mechanics(demand_load=mechanics.demand_load)
         if miss_s is not None:  # ... and what a miss costs where the CPU may run it
-            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu)  # type: ignore[union-attr]
+            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu,  # type: ignore[union-attr]
+                            relief_s=execution.miss_relief_s(cost))  # type: ignore[union-attr]
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
