@@ -530,3 +530,30 @@ def test_the_config_and_the_class_agree_on_every_option() -> None:
     for key in options:
         assert conf[key] == params[key].default, key
     assert (conf.rest_buckets, conf.rest_ages, conf.rest_evict) == (4, 8, "prob")
+
+
+def test_feed_overlap_prices_a_cpu_miss_less_the_gpu_work_it_takes_off() -> None:
+    """``feed_overlap``: the feed gate's m is the CPU's miss less the GPU time it takes off
+    the GPU's chain (``relief_s``), where the CPU computes the miss (it beats the copy); a
+    copy miss, or the option off, keeps the whole m; a relief above m leaves a free miss
+    (the predictor can never pay). The prefetch gate's m is unchanged."""
+    c = next_use(feed_overlap=True)  # copy_s 1.0
+    c.set_miss_cost(0.8, relief_s=0.5)
+    c.set_feed_cost(0.1)
+    assert c.feed_gate is not None and c.feed_gate.miss_s == pytest.approx(0.3)
+    c.feeding()
+    assert c.feed_gate.miss_s == pytest.approx(0.3) and c._miss() == 0.8
+    c.set_miss_cost(1.5, relief_s=0.5)  # the copy is cheaper: a miss is a copy
+    c.feeding()
+    assert c.feed_gate.miss_s == 1.0
+    c.set_miss_cost(0.8, relief_s=2.0)
+    c.feeding()
+    assert 0 < c.feed_gate.miss_s < 1e-6
+    off = next_use()
+    off.set_miss_cost(0.8, relief_s=0.5)
+    off.set_feed_cost(0.1)
+    assert off.feed_gate is not None and off.feed_gate.miss_s == 0.8
+    with pytest.raises(ConfigError, match="relief"):
+        off.set_miss_cost(0.8, relief_s=-1.0)
+    with pytest.raises(ConfigError, match="feed_overlap"):
+        next_use(feed_overlap="yes")

@@ -210,16 +210,19 @@ class _MissSpy(LRUCache):
         super().__init__(**kw)
         self.told: list[float] = []
 
-    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False) -> None:
+    def set_miss_cost(self, seconds: float, *, late_to_cpu: bool = False,
+                      relief_s: float = 0.0) -> None:
         self.told.append(seconds)
-        self.late = late_to_cpu
+        self.late, self.relief = late_to_cpu, relief_s
 
 
 @pytest.mark.parametrize("name", ["copy", "cpu_on_miss", "balanced"])
 def test_the_replay_tells_the_cache_what_a_miss_costs_where_the_cpu_may_run_it(name: str) -> None:
     """A CPU execution tells the cache, once before serving, the cheaper of a copy and the
-    CPU's computing a one-token miss (the ``next_use`` gate's m); ``copy`` tells nothing
-    (a miss is a copy, the replay as before)."""
+    CPU's computing a one-token miss (the ``next_use`` gate's m) and the GPU time such a
+    miss takes off the GPU's chain (the expert's one-token GPU compute, as the CPU beats
+    the copy here; 0 where the copy is cheaper); ``copy`` tells nothing (a miss is a copy,
+    the replay as before)."""
     tr = _alternating()
     cost = cpu_cost(tr.dims)
     pol = build_execution({"name": name}, cost)
@@ -230,6 +233,9 @@ def test_the_replay_tells_the_cache_what_a_miss_costs_where_the_cpu_may_run_it(n
     else:
         assert spy.told == [min(cost.copy_s, cost.cpu_miss_s(1))] and spy.late is False
         assert pol.miss_s(cost) == spy.told[0] < cost.copy_s  # this CPU beats the copy
+        assert spy.relief == pol.miss_relief_s(cost) == cost.expert_s(1) > 0
+        slow = cpu_cost(tr.dims, dram_gbps=1.0)  # a CPU slower than the copy: no relief
+        assert build_execution({"name": name}, slow).miss_relief_s(slow) == 0.0
         late = _MissSpy(capacity_slots=1, num_layers=tr.dims.num_layers,
                         num_experts=tr.dims.num_experts)
         simulate(tr, PREDICTORS.build("none", dims=tr.dims), late, cost, progress=False,
