@@ -76,7 +76,12 @@ gates.
 where feeding the predictor costs the run host time per layer, :class:`moeexp.cache.feed_gate.
 FeedGate` rests it for whole passes when the misses it removes (against a shadow on-demand LRU
 on the same accesses; ``rest_baseline``: less what resting itself saves against it) are
-worth less than that cost; resting, the cache evicts the resident of least model-free
+worth less than that cost. Where the CPU computes a miss it prices it, under ``feed_overlap``
+(the default since issue 27's nineteenth stage), at the CPU's time less the GPU's own
+compute of the expert, which the CPU's runs beside (the miss's marginal cost, not its whole
+one: with hqq3 experts at a 100 GB/s CPU a one-token miss is 1.95 ms on the CPU against
+1.05 ms on the GPU, and priced whole the gate fed the predictor where resting was 6.5 %
+faster). Resting, the cache evicts the resident of least model-free
 probability of use, the least recently used among equals (``rest_evict: prob``, the default
 since issue 27's nineteenth stage; ``lru``: the least recently used). No feed cost, no
 gate. Resting, it still takes the next layer's experts of highest model-free probability of
@@ -166,8 +171,8 @@ class NextUseCache(CachePolicy):
             cache is LRU.
         feed_overlap: the feed gate prices a miss the CPU computes at its cost less the GPU
             time it takes off the GPU's chain (the GPU's own compute of the expert, which
-            the CPU's runs beside; ``relief_s`` of :meth:`set_miss_cost`); False: at its
-            whole cost, as the prefetch gate does.
+            the CPU's runs beside; ``relief_s`` of :meth:`set_miss_cost`; the default since
+            issue 27's nineteenth stage); False: at its whole cost, as the prefetch gate does.
         rest_baseline: the feed gate weighs a fed window's saving beyond what resting with
             offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_baseline``), not
             against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
@@ -179,7 +184,7 @@ class NextUseCache(CachePolicy):
                  victim_horizon: bool = False, fill: bool = True,
                  rest_prefetch: bool = True, rest_buckets: int = 4,
                  rest_evict: str = "prob", rest_baseline: bool = False,
-                 rest_ages: int = 8, feed_overlap: bool = False) -> None:
+                 rest_ages: int = 8, feed_overlap: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),

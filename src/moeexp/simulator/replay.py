@@ -107,6 +107,20 @@ def check_inputs(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: C
         )
 
 
+def tell_miss_cost(caches: Sequence[CachePolicy], execution: ExecutionPolicy,
+                   cost: CostModel) -> None:
+    """Tell each policy what a decode miss costs where ``execution`` may compute it on the
+    CPU, whether a late copy may go there, and the GPU time such a miss takes off the GPU's
+    chain (:meth:`~moeexp.cache.base.CachePolicy.set_miss_cost`); nothing where a miss is a
+    copy."""
+    miss_s = execution.miss_s(cost)
+    if miss_s is None:
+        return
+    relief_s = execution.miss_relief_s(cost)
+    for c in caches:
+        c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu, relief_s=relief_s)
+
+
 def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Sequence[CachePolicy],
              cost: CostModel, *, batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, seed: int = 0, progress: bool = True,
@@ -166,12 +180,10 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     if not (predictor_feed_s >= 0.0 and np.isfinite(predictor_feed_s)):
         raise ConfigError(f"predictor_feed_s={predictor_feed_s} must be a finite number >= 0")
     predictor.bind(cost, caches)  # a policy that reads the cost model it runs under
-    miss_s = execution.miss_s(cost) if cpu and execution is not None else None
     for c in caches:  # ... and the demand loading it is served with (next_use)
         c.set_mechanics(demand_load=mechanics.demand_load)
-        if miss_s is not None:  # ... and what a miss costs where the CPU may run it
-            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu,  # type: ignore[union-attr]
-                            relief_s=execution.miss_relief_s(cost))  # type: ignore[union-attr]
+    if cpu and execution is not None:  # ... and what a miss costs where the CPU may run it
+        tell_miss_cost(caches, execution, cost)
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)

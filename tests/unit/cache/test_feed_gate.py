@@ -549,7 +549,8 @@ def test_feed_overlap_prices_a_cpu_miss_less_the_gpu_work_it_takes_off() -> None
     c.set_miss_cost(0.8, relief_s=2.0)
     c.feeding()
     assert 0 < c.feed_gate.miss_s < 1e-6
-    off = next_use()
+    assert next_use().feed_overlap  # the default
+    off = next_use(feed_overlap=False)
     off.set_miss_cost(0.8, relief_s=0.5)
     off.set_feed_cost(0.1)
     assert off.feed_gate is not None and off.feed_gate.miss_s == 0.8
