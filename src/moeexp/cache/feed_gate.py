@@ -10,7 +10,8 @@ The gate weighs the two per layer, in seconds:
 * **saving** B: the misses an on-demand LRU cache of the same capacity would have had on the
   same accesses (the *shadow*, kept here) minus this cache's misses, times m, what a miss
   costs (the copy time, or the cheaper CPU computation where the execution may compute a
-  miss there: ``NextUseCache.set_miss_cost``), per layer, over a window of :data:`WINDOW`
+  miss there: ``NextUseCache.set_miss_cost``; since issue 27's nineteenth stage less the GPU
+  time such a miss takes off the GPU's chain, ``feed_overlap``), per layer, over a window of :data:`WINDOW`
   fed passes after :data:`WARMUP` passes in which the predictor's state catches up;
 * **bound** b: the shadow's misses per layer times m: the most that any predictor could
   save; b_short averages recent passes (decay :data:`DECAY` per pass), b_long the run
