@@ -218,11 +218,9 @@ def _host_experts(execution: ExecutionPolicy | None, cost: CostModel | None, cac
         raise ConfigError(f"execution={execution.name} pins {len(pinned)} experts on the device "
                           f"but the budget holds {cache.capacity_slots} slots: raise the "
                           "capacity or pin fewer (gpu_experts, n_cpu_layers)")
-    miss_s = execution.miss_s(cost) if cost is not None else None
-    if miss_s is not None:
-        for c in cache.caches if isinstance(cache, DeviceCaches) else [cache]:
-            c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu,
-                            relief_s=execution.miss_relief_s(cost))
+    if cost is not None:
+        execution.tell_miss_cost(cache.caches if isinstance(cache, DeviceCaches) else [cache],
+                                 cost)
     return pinned
 
 

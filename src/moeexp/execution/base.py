@@ -23,9 +23,9 @@ are refused by :meth:`ExecutionPolicy.check`, before any work.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -33,6 +33,9 @@ from moeexp.costmodel.roofline import CostModel
 from moeexp.errors import ConfigError
 from moeexp.registry import Registry
 from moeexp.traces.schema import Trace
+
+if TYPE_CHECKING:  # annotations only: the policies are told, not built, here
+    from moeexp.cache.base import CachePolicy
 
 Key = tuple[int, int]
 #: ``execution.hidden_on_link`` values besides false: which hidden-state transfers of a CPU
@@ -192,6 +195,19 @@ class ExecutionPolicy:
         if self.plain or not self.needs_cpu() or not cost.cpu_miss_s(1) < cost.copy_s:
             return 0.0
         return float(cost.expert_s(1))
+
+    def tell_miss_cost(self, caches: Iterable[CachePolicy], cost: CostModel) -> None:
+        """Tell each policy what a decode miss costs where this execution may compute it on
+        the CPU (:meth:`miss_s`), whether a late copy may go there, and the GPU time such a
+        miss takes off the GPU's chain (:meth:`miss_relief_s`)
+        (:meth:`~moeexp.cache.base.CachePolicy.set_miss_cost`); nothing where a miss is a
+        copy. The simulator and the engine call it once, before serving."""
+        miss_s = self.miss_s(cost)
+        if miss_s is None:
+            return
+        relief_s = self.miss_relief_s(cost)
+        for c in caches:
+            c.set_miss_cost(miss_s, late_to_cpu=self.late_to_cpu, relief_s=relief_s)
 
     def place(self, misses: LayerMisses, cost: CostModel) -> Placement:
         """Where each of ``misses.experts`` runs."""

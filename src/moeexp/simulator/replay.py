@@ -107,20 +107,6 @@ def check_inputs(trace: Trace, predictor: Predictor, cache: CachePolicy, cost: C
         )
 
 
-def tell_miss_cost(caches: Sequence[CachePolicy], execution: ExecutionPolicy,
-                   cost: CostModel) -> None:
-    """Tell each policy what a decode miss costs where ``execution`` may compute it on the
-    CPU, whether a late copy may go there, and the GPU time such a miss takes off the GPU's
-    chain (:meth:`~moeexp.cache.base.CachePolicy.set_miss_cost`); nothing where a miss is a
-    copy."""
-    miss_s = execution.miss_s(cost)
-    if miss_s is None:
-        return
-    relief_s = execution.miss_relief_s(cost)
-    for c in caches:
-        c.set_miss_cost(miss_s, late_to_cpu=execution.late_to_cpu, relief_s=relief_s)
-
-
 def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Sequence[CachePolicy],
              cost: CostModel, *, batch_size: int = 1, arrival_rate: float | None = None,
              restricted_routing: bool = False, seed: int = 0, progress: bool = True,
@@ -183,7 +169,7 @@ def simulate(trace_test: Trace, predictor: Predictor, cache: CachePolicy | Seque
     for c in caches:  # ... and the demand loading it is served with (next_use)
         c.set_mechanics(demand_load=mechanics.demand_load)
     if cpu and execution is not None:  # ... and what a miss costs where the CPU may run it
-        tell_miss_cost(caches, execution, cost)
+        execution.tell_miss_cost(caches, cost)
     with paused_gc():
         plan = Plan(trace_test, cost, batch_size=batch_size, arrival_rate=arrival_rate,
                     num_requests=num_requests, seed=seed)
