@@ -21,6 +21,7 @@ from typing import Any
 from moeexp.backends.base import BACKENDS, Backend, BackendContext, BackendResult
 from moeexp.costmodel.fitted import load_cost_model
 from moeexp.errors import ConfigError
+from moeexp.predictors import PREDICTORS
 from moeexp.registry import typed
 from moeexp.schedulers import build_scheduler
 from moeexp.schedulers.base import ServingProfile
@@ -56,6 +57,11 @@ class SimBackend:
             pass handed to a predictor (any but ``none``): what feeding it costs a
             host-bound engine (``simulate(predictor_feed_s=...)``; the H200 engine's fitted
             gap was ~1280, ``experiments/real_scale/README.md``); 0 = free (the default).
+            One number charges every predictor alike; a mapping ``{predictor: µs}`` (keys:
+            ``predictor`` config names) charges each its own (the engine's measured feeds,
+            ``sim_predictor_feed_us`` of a ``sim_vs_engine`` job with
+            ``backend.predictor_feed=true``), and a run whose predictor it does not name
+            raises. The run's charge is reported as the metric ``predictor_feed_us``.
 
     With ``scheduler=static`` (the default) it runs :func:`moeexp.simulator.simulate` as
     before; otherwise :func:`moeexp.simulator.continuous.serve` with the scheduler fitted
@@ -69,13 +75,10 @@ class SimBackend:
     progress: bool = True
     cost_profile: str | None = None
     serving: Mapping[str, Any] | None = None
-    predictor_feed_us: float = 0.0
+    predictor_feed_us: float | Mapping[str, float] = 0.0
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.predictor_feed_us, (int, float))
-                and 0 <= self.predictor_feed_us < float("inf")):
-            raise ConfigError(f"backend=sim: predictor_feed_us must be a finite number >= 0 "
-                              f"(µs per MoE layer fed), got {self.predictor_feed_us!r}")
+        _check_feed(self.predictor_feed_us)
         if self.batch_size < 1:
             raise ConfigError(f"backend=sim: batch_size must be >= 1, got {self.batch_size}")
         if self.arrival_rate is not None and not self.arrival_rate > 0:
@@ -109,11 +112,22 @@ class SimBackend:
         metrics: dict[str, Any] = dict(res.metrics)
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
-        return BackendResult(metrics, dict(res.series))
+        return BackendResult(_with_feed(metrics, self._feed_s(ctx)), dict(res.series))
 
     def _feed_s(self, ctx: BackendContext) -> float:
-        """Seconds per MoE layer fed: ``predictor_feed_us`` unless the predictor is none."""
-        return 0.0 if ctx.predictor.name == "none" else float(self.predictor_feed_us) * 1e-6
+        """Seconds per MoE layer fed: ``predictor_feed_us`` (the predictor's entry of a
+        mapping) unless the predictor is none."""
+        name = ctx.predictor.name
+        if name == "none":
+            return 0.0
+        feed = self.predictor_feed_us
+        if not isinstance(feed, Mapping):
+            return float(feed) * 1e-6
+        if name not in feed:
+            raise ConfigError(f"backend.predictor_feed_us: no entry for predictor {name!r} "
+                              f"(entries: {', '.join(sorted(feed)) or 'none'}); add one, or "
+                              "give one number for every predictor")
+        return float(feed[name]) * 1e-6
 
     def _serve(self, ctx: BackendContext, cost: Any) -> BackendResult:
         """Continuous batching under ``ctx.scheduler`` (a policy needing the whole future
@@ -137,7 +151,38 @@ class SimBackend:
             "kv_bytes_per_token": float(ctx.kv_bytes_per_token or cost.kv_bytes_per_token())}
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
-        return BackendResult(metrics, dict(res.series))
+        return BackendResult(_with_feed(metrics, self._feed_s(ctx)), dict(res.series))
+
+
+def _check_feed(feed: Any) -> None:
+    """``backend.predictor_feed_us``: a finite number >= 0, or a mapping of ``predictor``
+    config names to such numbers (ConfigError naming what is wrong)."""
+    def ok(v: Any) -> bool:
+        return (isinstance(v, (int, float)) and not isinstance(v, bool)
+                and 0 <= v < float("inf"))
+
+    if isinstance(feed, Mapping):
+        unknown = sorted(str(k) for k in feed if k not in PREDICTORS)
+        if unknown:
+            raise ConfigError(f"backend.predictor_feed_us: unknown predictor(s) "
+                              f"{', '.join(map(repr, unknown))}; valid: "
+                              f"{', '.join(PREDICTORS.names())}")
+        bad = {k: v for k, v in feed.items() if not ok(v)}
+        if bad:
+            raise ConfigError(f"backend.predictor_feed_us: every entry must be a finite "
+                              f"number >= 0 (µs per MoE layer fed), got {bad!r}")
+    elif not ok(feed):
+        raise ConfigError(f"backend=sim: predictor_feed_us must be a finite number >= 0 "
+                          f"(µs per MoE layer fed) or a mapping {{predictor: µs}}, "
+                          f"got {feed!r}")
+
+
+def _with_feed(metrics: dict[str, Any], feed_s: float) -> dict[str, Any]:
+    """``metrics`` with ``predictor_feed_us``, the run's per-layer feed charge, where one
+    was charged (a free feed adds nothing: runs without one keep their metrics)."""
+    if feed_s > 0.0:
+        metrics["predictor_feed_us"] = feed_s * 1e6
+    return metrics
 
 
 def _serving_profile(ctx: BackendContext, cost: Any) -> ServingProfile | BackendResult:
