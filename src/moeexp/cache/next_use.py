@@ -177,6 +177,11 @@ class NextUseCache(CachePolicy):
             offers saves (g; :class:`~moeexp.cache.feed_gate.FeedGate` ``rest_baseline``), not
             against on-demand LRU (issue 27's eighteenth stage: measured, and left off: it
             rested the predictor where feeding it paid).
+        rest_within_pass: under ``rest_evict: prob``, in a rested pass of several tokens (a
+            prefill) a resident of a layer the pass has still to run weighs its use within
+            the pass, so the layers behind are evicted first (feed_gate module doc, A pass
+            of many tokens; the default since issue 27's twentieth stage); False: its
+            resting probability per run, as in a one-token pass.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
@@ -184,13 +189,15 @@ class NextUseCache(CachePolicy):
                  victim_horizon: bool = False, fill: bool = True,
                  rest_prefetch: bool = True, rest_buckets: int = 4,
                  rest_evict: str = "prob", rest_baseline: bool = False,
-                 rest_ages: int = 8, feed_overlap: bool = True) -> None:
+                 rest_ages: int = 8, feed_overlap: bool = True,
+                 rest_within_pass: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
                          ("victim_horizon", victim_horizon), ("fill", fill),
                          ("rest_prefetch", rest_prefetch), ("rest_baseline", rest_baseline),
-                         ("feed_overlap", feed_overlap)):
+                         ("feed_overlap", feed_overlap),
+                         ("rest_within_pass", rest_within_pass)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
@@ -207,6 +214,7 @@ class NextUseCache(CachePolicy):
         self.rest_buckets, self.rest_evict, self.rest_ages = rest_buckets, rest_evict, rest_ages
         self.rest_baseline = rest_baseline
         self.feed_overlap = feed_overlap
+        self.rest_within_pass = rest_within_pass
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.miss_relief_s = 0.0  # set_miss_cost: GPU time a CPU-computed miss takes off
@@ -310,7 +318,8 @@ class NextUseCache(CachePolicy):
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._feed_miss(),
                         initial=self.initial_residents(), rest_table=table,
                         rest_baseline=self.rest_prefetch and self.rest_baseline,
-                        rest_bucket=bucket, rest_ages=self.rest_ages)
+                        rest_bucket=bucket, rest_ages=self.rest_ages,
+                        within_pass=self.rest_within_pass)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))
@@ -330,15 +339,15 @@ class NextUseCache(CachePolicy):
             return max(FREE_MISS_S, m - self.miss_relief_s)
         return m
 
-    def feeding(self) -> bool:
-        """Whether the pass that begins is handed to the predictor (always without a feed
-        cost); asked once per pass, by the predictor's :meth:`~moeexp.predictors.base.
-        Predictor.feeding`."""
+    def feeding(self, tokens: int = 1) -> bool:
+        """Whether the pass that begins, of ``tokens`` token rows, is handed to the
+        predictor (always without a feed cost); asked once per pass, by the predictor's
+        :meth:`~moeexp.predictors.base.Predictor.feeding`."""
         gate = self.feed_gate
         if gate is None:
             return True
         gate.miss_s = self._feed_miss()  # set_miss_cost may come after set_feed_cost
-        return gate.pass_begins()
+        return gate.pass_begins(tokens)
 
     def initial_residents(self) -> list[Key]:
         """With ``warm``: the ``capacity_slots`` experts of highest store popularity P, most

@@ -247,7 +247,7 @@ class PassModel(OffloadedModel):
         groups = self._groups(members)
         self._gather = _Gather(self, [sum(sizes[i] for i in g) for g in groups], future)
         try:
-            eng.begin_iteration()
+            eng.begin_iteration(sum(sizes))
             order = [i for g in groups for i in g]  # the layers' token order
             self._start_iteration([members[i] for i in order], [sizes[i] for i in order],
                                   future)

@@ -161,8 +161,8 @@ class OffloadedModel:
         self._started = False
         self.engine.batched_rows = self._always_batched or (
             self._decode_batched and not self._auto and self._step > 0)
-        self.engine.begin_iteration()
         self._tokens = int(np.prod(shape))
+        self.engine.begin_iteration(self._tokens)
         self._seq = shape[1]
         if self.recorder is not None:
             rid = self._active[0] if self._active else 0

@@ -68,11 +68,11 @@ class PredictorRunner:
             self._thread = threading.Thread(target=self._run, name="moeexp-predictor", daemon=True)
             self._thread.start()
 
-    def begin_pass(self) -> None:
-        """Ask the predictor whether the pass that begins is handed to it
-        (``Predictor.feeding``, on the engine's thread); while it rests, the pass's hooks
-        (:data:`PASS_HOOKS`) are neither built nor submitted."""
-        self.resting = self.any_active and not self.predictor.feeding()
+    def begin_pass(self, tokens: int = 1) -> None:
+        """Ask the predictor whether the pass that begins, of ``tokens`` token rows, is
+        handed to it (``Predictor.feeding``, on the engine's thread); while it rests, the
+        pass's hooks (:data:`PASS_HOOKS`) are neither built nor submitted."""
+        self.resting = self.any_active and not self.predictor.feeding(tokens)
         self.rested_passes += self.resting
 
     def wants(self, hook: str) -> bool:

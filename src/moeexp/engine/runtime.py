@@ -463,9 +463,10 @@ class Engine:
                 f"{experts} but the future trace says {want[layer].tolist()}; the oracle needs "
                 f"the trace of exactly these passes (same prompts, exact decoding)")
 
-    def begin_iteration(self) -> None:
+    def begin_iteration(self, tokens: int = 1) -> None:
+        """A forward pass of ``tokens`` token rows begins."""
         with self.lock:
-            self.runner.begin_pass()  # whether this pass is handed to the predictor
+            self.runner.begin_pass(tokens)  # whether this pass is handed to the predictor
             self.iteration += 1
             if self.residency_cycle is not None:
                 self.residency = self.residency_cycle[self.iteration % len(self.residency_cycle)]

@@ -200,11 +200,12 @@ class Predictor:
         that cost (``reuse_prob`` with the ``next_use`` cache) reads it here. Default:
         nothing."""
 
-    def feeding(self) -> bool:
-        """Whether the pass about to begin is handed to this predictor (asked once per pass,
-        before ``start_iteration``; False: the pass's ``start_iteration``, ``observe_layer``
-        and ``end_iteration`` are skipped, and the simulator charges no feed cost for it).
-        Default: always."""
+    def feeding(self, tokens: int = 1) -> bool:
+        """Whether the pass about to begin, of ``tokens`` token rows (1 in a one-token
+        decode step; a prefill or a decode pass of several requests has more), is handed
+        to this predictor (asked once per pass, before ``start_iteration``; False: the
+        pass's ``start_iteration``, ``observe_layer`` and ``end_iteration`` are skipped,
+        and the simulator charges no feed cost for it). Default: always."""
         return True
 
     def rest_layer(self, obs: RestLayer) -> Prediction:

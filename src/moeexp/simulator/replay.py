@@ -347,7 +347,8 @@ class Replay:
         # begin_iteration, or the previous pass's last layer would drop them as passed.
         for rp in req_preds:
             self.take(rp, t, -1)
-        fed = self.predictor.feeding()  # False: the predictor rests this pass (no feed cost)
+        # False: the predictor rests this pass (no feed cost)
+        fed = self.predictor.feeding(len(gd.token_request))
         if fed:
             ctx = IterationStart(request_ids=gd.request_ids, step=gd.step,
                                  embed=None if self.tr.embed is None

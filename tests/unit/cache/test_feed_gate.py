@@ -558,3 +558,42 @@ def test_feed_overlap_prices_a_cpu_miss_less_the_gpu_work_it_takes_off() -> None
         off.set_miss_cost(0.8, relief_s=-1.0)
     with pytest.raises(ConfigError, match="feed_overlap"):
         next_use(feed_overlap="yes")
+
+
+def test_a_rested_prefill_evicts_the_layers_behind_first() -> None:
+    """``within_pass``: in a pass of T > 1 tokens a resident of a layer the pass has still
+    to run weighs its use within the pass, 1 - (1 - P)^T, so the resting victim is the
+    least probable resident of a layer already run (LRU evicts the layers ahead first, the
+    loop's worst case); a one-token pass, or the option off, reads P alone. The next_use
+    option ``rest_within_pass`` (default true) reaches the gate."""
+    # P(h) by pattern: the pattern of a once-used expert (1) 0.2; of one used twice (3) 0.5
+    table = np.full(2 ** REST_BITS, 0.9)
+    table[0b1], table[0b11] = 0.2, 0.5
+
+    def made(within: bool) -> FeedGate:
+        g = FeedGate(capacity_slots=3, num_layers=3, num_experts=4, feed_s=1.0,
+                     miss_s=1.0, rest_table=table, within_pass=within)
+        g.rest_observe(2, np.array([1]))  # (2, 1): P 0.2, of layer 2 (ahead of layer 0)
+        g.rest_observe(0, np.array([3]))
+        g.rest_observe(0, np.array([3]))  # (0, 3): P 0.5, of layer 0 (run)
+        for key in [(2, 1), (0, 3), (0, 0)]:
+            g.insert(key)
+        return g
+
+    def victim(g: FeedGate, tokens: int) -> tuple[int, int] | None:
+        g.pass_begins(tokens)
+        g.access((0, 0), True)  # the pass is at layer 0: layer 2 is still to run
+        return g.rest_victim(lambda k: k != (0, 0))
+
+    assert victim(made(True), 1) == (2, 1)  # one token: 0.2 < 0.5, as before
+    assert victim(made(False), 8) == (2, 1)  # off: P alone
+    on = made(True)
+    assert victim(on, 8) == (0, 3)  # 1 - 0.8^8 = 0.83 > 0.5: the layer behind goes
+    assert on.tokens == 8
+    assert victim(on, 2) == (2, 1)  # 1 - 0.8^2 = 0.36 < 0.5: still the one ahead
+    for opt in (True, False):
+        c = next_use(rest_within_pass=opt)
+        c.set_feed_cost(0.1)
+        assert c.feed_gate is not None and c.feed_gate.within_pass is opt
+    with pytest.raises(ConfigError, match="rest_within_pass"):
+        next_use(rest_within_pass="yes")

@@ -21,7 +21,7 @@ class _Recorder(Predictor):
         self.calls: list[tuple[str, str]] = []
         self.release = threading.Event()
 
-    def feeding(self) -> bool:
+    def feeding(self, tokens: int = 1) -> bool:
         return False
 
     def start_request(self, ctx: RequestStart) -> Prediction:

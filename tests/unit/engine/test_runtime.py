@@ -283,10 +283,14 @@ def test_a_resting_predictor_is_not_fed_and_the_tokens_stay_exact(store_of,
         runner.predictor.set_feed_cost(10.0)
         gate = om.engine.cache.feed_gate
         assert gate is not None
+        told: list[int] = []  # each pass's token rows, as the gate is told them
+        begins = gate.pass_begins
+        gate.pass_begins = lambda tokens=1: (told.append(tokens), begins(tokens))[1]
         outs = [om.generate(prompt_ids(n, seed=s), max_new_tokens=new, do_sample=False)
                 for n, s in PROMPTS]
         gated = om.metrics()
     assert runner.rested_passes == len(PROMPTS) * new
+    assert told == [t for n, _ in PROMPTS for t in [n] + [1] * (new - 1)]
     assert runner.predictor._queries == 0  # observe_layer never ran (start_request did)
     assert runner.predictor.stats()["feed_rested_share"] == 1.0
     for out, ref in zip(outs, refs, strict=True):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 from tests.unit.simulator.simhelpers import hand_trace, unit_cost
 
@@ -243,13 +244,15 @@ class _Resting(Predictor):
     def __init__(self, *, dims, fed) -> None:  # type: ignore[no-untyped-def]
         super().__init__(dims=dims)
         self.fed, self.i, self.feed_cost = fed, -1, None
+        self.tokens: list[int] = []  # each pass's token rows, as feeding() was told
         self.calls = {"start_iteration": 0, "observe_layer": 0, "end_iteration": 0}
 
     def set_feed_cost(self, seconds: float) -> None:
         self.feed_cost = seconds
 
-    def feeding(self) -> bool:
+    def feeding(self, tokens: int = 1) -> bool:
         self.i += 1
+        self.tokens.append(tokens)
         return bool(self.fed(self.i))
 
     def start_iteration(self, ctx):  # type: ignore[no-untyped-def]
@@ -282,6 +285,9 @@ def test_a_resting_predictor_sees_none_of_the_pass_and_costs_no_feed() -> None:
     always, p_always = run(250e-6, lambda i: True)
     half, p_half = run(250e-6, lambda i: i % 2 == 0)
     assert p_never.feed_cost == 250e-6
+    # each pass tells feeding() its token rows: a prefill its prompt, a decode step one
+    sizes = np.diff(tr.iter_offsets).tolist()
+    assert sorted(p_never.tokens) == sorted(sizes) and max(sizes) > 1 and min(sizes) == 1
     assert p_never.calls == {"start_iteration": 0, "observe_layer": 0, "end_iteration": 0}
     passes = p_always.calls["start_iteration"]
     assert passes == tr.num_iterations and p_always.calls["observe_layer"] == 4 * passes
