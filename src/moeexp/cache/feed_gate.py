@@ -113,17 +113,21 @@ Measured (the feed charged): ahead of every other system at all 8 points of the 
 (``experiments/regime_map/README.md``, nineteenth stage).
 
 **A pass of many tokens** (issue 27's twentieth stage; the ``next_use`` option
-``rest_within_pass``, on by default there, off here). A prefill runs every layer once over
-T tokens and uses nearly every expert of each: a resident of a layer the pass has still to
-run is used within the pass with probability 1 - (1 - P(h))^T (P(h) its resting
-probability per run, tokens taken as independent draws), while one of a layer already run
-(or the running one) is next used at the next pass, with P(h). The resting victim
-(:meth:`FeedGate.rest_victim`) weighs each by that: in a prefill it evicts the layers behind
-first, Belady's choice on a loop, where LRU evicts the layers ahead, whose experts the pass
-needs next (a loop longer than the cache is LRU's worst case). A one-token pass is as
-before. Measured, with every predictor's feed priced: TTFT 8–29 % lower at every point of
-the embedded feed map, TPOT within 0.05 % (``experiments/regime_map/README.md``, twentieth
-stage).
+``rest_within_pass``, on by default, where a miss is a copy). A prefill runs every layer
+once over T tokens and uses nearly every expert of each: a resident of a layer the pass
+has still to run is used within the pass with probability 1 - (1 - P(h))^T (P(h) its
+resting probability per run, tokens taken as independent draws), while one of a layer
+already run (or the running one) is next used at the next pass, with P(h). The resting
+victim (:meth:`FeedGate.rest_victim`) weighs each by that: in a prefill it evicts the
+layers behind first, Belady's choice on a loop, where LRU evicts the layers ahead, whose
+experts the pass needs next (a loop longer than the cache is LRU's worst case). A
+one-token pass is as before. Measured, with every predictor's feed priced: TTFT 8–29 %
+lower at every point of the embedded feed map, TPOT within 0.05 %
+(``experiments/regime_map/README.md``, twentieth stage). Not where the execution computes
+a miss on the CPU for less than a copy: there a miss need not come in at all, and on the
+embedded CPU map the rule cut TTFT by 1–15 % but cost 1–4 % of TPOT at 5 of 8 points (the
+prefill evicted the layers behind, the store's hot experts among them, which the decode
+steps then missed).
 
 **Against the resting policy, not LRU** (issue 27's eighteenth stage; ``rest_baseline``, here and
 as the ``next_use`` option, off by default: on the embedded CPU map it rested the predictor
@@ -195,16 +199,12 @@ class FeedGate:
         rest_ages: A, the age classes of an expert idle for :data:`REST_BITS` runs or more
             (module doc, Age classes): ``rest_table`` then has 2^REST_BITS + A columns;
             0: none (2^REST_BITS columns).
-        within_pass: :meth:`rest_victim` weighs a resident of a layer the running pass has
-            still to run by its use within the pass, 1 - (1 - P(h))^T for a pass of T tokens
-            (module doc, A pass of many tokens); False: by P(h) whatever the pass.
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
                  feed_s: float, miss_s: float, initial: list[Key] | None = None,
                  rest_table: np.ndarray | None = None, rest_baseline: bool = False,
-                 rest_bucket: np.ndarray | None = None, rest_ages: int = 0,
-                 within_pass: bool = False) -> None:
+                 rest_bucket: np.ndarray | None = None, rest_ages: int = 0) -> None:
         for name, v in (("feed_s", feed_s), ("miss_s", miss_s)):
             if not (v > 0 and math.isfinite(v)):
                 raise ConfigError(f"feed gate: {name} must be a finite number > 0 s, got {v}")
@@ -269,7 +269,6 @@ class FeedGate:
         #: without age classes)
         self.column = (self.history if not rest_ages else
                        rest_column(self.history, self.age, rest_ages))
-        self.within_pass = bool(within_pass)
         self.tokens = 1  # token rows of the running pass (pass_begins)
         self.measure_rest = bool(rest_baseline)
         #: g: misses per layer resting saves against the shadow, decayed (0 until measured)
@@ -337,7 +336,8 @@ class FeedGate:
         """P(h): the resting probability that ``key`` is used at its layer's next run."""
         return float(self.rest_table[self.rest_bucket[key], self.column[key]])
 
-    def rest_victim(self, allowed: Callable[[Key], bool]) -> Key | None:
+    def rest_victim(self, allowed: Callable[[Key], bool], within_pass: bool = False
+                    ) -> Key | None:
         """The resident for which ``allowed`` holds of least resting probability, the least
         recently inserted or used among equals (the resting cache's victim under
         ``rest_evict: prob``); None if there is none. With ``within_pass``, in a pass of T
@@ -347,7 +347,7 @@ class FeedGate:
         best, best_p = None, math.inf
         table, bucket, column = self.rest_table, self.rest_bucket, self.column
         T, cur = self.tokens, self._layer
-        ahead = self.within_pass and T > 1
+        ahead = within_pass and T > 1
         for key in self.order:
             if allowed(key):
                 p = table[bucket[key], column[key]]

@@ -179,8 +179,9 @@ class NextUseCache(CachePolicy):
             rested the predictor where feeding it paid).
         rest_within_pass: under ``rest_evict: prob``, in a rested pass of several tokens (a
             prefill) a resident of a layer the pass has still to run weighs its use within
-            the pass, so the layers behind are evicted first (feed_gate module doc, A pass
-            of many tokens; the default since issue 27's twentieth stage); False: its
+            the pass, so the layers behind are evicted first, where a miss is a copy (not
+            where the execution computes it on the CPU for less: feed_gate module doc, A
+            pass of many tokens; the default since issue 27's twentieth stage); False: its
             resting probability per run, as in a one-token pass.
     """
 
@@ -318,8 +319,7 @@ class NextUseCache(CachePolicy):
                         num_experts=self.num_experts, feed_s=seconds, miss_s=self._feed_miss(),
                         initial=self.initial_residents(), rest_table=table,
                         rest_baseline=self.rest_prefetch and self.rest_baseline,
-                        rest_bucket=bucket, rest_ages=self.rest_ages,
-                        within_pass=self.rest_within_pass)
+                        rest_bucket=bucket, rest_ages=self.rest_ages)
         # made while the cache runs: its residents, in an order it knows none of (as if
         # never used: lowest expert first); later inserts and uses order them
         gate.order.update((k, None) for k in sorted(self.resident))
@@ -560,10 +560,20 @@ class NextUseCache(CachePolicy):
 
     def _rest_victim(self, gate: FeedGate, allowed: Callable[[Key], bool]) -> Key | None:
         """The resting cache's victim among residents ``allowed``: the least recently used,
-        or (``rest_evict: prob``, with resting offers) the least resting probability."""
+        or (``rest_evict: prob``, with resting offers) the least resting probability, a
+        resident of a layer ahead in a multi-token pass weighed by its use within the pass
+        where ``rest_within_pass`` is on and a miss is a copy (module doc of
+        :mod:`moeexp.cache.feed_gate`, A pass of many tokens)."""
         if self.rest_evict == "prob" and self.rest_prefetch:
-            return gate.rest_victim(allowed)
+            return gate.rest_victim(allowed, within_pass=self.rest_within_pass
+                                    and not self._cpu_cheaper())
         return gate.lru(allowed)
+
+    def _cpu_cheaper(self) -> bool:
+        """The execution computes a miss on the CPU for less than a copy (a miss then need
+        not come in at all)."""
+        return (self.miss_s is not None and self.copy_s is not None
+                and self.miss_s < self.copy_s)
 
     def rest_layer(self, layer: int, experts: np.ndarray, k: int) -> np.ndarray:
         """A rested pass's layer ``layer`` routed to ``experts`` (int[n]): int64[<= k], the
@@ -595,8 +605,7 @@ class NextUseCache(CachePolicy):
         assert gate is not None
         pk = gate.rest_prob(k)
         pv = gate.rest_prob(v) if v is not None else 0.0
-        cpu = self.miss_s is not None and self.miss_s < self.copy_s
-        return self._rule(k, pk, pk, v, pv, pv, self.saturation(), cpu=cpu)
+        return self._rule(k, pk, pk, v, pv, pv, self.saturation(), cpu=self._cpu_cheaper())
 
     def _pays(self, k: Key, v: Key | None, into_room: bool = False) -> bool:
         """The gate's second condition (module docstring); True without a cost model and

@@ -565,14 +565,15 @@ def test_a_rested_prefill_evicts_the_layers_behind_first() -> None:
     to run weighs its use within the pass, 1 - (1 - P)^T, so the resting victim is the
     least probable resident of a layer already run (LRU evicts the layers ahead first, the
     loop's worst case); a one-token pass, or the option off, reads P alone. The next_use
-    option ``rest_within_pass`` (default true) reaches the gate."""
+    option ``rest_within_pass`` (default true) asks for it where a miss is a copy, not
+    where the CPU computes a miss for less."""
     # P(h) by pattern: the pattern of a once-used expert (1) 0.2; of one used twice (3) 0.5
     table = np.full(2 ** REST_BITS, 0.9)
     table[0b1], table[0b11] = 0.2, 0.5
 
-    def made(within: bool) -> FeedGate:
+    def made() -> FeedGate:
         g = FeedGate(capacity_slots=3, num_layers=3, num_experts=4, feed_s=1.0,
-                     miss_s=1.0, rest_table=table, within_pass=within)
+                     miss_s=1.0, rest_table=table)
         g.rest_observe(2, np.array([1]))  # (2, 1): P 0.2, of layer 2 (ahead of layer 0)
         g.rest_observe(0, np.array([3]))
         g.rest_observe(0, np.array([3]))  # (0, 3): P 0.5, of layer 0 (run)
@@ -580,20 +581,28 @@ def test_a_rested_prefill_evicts_the_layers_behind_first() -> None:
             g.insert(key)
         return g
 
-    def victim(g: FeedGate, tokens: int) -> tuple[int, int] | None:
+    def victim(g: FeedGate, tokens: int, within: bool = True) -> tuple[int, int] | None:
         g.pass_begins(tokens)
         g.access((0, 0), True)  # the pass is at layer 0: layer 2 is still to run
-        return g.rest_victim(lambda k: k != (0, 0))
+        return g.rest_victim(lambda k: k != (0, 0), within_pass=within)
 
-    assert victim(made(True), 1) == (2, 1)  # one token: 0.2 < 0.5, as before
-    assert victim(made(False), 8) == (2, 1)  # off: P alone
-    on = made(True)
+    assert victim(made(), 1) == (2, 1)  # one token: 0.2 < 0.5, as before
+    assert victim(made(), 8, within=False) == (2, 1)  # off: P alone
+    on = made()
     assert victim(on, 8) == (0, 3)  # 1 - 0.8^8 = 0.83 > 0.5: the layer behind goes
     assert on.tokens == 8
     assert victim(on, 2) == (2, 1)  # 1 - 0.8^2 = 0.36 < 0.5: still the one ahead
-    for opt in (True, False):
-        c = next_use(rest_within_pass=opt)
+
+    asked: list[bool] = []
+    for opt, miss_s in ((True, None), (False, None), (True, 0.5), (True, 2.0)):
+        c = next_use(rest_within_pass=opt)  # copy_s 1.0
         c.set_feed_cost(0.1)
-        assert c.feed_gate is not None and c.feed_gate.within_pass is opt
+        if miss_s is not None:
+            c.set_miss_cost(miss_s)
+        assert c.feed_gate is not None
+        c.feed_gate.rest_victim = lambda allowed, within_pass=False: asked.append(within_pass)
+        c._rest_victim(c.feed_gate, lambda k: True)
+    # on with copies, off, on with a CPU cheaper than a copy, on with a dearer one
+    assert asked == [True, False, False, True]
     with pytest.raises(ConfigError, match="rest_within_pass"):
         next_use(rest_within_pass="yes")
