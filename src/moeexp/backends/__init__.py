@@ -112,22 +112,26 @@ class SimBackend:
         metrics: dict[str, Any] = dict(res.metrics)
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
-        return BackendResult(_with_feed(metrics, self._feed_s(ctx)), dict(res.series))
+        return BackendResult(_with_feed(metrics, self._feed_us(ctx)), dict(res.series))
 
-    def _feed_s(self, ctx: BackendContext) -> float:
-        """Seconds per MoE layer fed: ``predictor_feed_us`` (the predictor's entry of a
-        mapping) unless the predictor is none."""
+    def _feed_us(self, ctx: BackendContext) -> float:
+        """µs per MoE layer fed: ``predictor_feed_us`` (the predictor's entry of a mapping)
+        unless the predictor is none."""
         name = ctx.predictor.name
         if name == "none":
             return 0.0
         feed = self.predictor_feed_us
         if not isinstance(feed, Mapping):
-            return float(feed) * 1e-6
+            return float(feed)
         if name not in feed:
             raise ConfigError(f"backend.predictor_feed_us: no entry for predictor {name!r} "
                               f"(entries: {', '.join(sorted(feed)) or 'none'}); add one, or "
                               "give one number for every predictor")
-        return float(feed[name]) * 1e-6
+        return float(feed[name])
+
+    def _feed_s(self, ctx: BackendContext) -> float:
+        """Seconds per MoE layer fed (:meth:`_feed_us`)."""
+        return self._feed_us(ctx) * 1e-6
 
     def _serve(self, ctx: BackendContext, cost: Any) -> BackendResult:
         """Continuous batching under ``ctx.scheduler`` (a policy needing the whole future
@@ -151,7 +155,7 @@ class SimBackend:
             "kv_bytes_per_token": float(ctx.kv_bytes_per_token or cost.kv_bytes_per_token())}
         if self.cost_profile is not None:
             metrics["cost_profile"] = str(self.cost_profile)
-        return BackendResult(_with_feed(metrics, self._feed_s(ctx)), dict(res.series))
+        return BackendResult(_with_feed(metrics, self._feed_us(ctx)), dict(res.series))
 
 
 def _check_feed(feed: Any) -> None:
@@ -177,11 +181,11 @@ def _check_feed(feed: Any) -> None:
                           f"got {feed!r}")
 
 
-def _with_feed(metrics: dict[str, Any], feed_s: float) -> dict[str, Any]:
-    """``metrics`` with ``predictor_feed_us``, the run's per-layer feed charge, where one
-    was charged (a free feed adds nothing: runs without one keep their metrics)."""
-    if feed_s > 0.0:
-        metrics["predictor_feed_us"] = feed_s * 1e6
+def _with_feed(metrics: dict[str, Any], feed_us: float) -> dict[str, Any]:
+    """``metrics`` with ``predictor_feed_us``, the run's per-layer feed charge (µs), where
+    one was charged (a free feed adds nothing: runs without one keep their metrics)."""
+    if feed_us > 0.0:
+        metrics["predictor_feed_us"] = feed_us
     return metrics
 
 
