@@ -265,10 +265,11 @@ class ReuseProbability(Predictor):
                 c.set_feed_cost(self._feed_s)
 
     def feeding(self, tokens: int = 1) -> bool:
-        """Whether the pass that begins (``tokens`` token rows) is fed: every bound
-        ``next_use`` cache is asked (once each) and all must agree; always without a cache or a feed cost. Fed again
-        after a rest, the reuse state first catches up on the rested passes' routing that
-        the caches kept (:meth:`moeexp.cache.feed_gate.FeedGate.rested`)."""
+        """Whether the pass that begins (``tokens`` token rows, handed on to the caches) is
+        fed: every bound ``next_use`` cache is asked (once each) and all must agree; always
+        without a cache or a feed cost. Fed again after a rest, the reuse state first
+        catches up on the rested passes' routing that the caches kept
+        (:meth:`moeexp.cache.feed_gate.FeedGate.rested`)."""
         gates = [c for c in self._caches if hasattr(c, "feeding")]
         fed = all([c.feeding(tokens) for c in gates])
         if fed:
