@@ -335,7 +335,7 @@ class NextUseCache(CachePolicy):
         computes a miss) the GPU time the miss takes off the GPU's chain, as the CPU's
         computation runs beside the GPU's hits; at least :data:`FREE_MISS_S`."""
         m = self._miss()
-        if self.feed_overlap and self.miss_s is not None and self.miss_s < self.copy_s:
+        if self.feed_overlap and self._cpu_cheaper():
             return max(FREE_MISS_S, m - self.miss_relief_s)
         return m
 

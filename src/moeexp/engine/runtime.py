@@ -463,7 +463,7 @@ class Engine:
                 f"{experts} but the future trace says {want[layer].tolist()}; the oracle needs "
                 f"the trace of exactly these passes (same prompts, exact decoding)")
 
-    def begin_iteration(self, tokens: int = 1) -> None:
+    def begin_iteration(self, tokens: int) -> None:
         """A forward pass of ``tokens`` token rows begins."""
         with self.lock:
             self.runner.begin_pass(tokens)  # whether this pass is handed to the predictor
