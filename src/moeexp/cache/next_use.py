@@ -49,9 +49,14 @@ protected) whose victim would be ``v`` is taken only if
   later use is prefetched back in time, as for Q). The two sides differ on purpose: a
   victim needed at any of those runs costs one more copy, while a prefetched expert used
   only at a later run just moves its own copy earlier, which saves nothing on a busy link.
-  ``s = min(1, n x / w)``, with n the copies a layer has needed lately (its demand loads
-  plus its used prefetches, an average over the last layers). m = x where every miss is
-  copied.
+  ``s = min(1, n x / w)``, with n the copies the link has made per layer lately (an
+  average over the last layers): its demand loads and every prefetch it started, used or
+  not (``saturation_counts: all``, the default since issue 27's twenty-first stage: a
+  prefetch the gate takes occupies the link whether or not it is used, so a burst of
+  offers taken while the link looked free raises s for the next ones; ``needed``: the
+  demand loads and the used prefetches only, as before, which left s near 0 after a few
+  layers of hits while the gate's own wasted prefetches kept the link busy). m = x where
+  every miss is copied.
 
 **Where the CPU may compute a miss** (:meth:`set_miss_cost`, from the run's execution policy,
 issue 27's eighth stage) m is the cheaper of the copy and the CPU's computing it, and the first
@@ -126,7 +131,9 @@ from moeexp.traces.schema import Trace
 
 P_MIN = 1e-3  #: floor of a probability before 1 / P
 R_CAP = 16.0  #: most passes of residence a CPU-execution prefetch is credited with (module doc)
-NEED_DECAY = 0.8  #: per-layer decay of the average of copies needed per layer
+NEED_DECAY = 0.8  #: per-layer decay of the average of copies per layer (saturation)
+#: ``saturation_counts`` values: every copy the link makes, or the copies a layer needed
+SATURATION_COUNTS = ("all", "needed")
 FREE_MISS_S = 1e-9  #: the feed gate's m where a miss costs nothing beyond the GPU's work (s)
 
 
@@ -183,6 +190,10 @@ class NextUseCache(CachePolicy):
             where the execution computes it on the CPU for less: feed_gate module doc, A
             pass of many tokens; the default since issue 27's twentieth stage); False: its
             resting probability per run, as in a one-token pass.
+        saturation_counts: which copies the link's saturation s counts (module doc,
+            Prefetch gate): ``all`` (the default since issue 27's twenty-first stage): the
+            demand loads and every prefetch started, used or not; ``needed``: the demand
+            loads and the used prefetches (the policy before it).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
@@ -191,7 +202,7 @@ class NextUseCache(CachePolicy):
                  rest_prefetch: bool = True, rest_buckets: int = 4,
                  rest_evict: str = "prob", rest_baseline: bool = False,
                  rest_ages: int = 8, feed_overlap: bool = True,
-                 rest_within_pass: bool = True) -> None:
+                 rest_within_pass: bool = True, saturation_counts: str = "all") -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
@@ -206,6 +217,10 @@ class NextUseCache(CachePolicy):
         if isinstance(rest_buckets, bool) or not isinstance(rest_buckets, int) or rest_buckets < 1:
             raise ConfigError(f"next_use: rest_buckets must be an integer >= 1, got "
                               f"{rest_buckets!r}")
+        if saturation_counts not in SATURATION_COUNTS:
+            raise ConfigError(f"next_use: saturation_counts must be one of "
+                              f"{SATURATION_COUNTS}, got {saturation_counts!r}")
+        self.count_all = saturation_counts == "all"
         if rest_evict not in ("lru", "prob"):
             raise ConfigError(f"next_use: rest_evict must be 'lru' or 'prob', got "
                               f"{rest_evict!r}")
@@ -225,8 +240,8 @@ class NextUseCache(CachePolicy):
         self._later: set[int] = set()  # layers whose Q came with the coming scores
         self.cur = 0  # layer of the latest access
         self._pref: set[Key] = set()  # prefetched, not used yet
-        self._count = 0  # copies needed by the running layer so far
-        self.need = 0.0  # average copies needed per layer
+        self._count = 0  # copies of the running layer so far (saturation_counts)
+        self.need = 0.0  # average copies per layer (saturation_counts)
         self.copy_s: float | None = None
         self.window_s: float | None = None
         self.refused = 0
@@ -410,6 +425,8 @@ class NextUseCache(CachePolicy):
         self._copies += 1
         if prefetched:
             self._pref.add(key)
+            if self.count_all:  # the link makes it, used or not (saturation_counts)
+                self._count += 1
 
     def on_access(self, key: Key, now: int, hit: bool) -> None:
         if self.feed_gate is not None:
@@ -420,9 +437,12 @@ class NextUseCache(CachePolicy):
             self._steps += 1
             if self.horizons:
                 self.h = self._pick_horizon()
-        if not hit or key in self._pref:
-            self._count += 1
+        if key in self._pref:  # a prefetched copy's first use
             self._pref.discard(key)
+            if not self.count_all:  # needed: counted at its use
+                self._count += 1
+        elif not hit:  # a demand load
+            self._count += 1
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)

@@ -167,14 +167,31 @@ def test_a_demand_load_is_never_refused() -> None:
     assert c.victim((2, 3), {(2, 3)}, 1) == (1, 0)
 
 
-def test_need_counts_demand_loads_and_used_prefetches_per_layer() -> None:
-    c = make(slots=8)
-    c.on_insert((0, 1), 0, True)
+@pytest.mark.parametrize(("counts", "per_layer"), [("all", (3, 1, 0)), ("needed", (2, 0, 1))])
+def test_need_counts_the_links_copies_per_layer(counts: str, per_layer: tuple[int, ...]) -> None:
+    """``all`` (the default): demand loads and every prefetch started, a wasted one too;
+    ``needed``: demand loads and used prefetches (a prefetch counts at its use)."""
+    c = make(slots=8, saturation_counts=counts)
+    c.on_insert((0, 1), 0, True)  # a prefetch, used below
+    c.on_insert((2, 3), 0, True)  # a prefetch never used
     c.on_access((0, 0), 0, False)  # a demand load
-    c.on_access((0, 1), 1, True)  # a used prefetch
+    c.on_access((0, 1), 1, True)  # the used prefetch
     c.on_access((0, 2), 2, True)  # a plain hit
-    c.on_access((1, 0), 3, True)  # the next layer closes layer 0: 2 needed
-    assert c.need == pytest.approx(0.2 * 2)
+    c.on_access((1, 0), 3, True)  # the next layer closes layer 0
+    assert c.need == pytest.approx(0.2 * per_layer[0])
+    c.on_insert((2, 1), 4, True)  # started in layer 1; in flight at its use (late), used
+    c.on_access((2, 1), 5, False)  # closes layer 1
+    c.on_access((3, 0), 6, True)  # closes layer 2
+    need = 0.0
+    for n in per_layer:
+        need = 0.8 * need + 0.2 * n
+    assert c.need == pytest.approx(need)
+
+
+def test_saturation_counts_is_checked() -> None:
+    assert make().count_all and not make(saturation_counts="needed").count_all
+    with pytest.raises(ConfigError, match="saturation_counts.*'all', 'needed'.*'used'"):
+        make(saturation_counts="used")
 
 
 def test_fit_sets_popularity_from_store_only() -> None:
