@@ -77,17 +77,19 @@ def sweep_points(name: str) -> list[list[str]]:
         *([f"{k}={v}" for v in values] for k, values in axes.items()))]
 
 
-#: Sweep axes that set one number of the hardware or the arrival process: validate()
-#: checks each value on its own and no predictor or cache reads it.
-SCALAR_AXES = ("hardware.", "backend.arrival_rate")
+#: Sweep axes that set one number: of the hardware, the arrival process, the cost projection
+#: or the expert budget. validate() checks each value on its own; no predictor reads them,
+#: and a cache reads the budget only as its number of slots (each budget is still built,
+#: dealt round the systems).
+SCALAR_AXES = ("hardware.", "backend.arrival_rate", "cost.as_model", "cache.capacity")
 
 
 def check_points(name: str) -> list[list[str]]:
     """The points :func:`test_every_sweep_point_composes_validates_and_builds` checks: every
     point of the grid's other axes (systems, caches, budgets, formats, ablations, ...) at
     its first seed, with the values of the scalar axes (:data:`SCALAR_AXES`) dealt round
-    them so that each value is composed and validated at least once (a 9-system x 2-budget
-    x 8-bandwidth regime map: 18 points, not 144; each compose costs ~0.15 s)."""
+    them so that each value is composed, validated and built at least once (a 9-system x
+    2-budget x 8-bandwidth regime map: 9 points, not 144; each compose costs 0.15-0.5 s)."""
     axes = sweep_axes(name)
     if "dataset.seed" in axes:
         axes["dataset.seed"] = axes["dataset.seed"][:1]
@@ -165,11 +167,11 @@ def test_every_sweep_runs_three_prompt_samples_by_default() -> None:
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
 def test_every_sweep_point_composes_validates_and_builds(name: str) -> None:
-    """Every grid point (:func:`check_points`: each value of a hardware or arrival-rate axis
-    at least once, every combination of the other axes) composes, passes validate(), and
-    its predictor and cache build and fit on a tiny-shaped random trace with the
-    experiment's spec_depth (so a prefetch distance beyond trace.spec_depth would fail
-    here, not after a recording)."""
+    """Every grid point (:func:`check_points`: each value of a scalar axis (hardware,
+    arrival rate, cost projection, budget) at least once, every combination of the other
+    axes) composes, passes validate(), and its predictor and cache build and fit on a
+    tiny-shaped random trace with the experiment's spec_depth (so a prefetch distance
+    beyond trace.spec_depth would fail here, not after a recording)."""
     points = check_points(name)
     assert points
     for key, values in sweep_axes(name).items():  # every value of every axis is checked
