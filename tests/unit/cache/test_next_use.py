@@ -194,6 +194,31 @@ def test_saturation_counts_is_checked() -> None:
         make(saturation_counts="used")
 
 
+@pytest.mark.parametrize(("x", "w", "need", "load", "overflow"), [
+    (0.27, 1.0, 0.0, 0.0, 0.0),      # a free link, no copies: nothing in the way
+    (0.27, 1.0, 2.0, 0.54, 0.0),     # 3 copies' work (0.81) still fits the window
+    (0.27, 1.0, 3.0, 0.81, 4.0 - 1.0 / 0.27),  # a fourth copy spills 0.30 of itself
+    (0.27, 1.0, 5.0, 1.0, 1.0),      # past the window: every copy delays the next
+    (3.62, 1.0, 0.0, 0.0, 1.0 - 1.0 / 3.62),  # a busy link: one copy outlasts the window
+    (3.62, 1.0, 0.5, 1.0, 1.0),
+])
+def test_saturation_model_load_and_overflow(x: float, w: float, need: float, load: float,
+                                            overflow: float) -> None:
+    """s = min(1, n x / w) under ``load``; under ``overflow`` the share of one more copy
+    that spills past the window, clip(n + 1 - w / x, 0, 1)."""
+    for model, want in (("load", load), ("overflow", overflow)):
+        c = make(saturation_model=model)
+        c.set_link(copy_s=x, window_s=w)
+        c.need = need
+        assert c.saturation() == pytest.approx(want), model
+    c = make(saturation_model="overflow")
+    c.set_link(copy_s=0.5, window_s=None)  # no window: w = x, both give min(1, n)
+    c.need = 0.4
+    assert c.saturation() == pytest.approx(0.4)
+    with pytest.raises(ConfigError, match="saturation_model.*'load', 'overflow'.*'busy'"):
+        make(saturation_model="busy")
+
+
 def test_fit_sets_popularity_from_store_only() -> None:
     tr = random_trace(num_layers=3, num_experts=5, num_requests=6, output_len=6, seed=4)
     c = make(L=3, J=5)
