@@ -56,12 +56,15 @@ protected) whose victim would be ``v`` is taken only if
   offers taken while the link looked free raises s for the next ones; ``needed``: the
   demand loads and the used prefetches only, as before, which left s near 0 after a few
   layers of hits while the gate's own wasted prefetches kept the link busy). m = x where
-  every miss is copied. With ``saturation_model: overflow`` (off by default; issue 27's
-  twenty-second stage) s is instead the share of one more copy's time that spills past the
-  layer's compute window, ``clip(n + 1 - w / x, 0, 1)``: what a wasted copy delays is the
-  work queued behind it, and the link's work behind a layer's compute delays nobody until
-  it outlasts the window (on a free link, x < w, s = 0 until the layer's copies near w / x;
-  on a busy one s >= 1 - w / x even with no copies counted yet).
+  every miss is copied. That s (``saturation_model: load``) is the link's busy share of the
+  window. Where every miss is a copy (``by_execution``, the default since issue 27's
+  twenty-second stage; ``overflow`` everywhere) s is instead the share of one more copy's
+  time that spills past the layer's compute window, ``clip(n + 1 - w / x, 0, 1)``: a wasted
+  copy delays the demand loads of the next layer only by the part of the link's work that
+  outlasts the window (on a free link, x < w, s = 0 until a layer's copies near w / x; on a
+  busy one s >= 1 - w / x even before any copy is counted). Where the CPU may compute a
+  miss no demand load waits on the link, only later prefetches, and ``by_execution`` keeps
+  the load (measured: the spill there cost 4-6 % at 50 % of the embedded CPU map).
 
 **Where the CPU may compute a miss** (:meth:`set_miss_cost`, from the run's execution policy,
 issue 27's eighth stage) m is the cheaper of the copy and the CPU's computing it, and the first
@@ -139,9 +142,10 @@ R_CAP = 16.0  #: most passes of residence a CPU-execution prefetch is credited w
 NEED_DECAY = 0.8  #: per-layer decay of the average of copies per layer (saturation)
 #: ``saturation_counts`` values: every copy the link makes, or the copies a layer needed
 SATURATION_COUNTS = ("all", "needed")
-#: ``saturation_model`` values: the link's load over the window, or the share of one more copy
-#: that spills past it (module doc, Prefetch gate)
-SATURATION_MODELS = ("load", "overflow")
+#: ``saturation_model`` values: the spill where every miss is a copy and the load where the CPU
+#: may compute one, the link's load over the window, or the share of one more copy that
+#: spills past it (module doc, Prefetch gate)
+SATURATION_MODELS = ("by_execution", "load", "overflow")
 FREE_MISS_S = 1e-9  #: the feed gate's m where a miss costs nothing beyond the GPU's work (s)
 
 
@@ -202,10 +206,12 @@ class NextUseCache(CachePolicy):
             Prefetch gate): ``all`` (the default since issue 27's twenty-first stage): the
             demand loads and every prefetch started, used or not; ``needed``: the demand
             loads and the used prefetches (the policy before it).
-        saturation_model: how s follows from n (module doc, Prefetch gate): ``load`` (the
-            default) s = min(1, n x / w), the link's busy share of a layer's compute window;
+        saturation_model: how s follows from n (module doc, Prefetch gate): ``load``
+            s = min(1, n x / w), the link's busy share of a layer's compute window;
             ``overflow``: the share of one more copy that spills past the window, clip(n + 1
-            - w / x, 0, 1) (issue 27's twenty-second stage).
+            - w / x, 0, 1); ``by_execution`` (the default since issue 27's twenty-second
+            stage): ``overflow`` where every miss is a copy, ``load`` where the CPU may
+            compute a miss (:meth:`set_miss_cost`: no demand load then waits on the link).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
@@ -215,7 +221,7 @@ class NextUseCache(CachePolicy):
                  rest_evict: str = "prob", rest_baseline: bool = False,
                  rest_ages: int = 8, feed_overlap: bool = True,
                  rest_within_pass: bool = True, saturation_counts: str = "all",
-                 saturation_model: str = "load") -> None:
+                 saturation_model: str = "by_execution") -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
@@ -237,7 +243,7 @@ class NextUseCache(CachePolicy):
         if saturation_model not in SATURATION_MODELS:
             raise ConfigError(f"next_use: saturation_model must be one of "
                               f"{SATURATION_MODELS}, got {saturation_model!r}")
-        self.overflow = saturation_model == "overflow"
+        self.saturation_model = saturation_model
         if rest_evict not in ("lru", "prob"):
             raise ConfigError(f"next_use: rest_evict must be 'lru' or 'prob', got "
                               f"{rest_evict!r}")
@@ -518,12 +524,15 @@ class NextUseCache(CachePolicy):
 
     def saturation(self) -> float:
         """s, the link's saturation (module doc, Prefetch gate): ``load``: min(1, n x / w);
-        ``overflow``: clip(n + 1 - w / x, 0, 1); 1 without a cost model."""
+        ``overflow``: clip(n + 1 - w / x, 0, 1); ``by_execution``: ``overflow`` while every
+        miss is a copy, ``load`` once :meth:`set_miss_cost` says the CPU may compute one; 1
+        without a cost model."""
         if self.copy_s is None:
             return 1.0
         x = self.copy_s
         w = self.window_s if self.window_s else x
-        if self.overflow:
+        if self.saturation_model == "overflow" or (
+                self.saturation_model == "by_execution" and self.miss_s is None):
             return min(1.0, max(0.0, self.need + 1.0 - w / x))
         return min(1.0, self.need * x / w)
 

@@ -52,8 +52,9 @@ def test_later_probability_waits_after_the_first_chance() -> None:
 
 def test_later_probability_weighs_by_the_link_saturation() -> None:
     """With a cost model, Q = P + s (Q_later - P): a free link (s = 0: nothing needed
-    lately) keeps this pass's P, a saturated one (s = 1) the next-pass Q_later."""
-    c = make()
+    lately) keeps this pass's P, a saturated one (s = 1) the next-pass Q_later (s set
+    through the load model)."""
+    c = make(saturation_model="load")
     c.set_link(copy_s=1.0, window_s=4.0)
     c.on_access((1, 0), 0, True)
     c.observe_later({2: np.full(4, 0.5)})
@@ -205,17 +206,27 @@ def test_saturation_counts_is_checked() -> None:
 def test_saturation_model_load_and_overflow(x: float, w: float, need: float, load: float,
                                             overflow: float) -> None:
     """s = min(1, n x / w) under ``load``; under ``overflow`` the share of one more copy
-    that spills past the window, clip(n + 1 - w / x, 0, 1)."""
+    that spills past the window, clip(n + 1 - w / x, 0, 1); ``by_execution`` picks by
+    whether a miss is a copy."""
     for model, want in (("load", load), ("overflow", overflow)):
         c = make(saturation_model=model)
         c.set_link(copy_s=x, window_s=w)
         c.need = need
         assert c.saturation() == pytest.approx(want), model
+    # by_execution (the default): the spill while every miss is a copy, the load once the
+    # CPU may compute a miss (no demand load waits on the link then)
+    c = make()
+    c.set_link(copy_s=x, window_s=w)
+    c.need = need
+    assert c.saturation() == pytest.approx(overflow)
+    c.set_miss_cost(x / 2)
+    assert c.saturation() == pytest.approx(load)
     c = make(saturation_model="overflow")
     c.set_link(copy_s=0.5, window_s=None)  # no window: w = x, both give min(1, n)
     c.need = 0.4
     assert c.saturation() == pytest.approx(0.4)
-    with pytest.raises(ConfigError, match="saturation_model.*'load', 'overflow'.*'busy'"):
+    with pytest.raises(ConfigError, match="saturation_model.*'by_execution', 'load', "
+                                          "'overflow'.*'busy'"):
         make(saturation_model="busy")
 
 
@@ -315,8 +326,8 @@ def test_warm_start_loads_the_store_splits_most_used_experts() -> None:
 
 def test_miss_cost_floors_the_offers_and_refuses_bad_costs() -> None:
     """Where a miss runs on the CPU for m < w, the least paying P of an offer rises from
-    x s / (w + x s) to x s / (m + x s). Bad costs are named."""
-    c = make(slots=8)
+    x s / (w + x s) to x s / (m + x s) (s from the load model). Bad costs are named."""
+    c = make(slots=8, saturation_model="load")
     c.set_link(copy_s=2.0, window_s=4.0)
     c.need = 1.0  # s = min(1, 1 * 2 / 4) = 0.5
     assert c.min_paying_prob() == pytest.approx(1.0 / (2.0 + 1.0))
@@ -366,8 +377,9 @@ def test_the_victim_term_counts_its_use_within_the_horizon(victim_horizon: bool)
     victim (1, 1) unlikely at its next run (P = 0.05) but likely within h = 2 runs (W =
     0.9): with the horizon its term is 0.55 (0.05 + 0.5 * 0.85) and the prefetch does not
     pay (0.45 - 0.55 * 0.5 - 0.55 * 0.475 < 0); counting the next run only it does. On a
-    free link (s = 0) and without a horizon in use (h = 1) both take it."""
-    c = make(slots=2, L=2, J=2, victim_horizon=victim_horizon)
+    free link (s = 0) and without a horizon in use (h = 1) both take it (s from the load
+    model)."""
+    c = make(slots=2, L=2, J=2, victim_horizon=victim_horizon, saturation_model="load")
     c.set_horizons((2,))
     filled(c, [(1, 1), (0, 1)])
     c.observe_scores({0: np.array([0.45, 0.9]), 1: np.array([0.5, 0.05])})
