@@ -16,8 +16,8 @@ export TOKENIZERS_PARALLELISM ?= false
 # spinning on shared CPUs (17x slower with 2 threads on a loaded 2-core machine). Override
 # with `make run OMP_NUM_THREADS=8` on a big idle machine or for real models.
 THREADS ?= 1
-# `make test` runs the suite across this many processes (pytest-xdist): `auto` = one per core
-# (1167 tests: ~12 min in one process on 2 cores). TEST_WORKERS=0 runs it in one process.
+# `make test` and `make test-slow` run across this many processes (pytest-xdist): `auto` =
+# one per core. TEST_WORKERS=0 runs them in one process.
 TEST_WORKERS ?= auto
 # `make run` runs its sweep's jobs across this many processes (hydra/launcher=local: joblib,
 # one torch thread each; the trace cache is shared and locked, so concurrent jobs record
@@ -27,7 +27,7 @@ TEST_WORKERS ?= auto
 RUN_JOBS ?= 3
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test bench bench-gpu lint tiny-model figures clean
+.PHONY: help install run test test-slow bench bench-gpu lint tiny-model figures clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN{FS=":.*?## "}{printf "  \033[36m%-12s\033[0m %s\n",$$1,$$2}'
@@ -50,8 +50,11 @@ run: $(STAMP) ## the default comparison on the embedded defaults (tiny model, Sh
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp +experiment=finemoe_vs_moeinfinity \
 	  $(if $(filter-out 1,$(RUN_JOBS)),hydra/launcher=local hydra.launcher.n_jobs=$(RUN_JOBS))
 
-test: $(STAMP) ## the default test suite (CPU, offline), across TEST_WORKERS processes (pytest-xdist; default: one per core)
-	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10
+test: $(STAMP) ## the default test suite (CPU, offline; all but the `slow` end-to-end tests), across TEST_WORKERS processes (pytest-xdist; default: one per core)
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "not bench and not slow"
+
+test-slow: $(STAMP) ## the `slow` end-to-end tests (the default experiment, the wheel, launchers, lm-eval's CLI, ...); CI runs them after `make test`
+	OMP_NUM_THREADS=$(THREADS) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=10 -m "slow and not bench"
 
 bench: $(STAMP) ## benchmarks: writes results/bench/*.json and prints a table
 	OMP_NUM_THREADS=$(THREADS) $(PY) -m moeexp.bench

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from moeexp.paths import ASSETS_DIR, REPO_DIR
@@ -82,3 +83,20 @@ def _run_app(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[st
 def run_app():
     """``run_app(*overrides, timeout=600)``: the app in a subprocess; a CompletedProcess."""
     return _run_app
+
+
+def check_two_cache_summary(sweep: Path, stdout: str) -> None:
+    """A ``--multirun cache=lru,lfu`` sweep with ``logger=none``: one job dir each and
+    summary.csv with one row per job, the swept key as a column, in sweep order; the
+    comparison table printed; no W&B files. Checked after the basic launcher's sweep
+    (``test_app``) and the joblib one's (``test_launchers``)."""
+    df = pd.read_csv(sweep / "summary.csv")
+    assert len(df) == 2 and list(df["cache"]) == ["lru", "lfu"]
+    assert list(df["label"]) == ["deepspeed", "deepspeed+cache=lfu"]
+    assert list(df["run"]) == ["0_deepspeed", "1_deepspeed+cache=lfu"]
+    for job in df["run"]:
+        d = sweep / job
+        assert (d / "metrics.json").is_file() and (d / "env.json").is_file()
+        assert not (d / "wandb").exists() and not (d / "wandb_logged.json").exists()
+    assert "hit_rate" in stdout and "lfu" in stdout
+    assert (sweep / "summary.md").read_text().startswith("| label | n |")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 import pandas as pd
-import pytest
+from tests.integration.conftest import check_two_cache_summary
 
 from moeexp.tracking.run_dir import read_series
 
@@ -38,25 +38,15 @@ def test_single_run_writes_results_and_wandb(tmp_path, small, run_app):
     assert list((run / "wandb").glob("offline-run-*"))
 
 
-@pytest.mark.parametrize("launcher", ["basic", "joblib"])
-def test_multirun_summary(tmp_path, small, run_app, launcher):
-    """--multirun over two caches: one job dir each and summary.csv with one row per job,
-    the swept key as a column; the comparison table is printed; logger=none: no W&B files."""
+def test_multirun_summary(tmp_path, small, run_app):
+    """--multirun over two caches (the basic launcher; the joblib one:
+    ``test_launchers.test_shared_trace_cache_and_resume``): one job dir each and summary.csv
+    with one row per job, the swept key as a column; the comparison table is printed;
+    logger=none: no W&B files."""
     sweep = tmp_path / "sweep"
-    extra = ["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"] if launcher == "joblib" else []
-    out = run_app("--multirun", "cache=lru,lfu", *small, f"hydra.sweep.dir={sweep}", "logger=none",
-                  *extra)
+    out = run_app("--multirun", "cache=lru,lfu", *small, f"hydra.sweep.dir={sweep}", "logger=none")
     _ok(out)
-    df = pd.read_csv(sweep / "summary.csv")
-    assert len(df) == 2 and list(df["cache"]) == ["lru", "lfu"]
-    assert list(df["label"]) == ["deepspeed", "deepspeed+cache=lfu"]
-    assert list(df["run"]) == ["0_deepspeed", "1_deepspeed+cache=lfu"]
-    for job in df["run"]:
-        d = sweep / job
-        assert (d / "metrics.json").is_file() and (d / "env.json").is_file()
-        assert not (d / "wandb").exists() and not (d / "wandb_logged.json").exists()
-    assert "hit_rate" in out.stdout and "lfu" in out.stdout
-    assert (sweep / "summary.md").read_text().startswith("| label | n |")
+    check_two_cache_summary(sweep, out.stdout)
 
 
 def test_config_error_before_any_work(tmp_path, model_overrides, run_app):

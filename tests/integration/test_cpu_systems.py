@@ -37,6 +37,7 @@ def fitted_splits(monkeypatch):  # type: ignore[no-untyped-def]
     return seen
 
 
+@pytest.mark.slow
 def test_every_cpu_system_runs_on_the_real_trace(tmp_path, fitted_splits):
     """gpt-oss-20b's 49.8 MB bf16 experts on the RTX 3090 + EPYC 7532 profile: a decode miss
     is cheaper on the CPU (0.5 ms read vs ~2 ms copy), so every system computes experts

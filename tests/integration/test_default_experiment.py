@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 from moeexp.paths import CONF_DIR
 
 
+@pytest.mark.slow
 def test_default_experiment_end_to_end(tmp_path, model_overrides, run_app):
     sweep = tmp_path / "exp"
     out = run_app("+experiment=finemoe_vs_moeinfinity", *model_overrides,

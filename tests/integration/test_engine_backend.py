@@ -96,6 +96,7 @@ def test_system_sets_backend_keys_for_both_backends():
                 validate(cfg)
 
 
+@pytest.mark.slow
 def test_sim_vs_engine_experiment(tmp_path, model_overrides, trace_dir, run_app):
     """+experiment=sim_vs_engine shrunk to three systems, with the predictor-feeding term:
     summary.csv has the columns the figure reads, one row per system, deepspeed's hit rates

@@ -251,6 +251,7 @@ def test_invalid_combinations_fail_clearly() -> None:
 
 
 # ------------------------------------------------------------------------ end to end
+@pytest.mark.slow
 def test_cache_ablation_end_to_end(tmp_path: Path, small: list[str], run_app) -> None:
     """The cache ablation with tiny overrides: eight runs (one per policy) in the sweep dir,
     a summary the figures can draw, and a trace whose store and test prompts are disjoint."""

@@ -62,13 +62,15 @@ def test_shared_trace_cache_and_resume(tmp_path, model_overrides, run_app):
     1's metrics.json: job 0 is skipped ('skipping: complete with the same config', its
     metrics.json untouched), job 1 (a listed output missing) runs again with the same
     result, summary.csv still has both rows."""
-    from tests.integration.conftest import SMALL
+    from tests.integration.conftest import SMALL, check_two_cache_summary
 
     sweep, traces = tmp_path / "sweep", tmp_path / "traces"
     args = ["--multirun", "cache=lru,lfu", *model_overrides, *SMALL,
             f"trace.cache_dir={traces}", f"hydra.sweep.dir={sweep}", "logger=none"]
-    _ok(run_app(*args, "hydra/launcher=local"))
+    out = run_app(*args, "hydra/launcher=local")
+    _ok(out)
     jobs = [sweep / "0_deepspeed", sweep / "1_deepspeed+cache=lfu"]
+    check_two_cache_summary(sweep, out.stdout)  # the joblib launcher's summary
     logs = [_log(j) for j in jobs]
     assert sum("recording trace" in t for t in logs) == 1
     assert sum("reusing trace" in t for t in logs) == 1

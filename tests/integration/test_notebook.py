@@ -6,7 +6,6 @@ from pathlib import Path
 
 import nbformat
 import pandas as pd
-import pytest
 from nbclient import NotebookClient
 
 NB = Path(__file__).resolve().parents[2] / "notebooks" / "analysis.ipynb"
@@ -19,7 +18,6 @@ def test_stored_without_outputs():
             assert cell.outputs == [] and cell.execution_count is None
 
 
-@pytest.mark.slow
 def test_executes_headless(tmp_path, monkeypatch):
     d = tmp_path / "experiments" / "finemoe_vs_moeinfinity" / "x"
     d.mkdir(parents=True)
