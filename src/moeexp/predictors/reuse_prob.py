@@ -115,10 +115,16 @@ class ReuseProbability(Predictor):
             "never"); False: the cache extrapolates the in-pass probability (the shipped
             behaviour before issue 27's fourth stage).
         horizon: with a ``logistic`` next model, also fit P(used within the next h passes)
-            for h in :data:`~moeexp.predictors.reuse_features.HORIZONS` and hand the
-            ``next_use`` cache those rows (:meth:`_hand_within`), which ranks eviction by
-            the horizon its own residence time picks (issue 27's seventh stage); False: the
-            cache ranks by the next pass alone (the sixth stage).
+            for h in ``horizons`` and hand the ``next_use`` cache those rows
+            (:meth:`_hand_within`), which ranks eviction by the horizon its own residence
+            time picks (issue 27's seventh stage); False: the cache ranks by the next pass
+            alone (the sixth stage).
+        horizons: the h of those models (passes; ascending distinct ints in [2, 254]), by
+            default :data:`~moeexp.predictors.reuse_features.HORIZONS`, (2, 4, 8, 16). The
+            cache picks the one nearest half its residence time, so an h above 16 acts only
+            where it holds an expert for more than ~45 passes (issue 27's twenty-third
+            stage: at 50 % of the real map, R ~ 55 passes, (2, ..., 64) picks h = 32 and
+            removes less of LRU's extra misses than 16 does; measured, left at the default).
         knn: with the ``logistic`` next model, its last feature is the trajectory kNN of
             :mod:`moeexp.predictors.trajectory_index` (what the store's next tokens used
             after the store tokens nearest to this token's routing so far; issue 27's
@@ -139,7 +145,7 @@ class ReuseProbability(Predictor):
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
                  next_model: str = "logistic", later: bool = True,
                  horizon: bool = True, knn: bool = True, knn_within: bool = True,
-                 knn_ahead: bool = True) -> None:
+                 knn_ahead: bool = True, horizons: Sequence[int] = HORIZONS) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -158,8 +164,14 @@ class ReuseProbability(Predictor):
                          ("knn_within", knn_within), ("knn_ahead", knn_ahead)):
             if not isinstance(val, bool):
                 raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
+        hs = tuple(horizons) if isinstance(horizons, (list, tuple)) else ()
+        if not hs or any(not isinstance(h, int) or isinstance(h, bool) or not 2 <= h <= 254
+                         for h in hs) or list(hs) != sorted(set(hs)):
+            raise ConfigError(f"reuse_prob: horizons must be a non-empty ascending list of "
+                              f"distinct ints in [2, 254] (passes), got {horizons!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
         self.horizon = horizon and next_model.startswith("logistic")
+        self.horizons: tuple[int, ...] = hs
         # Each option acts only where the model it feeds exists, as ``horizon`` does: the
         # kNN column is a feature of the ``logistic`` next model (so ``next_model=lrb`` or
         # ``logistic_no_follow`` alone reproduces those stages), ``knn_ahead`` needs the
@@ -208,16 +220,16 @@ class ReuseProbability(Predictor):
         m = fit_models(store, trans, min(self.depth, L - 1), use_spec=self.spec == "auto",
                        prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
                        follow=self.next_model == "logistic", knn=self.knn,
-                       horizons=HORIZONS if self.horizon else (),
+                       horizons=self.horizons if self.horizon else (),
                        knn_within=self.knn_within, knn_ahead=self.knn_ahead)
         if m.within:
-            self._wcoef = np.array([m.within[h].coef for h in HORIZONS])
-            self._wicpt = np.array([m.within[h].intercept for h in HORIZONS])
+            self._wcoef = np.array([m.within[h].coef for h in self.horizons])
+            self._wicpt = np.array([m.within[h].intercept for h in self.horizons])
         self._evict = [(m.next, self._wcoef, self._wicpt, m.knn is not None)]
         if m.plain is not None:  # a batched decode pass: the models without the kNN column
             nxt, within = m.plain
-            wcoef = np.array([within[h].coef for h in HORIZONS]) if within else self._wcoef
-            wicpt = np.array([within[h].intercept for h in HORIZONS]) if within else self._wicpt
+            wcoef = np.array([within[h].coef for h in self.horizons]) if within else self._wcoef
+            wicpt = np.array([within[h].intercept for h in self.horizons]) if within else self._wicpt
             self._evict.append((nxt, wcoef, wicpt, False))
         self.needs = frozenset({"spec_probs"}) if m.spec_depth else frozenset()  # type: ignore[misc]
         D = len(m.chains)
@@ -252,7 +264,7 @@ class ReuseProbability(Predictor):
         for c in self._caches:
             c.set_link(copy_s=float(cost.copy_s), window_s=None)
             if len(self._wicpt):
-                c.set_horizons(HORIZONS)
+                c.set_horizons(self.horizons)
         self.set_feed_cost(self._feed_s)
 
     def set_feed_cost(self, seconds: float) -> None:
@@ -523,7 +535,7 @@ class ReuseProbability(Predictor):
 
     def _within(self, rows: slice | int, unused: bool = False) -> np.ndarray:
         """float64[H, ..., J]: P(used within the next h passes) of layers ``rows`` for each h
-        of :data:`HORIZONS` (``unused``: if their coming pass leaves the experts unused)."""
+        of :attr:`horizons` (``unused``: if their coming pass leaves the experts unused)."""
         m = self.models
         assert m is not None
         col = None  # the follow column _next_p just computed for this layer, if it did

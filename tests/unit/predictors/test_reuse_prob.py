@@ -106,7 +106,9 @@ def test_fit_refuses_test_requests_and_bad_settings() -> None:
         p.observe_layer(observation(tr, 0, 0))
     for bad in ({"depth": 0}, {"min_prob": 1.5}, {"alpha": 0.0}, {"max_per_layer": -1},
                 {"next_model": "logistic5"}, {"later": "flase"}, {"later": 1},
-                {"horizon": "yes"}):
+                {"horizon": "yes"}, {"horizons": []}, {"horizons": [4, 2]},
+                {"horizons": [1, 2]}, {"horizons": [2, 2]}, {"horizons": [2, 300]},
+                {"horizons": [2.5]}, {"horizons": 8}):
         with pytest.raises(ConfigError):
             PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
 
@@ -205,6 +207,20 @@ def test_horizon_hands_the_cache_within_rows_and_false_hands_none() -> None:
         for layer in (1, 2):  # never below this pass's probability
             assert (seen[layer] >= out.scores[layer][None, :] - 1e-12).all()
         assert (np.diff(seen[0], axis=0) >= -1e-12).all()  # more passes, more likely
+    # other horizons: fitted, handed to the cache and its rows, one per h
+    p = PREDICTORS.build("reuse_prob", dims=tr.dims, depth=2, horizons=[3, 32])
+    cache = CACHES.build("next_use", capacity_slots=8, num_layers=4, num_experts=8)
+    p.fit(store)
+    cache.fit(store)
+    p.bind(cost(tr, 1.0), [cache])
+    assert cache.horizons == (3, 32) and sorted(p.models.within) == [3, 32]
+    seen = {}
+    cache.observe_within = seen.update  # type: ignore[method-assign]
+    p.start_iteration(IterationStart(request_ids=np.array([0]), step=1, embed=None,
+                                     token_request=np.zeros(1, np.int64)))
+    p.observe_layer(observation(store, 1, 0))
+    assert all(r.shape == (2, 8) for r in seen.values())
+    assert (np.diff(seen[0], axis=0) >= -1e-12).all()
 
 
 def test_the_feed_gate_rests_a_predictor_no_stall_can_pay_for_and_is_inert_without_a_cost() -> None:
