@@ -60,6 +60,7 @@ EPS = 1e-3  #: floor of a carried transition probability before its log
 MAX_ROWS = 300_000  #: rows per fitted model (passes are strided to stay under it)
 REC_CAP = 1024  #: recency of an expert never used yet (passes)
 HORIZONS = (2, 4, 8, 16)  #: h of the ``within[h]`` models (passes; h = 1 is ``next``)
+MAX_HORIZON = 254  #: longest h: the kNN's waits are stored as uint8, capped at max(h)
 
 
 @dataclass
@@ -500,8 +501,8 @@ def _trajectory_index(passes: list[tuple[np.ndarray, np.ndarray, int]], chained:
     wait = None
     if horizons:
         cap = max(horizons)
-        if cap > 254:
-            raise ConfigError(f"reuse_prob: a kNN horizon of {cap} passes is over 254")
+        if cap > MAX_HORIZON:
+            raise ConfigError(f"reuse_prob: a kNN horizon of {cap} passes is over {MAX_HORIZON}")
         # backwards through the passes: the wait from pass n, reset where the chain breaks
         wait_at = np.full((len(passes), L, J), cap, dtype=np.uint8)  # cap <= 255
         for n in range(len(passes) - 1, -1, -1):

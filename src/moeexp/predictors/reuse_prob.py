@@ -53,6 +53,7 @@ from moeexp.predictors.lrb import LrbState, LrbTable, walk_rows
 from moeexp.predictors.reuse_features import (
     FAST,
     HORIZONS,
+    MAX_HORIZON,
     REC_CAP,
     SLOW,
     Logistic,
@@ -165,10 +166,11 @@ class ReuseProbability(Predictor):
             if not isinstance(val, bool):
                 raise ConfigError(f"reuse_prob: {key} must be true or false, got {val!r}")
         hs = tuple(horizons) if isinstance(horizons, (list, tuple)) else ()
-        if not hs or any(not isinstance(h, int) or isinstance(h, bool) or not 2 <= h <= 254
-                         for h in hs) or list(hs) != sorted(set(hs)):
+        if not hs or any(not isinstance(h, int) or isinstance(h, bool)
+                         or not 2 <= h <= MAX_HORIZON for h in hs) \
+                or list(hs) != sorted(set(hs)):
             raise ConfigError(f"reuse_prob: horizons must be a non-empty ascending list of "
-                              f"distinct ints in [2, 254] (passes), got {horizons!r}")
+                              f"distinct ints in [2, {MAX_HORIZON}] (passes), got {horizons!r}")
         self.spec, self.next_model, self.later = spec, next_model, later
         self.horizon = horizon and next_model.startswith("logistic")
         self.horizons: tuple[int, ...] = hs

@@ -108,7 +108,7 @@ def test_fit_refuses_test_requests_and_bad_settings() -> None:
                 {"next_model": "logistic5"}, {"later": "flase"}, {"later": 1},
                 {"horizon": "yes"}, {"horizons": []}, {"horizons": [4, 2]},
                 {"horizons": [1, 2]}, {"horizons": [2, 2]}, {"horizons": [2, 300]},
-                {"horizons": [2.5]}, {"horizons": 8}):
+                {"horizons": [2.5]}, {"horizons": 8}, {"horizons": [2, "4"]}):
         with pytest.raises(ConfigError):
             PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
 
