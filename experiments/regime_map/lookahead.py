@@ -17,7 +17,8 @@ loads and undercounted the model's share by ~0.03), and counts misses for:
 * ``model:<next_model>``: ``prefetch_if_pays``'s eviction: the ``reuse_prob`` predictor
   with that ``next_model`` (``--models``; fitted on the store split) bound to the ``next_use`` cache and the run's cost model (``rtx3090_pcie4``
   at ``--gbps``: copy-bound by default, 0.1 GB/s embedded and 3.2 GB/s real, the maps'
-  copy/compute ~24 and ~36; ``--within``: its ``horizons``), its offers dropped (no prefetch);
+  copy/compute ~24 and ~36; ``--within``: its ``horizons``; ``--knn-rows``: its
+  ``knn_rows``), its offers dropped (no prefetch);
 * ``look{k}``: ``model``, but told each resident expert's true next use when it falls within
   the next k runs of its layer (beyond that, k runs later plus the model's wait): a
   predictor that knows the next k tokens' routing exactly;
@@ -46,7 +47,7 @@ from moeexp.costmodel.hardware import load_profile
 from moeexp.costmodel.roofline import CostModel
 from moeexp.predictors import PREDICTORS
 from moeexp.predictors.base import IterationStart, LayerObservation, RequestStart
-from moeexp.predictors.reuse_features import HORIZONS
+from moeexp.predictors.reuse_features import HORIZONS, KNN_ROWS
 from moeexp.traces.schema import Trace
 
 
@@ -92,7 +93,7 @@ class Lookahead(NextUseCache):
 
 
 def replay(test: Trace, store: Trace, rule: str, slots: int, nxt: np.ndarray,
-           gbps: float, within: tuple[int, ...] = HORIZONS) -> int:
+           gbps: float, within: tuple[int, ...] = HORIZONS, knn_rows: int = KNN_ROWS) -> int:
     """Misses of ``rule`` over the test passes (demand loads only)."""
     d = test.dims
     L, J = d.num_layers, d.num_experts
@@ -112,7 +113,8 @@ def replay(test: Trace, store: Trace, rule: str, slots: int, nxt: np.ndarray,
                  else Lookahead(int(rule[4:]), nxt, **kw))
         cache.fit(store)
         pred = PREDICTORS.build("reuse_prob", dims=d, spec="off", next_model=model,
-                                horizon=flag != "no_horizon", horizons=within)
+                                horizon=flag != "no_horizon", horizons=within,
+                                knn_rows=knn_rows)
         pred.fit(store)
         prof = dataclasses.replace(load_profile("rtx3090_pcie4"), h2d_gbps=gbps)
         pred.bind(CostModel.from_profile(prof, d), [cache])
@@ -179,6 +181,8 @@ def main() -> None:
                          "shipped default, logistic)")
     ap.add_argument("--within", type=int, nargs="+", default=list(HORIZONS),
                     help="reuse_prob's horizons (the within-h models the cache picks from)")
+    ap.add_argument("--knn-rows", type=int, default=KNN_ROWS,
+                    help="reuse_prob's knn_rows (store tokens its kNN index keeps)")
     a = ap.parse_args()
     tr = load(a.kind, a.seed, a.trace)
     test, store = tr.split("test"), tr.split("store")
@@ -190,7 +194,8 @@ def main() -> None:
     print("|---|---|" + "---|" * len(rules))
     for cap in a.capacity:
         gbps = a.gbps or (3.2 if a.kind == "real" else 0.1)
-        m = {r: replay(test, store, r, int(round(cap * L * J)), nxt, gbps, tuple(a.within))
+        m = {r: replay(test, store, r, int(round(cap * L * J)), nxt, gbps, tuple(a.within),
+                       a.knn_rows)
              for r in rules}
         gap = m["lru"] - m["belady"]
         cells = [f"{m[r]:,} ({(m['lru'] - m[r]) / gap:.2f})" if gap else f"{m[r]:,}"

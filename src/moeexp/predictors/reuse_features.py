@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeexp.errors import ConfigError
+from moeexp.predictors.trajectory_index import MAX_ROWS as KNN_ROWS
 from moeexp.predictors.trajectory_index import TrajectoryIndex
 from moeexp.traces.schema import Trace
 
@@ -360,7 +361,8 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
                prefill_depth: int = 0, recency: bool = True, follow: bool = True,
                horizons: tuple[int, ...] = (), knn: bool = False,
-               knn_within: bool = True, knn_ahead: bool = False) -> ReuseModels:
+               knn_within: bool = True, knn_ahead: bool = False,
+               knn_rows: int = KNN_ROWS) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
@@ -375,7 +377,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     ``within[h]``'s own share within h tokens, and the ``ahead`` models' (its
     :meth:`~TrajectoryIndex.ahead_features`; a multi-token pass: :attr:`~TrajectoryIndex.use`);
     with ``knn``, ``plain`` holds ``next`` and ``within`` refitted on the same rows without
-    the kNN column (for passes of several requests, which have no kNN row)."""
+    the kNN column (for passes of several requests, which have no kNN row); ``knn_rows``:
+    the store tokens the index keeps at most (a seeded sample beyond)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
@@ -386,8 +389,8 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     fol = follow_matrices([(p[0], p[2]) for p in passes], logpop) if follow else None
     req = store.iter_request[its] if its else np.zeros(0, dtype=np.int64)
     chained = _chained(passes, req)
-    index = (_trajectory_index(passes, chained, req, horizons if knn_within else ())
-             if knn else None)
+    index = (_trajectory_index(passes, chained, req, horizons if knn_within else (),
+                               max_rows=knn_rows) if knn else None)
     chains = chain_matrices(trans, depth)
     stride = max(1, int(np.ceil(len(passes) * L * J / MAX_ROWS)))
     xs: dict[tuple[int, int], list[np.ndarray]] = {}
@@ -485,8 +488,10 @@ def _within_x(X0: np.ndarray, knn_rows: list[np.ndarray], i: int) -> np.ndarray:
 
 
 def _trajectory_index(passes: list[tuple[np.ndarray, np.ndarray, int]], chained: list[bool],
-                      req: np.ndarray, horizons: tuple[int, ...] = ()) -> TrajectoryIndex:
-    """The store's decode tokens that have a next decode token of their request; with
+                      req: np.ndarray, horizons: tuple[int, ...] = (),
+                      max_rows: int = KNN_ROWS) -> TrajectoryIndex:
+    """The store's decode tokens that have a next decode token of their request (at most
+    ``max_rows``, a seeded sample beyond); with
     ``horizons``, each with its wait (:class:`TrajectoryIndex`): decode tokens of the same
     request from the next one to the first that uses the expert, counted only through the
     run of chained decode tokens (capped at max(horizons))."""
@@ -494,7 +499,7 @@ def _trajectory_index(passes: list[tuple[np.ndarray, np.ndarray, int]], chained:
     L, J = passes[0][0].shape if passes else (0, 0)
     if not pairs:
         used = nxt = np.zeros((0, L, J), dtype=bool)
-        return TrajectoryIndex(used, nxt, np.zeros(0, dtype=np.int64),
+        return TrajectoryIndex(used, nxt, np.zeros(0, dtype=np.int64), max_rows=max_rows,
                                wait=np.zeros((0, L, J)), horizons=horizons)
     used = np.stack([passes[n][0] > 0 for n in pairs])
     nxt = np.stack([passes[n + 1][0] > 0 for n in pairs])
@@ -509,4 +514,5 @@ def _trajectory_index(passes: list[tuple[np.ndarray, np.ndarray, int]], chained:
             later = wait_at[n + 1] + 1 if n + 1 < len(passes) and chained[n + 1] else cap
             wait_at[n] = np.where(passes[n][0] > 0, 0, np.minimum(later, cap))
         wait = wait_at[[n + 1 for n in pairs]]
-    return TrajectoryIndex(used, nxt, req[pairs], wait=wait, horizons=horizons)
+    return TrajectoryIndex(used, nxt, req[pairs], max_rows=max_rows, wait=wait,
+                           horizons=horizons)

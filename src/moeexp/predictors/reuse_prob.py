@@ -53,6 +53,7 @@ from moeexp.predictors.lrb import LrbState, LrbTable, walk_rows
 from moeexp.predictors.reuse_features import (
     FAST,
     HORIZONS,
+    KNN_ROWS,
     MAX_HORIZON,
     REC_CAP,
     SLOW,
@@ -140,13 +141,20 @@ class ReuseProbability(Predictor):
             (:meth:`~moeexp.predictors.trajectory_index.TrajectoryIndex.ahead`; the
             fourteenth stage; on by default since the fifteenth); False: not read. It acts
             only when ``knn`` does.
+        knn_rows: the store decode tokens the kNN index keeps at most (a seeded sample
+            beyond; default :data:`~moeexp.predictors.reuse_features.KNN_ROWS`, 8,192). A
+            query's work grows with it. Issue 27's twenty-fourth stage: at 50 % of the real
+            map the whole store (about 3.5 times the default's tokens) removes 0.45 of LRU's
+            extra misses over Belady's against the default's 0.43, at about 3 times the
+            query time; measured, left at the default.
     """
 
     def __init__(self, *, dims: TraceDims, depth: int = 2, min_prob: float = 0.05,
                  max_per_layer: int = 0, alpha: float = 1.0, spec: str = "auto",
                  next_model: str = "logistic", later: bool = True,
                  horizon: bool = True, knn: bool = True, knn_within: bool = True,
-                 knn_ahead: bool = True, horizons: Sequence[int] = HORIZONS) -> None:
+                 knn_ahead: bool = True, horizons: Sequence[int] = HORIZONS,
+                 knn_rows: int = KNN_ROWS) -> None:
         super().__init__(dims=dims)
         L, J = dims.num_layers, dims.num_experts
         if int(depth) < 1:
@@ -171,6 +179,10 @@ class ReuseProbability(Predictor):
                 or list(hs) != sorted(set(hs)):
             raise ConfigError(f"reuse_prob: horizons must be a non-empty ascending list of "
                               f"distinct ints in [2, {MAX_HORIZON}] (passes), got {horizons!r}")
+        if not isinstance(knn_rows, int) or isinstance(knn_rows, bool) or knn_rows < 1:
+            raise ConfigError(f"reuse_prob: knn_rows must be an int >= 1 (store tokens the "
+                              f"kNN index keeps), got {knn_rows!r}")
+        self.knn_rows = knn_rows
         self.spec, self.next_model, self.later = spec, next_model, later
         self.horizon = horizon and next_model.startswith("logistic")
         self.horizons: tuple[int, ...] = hs
@@ -223,7 +235,8 @@ class ReuseProbability(Predictor):
                        prefill_depth=L - 1, recency=self.next_model != "logistic_no_recency",
                        follow=self.next_model == "logistic", knn=self.knn,
                        horizons=self.horizons if self.horizon else (),
-                       knn_within=self.knn_within, knn_ahead=self.knn_ahead)
+                       knn_within=self.knn_within, knn_ahead=self.knn_ahead,
+                       knn_rows=self.knn_rows)
         if m.within:
             self._wcoef = np.array([m.within[h].coef for h in self.horizons])
             self._wicpt = np.array([m.within[h].intercept for h in self.horizons])

@@ -108,9 +108,27 @@ def test_fit_refuses_test_requests_and_bad_settings() -> None:
                 {"next_model": "logistic5"}, {"later": "flase"}, {"later": 1},
                 {"horizon": "yes"}, {"horizons": []}, {"horizons": [4, 2]},
                 {"horizons": [1, 2]}, {"horizons": [2, 2]}, {"horizons": [2, 300]},
-                {"horizons": [2.5]}, {"horizons": 8}, {"horizons": [2, "4"]}):
+                {"horizons": [2.5]}, {"horizons": 8}, {"horizons": [2, "4"]},
+                {"knn_rows": 0}, {"knn_rows": 1.5}, {"knn_rows": True}, {"knn_rows": "8192"}):
         with pytest.raises(ConfigError):
             PREDICTORS.build("reuse_prob", dims=tr.dims, **bad)
+
+
+def test_knn_rows_caps_the_index_at_a_sample_of_the_store_tokens() -> None:
+    """``knn_rows`` bounds the trajectory index: below the store's decode pairs it keeps
+    that many (a seeded sample of them, store requests only); the default keeps them all
+    here."""
+    tr = trace()
+    store = tr.split("store")
+    full = PREDICTORS.build("reuse_prob", dims=tr.dims)
+    full.fit(store)
+    n = len(full.models.knn)
+    assert full.knn_rows == rf.KNN_ROWS and 4 <= n < rf.KNN_ROWS
+    small = PREDICTORS.build("reuse_prob", dims=tr.dims, knn_rows=n // 2)
+    small.fit(store)
+    assert len(small.models.knn) == n // 2
+    assert set(small.models.knn.request) <= set(full.models.knn.request)
+    assert set(full.models.knn.request) <= {r.request_id for r in store.requests}
 
 
 def cost(tr, gbps: float) -> CostModel:
