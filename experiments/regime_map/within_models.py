@@ -3,6 +3,7 @@ models of ``reuse_prob`` against a gradient-boosted classifier, with and without
 per-expert features, on the store split alone.
 
     python experiments/regime_map/within_models.py --seed 0
+    python experiments/regime_map/within_models.py --seed 0 --knn-rows 1000000   # the whole store's kNN
 
 It fits the ``reuse_prob`` predictor (its defaults; the speculative gates off) on the real
 gpt-oss-20b trace's store split and keeps the rows and labels each of its ``next`` and
@@ -39,7 +40,8 @@ from moeexp.traces.importers import load_imported
 NEVER = 2048.0  #: the gap and age of an expert not used yet (passes)
 
 
-def captured_rows(seed: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], object]:
+def captured_rows(seed: int, knn_rows: int = rf.KNN_ROWS
+                  ) -> tuple[list[tuple[np.ndarray, np.ndarray]], object]:
     """The (X, y) of the first 1 + len(HORIZONS) logistic fits ``reuse_prob``'s fit makes
     (``next``, then ``within[h]``; :func:`moeexp.predictors.reuse_features._fit_next`), and
     the store split."""
@@ -54,7 +56,7 @@ def captured_rows(seed: int) -> tuple[list[tuple[np.ndarray, np.ndarray]], objec
     store = load_imported("gpt_oss_20b", arch, model="gpt_oss_20b", seed=seed).split("store")
     rf.fit_logistic = keep
     try:
-        PREDICTORS.build("reuse_prob", dims=store.dims, spec="off").fit(store)
+        PREDICTORS.build("reuse_prob", dims=store.dims, spec="off", knn_rows=knn_rows).fit(store)
     finally:
         rf.fit_logistic = shipped
     return rows[:1 + len(rf.HORIZONS)], store
@@ -92,8 +94,10 @@ def five_features(store) -> np.ndarray:  # noqa: ANN001 (a Trace)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seed", type=int, default=0, help="the real trace's store/test split")
+    ap.add_argument("--knn-rows", type=int, default=rf.KNN_ROWS,
+                    help="reuse_prob's knn_rows (store tokens its kNN index keeps)")
     a = ap.parse_args()
-    rows, store = captured_rows(a.seed)
+    rows, store = captured_rows(a.seed, a.knn_rows)
     extra = five_features(store)
     names = ["next pass"] + [f"within {h}" for h in rf.HORIZONS]
     print("| model | " + " | ".join(names) + " |")
