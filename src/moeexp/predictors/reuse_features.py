@@ -360,9 +360,8 @@ def _spec_block(store: Trace, it: int, d: int, spec_depth: int, L: int,
 
 def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = False,
                prefill_depth: int = 0, recency: bool = True, follow: bool = True,
-               horizons: tuple[int, ...] = (), knn: bool = False,
-               knn_within: bool = True, knn_ahead: bool = False,
-               knn_rows: int = KNN_ROWS) -> ReuseModels:
+               horizons: tuple[int, ...] = (), knn: bool = False, knn_within: bool = True,
+               knn_ahead: bool = False, knn_rows: int = KNN_ROWS) -> ReuseModels:
     """Walk ``store`` (store split only) and fit ``next`` and every ``ahead[(kind, d)]``
     (with the speculative features when ``use_spec`` and the store records gates):
     d <= ``depth`` for single-token passes, d <= max(depth, ``prefill_depth``) for
@@ -371,14 +370,13 @@ def fit_models(store: Trace, trans: np.ndarray, depth: int, use_spec: bool = Fal
     evidence of :func:`follow_matrices` when ``follow``), and ``within[h]`` for each h in
     ``horizons`` on the same rows (the label: used at one of the passes n .. n + h - 1 of
     the store split's sequence, :func:`passes_until_use`). ``knn``, ``knn_within``,
-    ``knn_ahead``: the trajectory kNN columns (:class:`TrajectoryIndex` of the store's
-    decode tokens, a row's own request excluded): the ``next`` model's (read from the token
+    ``knn_ahead``: the trajectory kNN columns (:class:`TrajectoryIndex` of at most ``knn_rows``
+    store decode tokens, a row's own request excluded): the ``next`` model's (read from the token
     before the row; the prior where that is not a decode token of the request), each
     ``within[h]``'s own share within h tokens, and the ``ahead`` models' (its
     :meth:`~TrajectoryIndex.ahead_features`; a multi-token pass: :attr:`~TrajectoryIndex.use`);
     with ``knn``, ``plain`` holds ``next`` and ``within`` refitted on the same rows without
-    the kNN column (for passes of several requests, which have no kNN row); ``knn_rows``:
-    the store tokens the index keeps at most (a seeded sample beyond)."""
+    the kNN column (for passes of several requests, which have no kNN row)."""
     L, J = store.dims.num_layers, store.dims.num_experts
     its = store_iterations(store)
     sd = store.dims.spec_depth if use_spec and store.spec_probs is not None else 0
