@@ -66,6 +66,23 @@ protected) whose victim would be ``v`` is taken only if
   miss no demand load waits on the link, only later prefetches, and ``by_execution`` keeps
   the load (measured: the spill there cost 4-6 % at 50 % of the embedded CPU map).
 
+**Balance** (``balance``, the default; issue 27's twenty-fifth stage). A layer computes its
+resident experts first, while its demand copies come in one after another, so its stall is
+what of its demand chain outlasts its hits' compute: convex in its misses, not their sum. In
+a batched pass (continuous batching: each expert computes many tokens) the first few misses
+of a layer are hidden and the last ones stall whole, so Belady's rule on E, which keeps
+whole layers resident on a cyclic stream and leaves others all misses, stalls more than a
+spread of the same hits (measured on ``emoe_serving``: ``experiments/emoe_serving/README.md``).
+With c one used expert's compute in the running pass (handed by the predictor), a layer is
+*hidden* (:meth:`hidden_layers`) when its expected hits' compute less its expected demand
+chain covers one more whole copy and its compute: ``c sum(P, resident) - x sum(P, absent) >=
+x + c``. The victim is then the largest-E resident of a hidden layer (the largest E of all
+where none is), a prefetch into a hidden layer is refused (its miss would be hidden: it
+saves nothing), and a victim of a hidden layer costs the gate no miss (P_v = 0). With one
+token a pass, ``sum(P)`` over a layer is about top-k, so a layer can be hidden only where
+one expert's compute is at least a copy over top-k - 1: not on a copy-bound link. Where the
+CPU may compute a miss the rule is off (a miss there is not a copy).
+
 **Where the CPU may compute a miss** (:meth:`set_miss_cost`, from the run's execution policy,
 issue 27's eighth stage) m is the cheaper of the copy and the CPU's computing it, and the first
 term is replaced by what the prefetch buys there: ``P_k (m - max(0, x - d w))`` for its use in
@@ -212,6 +229,11 @@ class NextUseCache(CachePolicy):
             - w / x, 0, 1); ``by_execution`` (the default since issue 27's twenty-second
             stage): ``overflow`` where every miss is a copy, ``load`` where the CPU may
             compute a miss (:meth:`set_miss_cost`: no demand load then waits on the link).
+        balance: where a layer's resident experts' compute hides its demand copies
+            (:meth:`hidden_layers`), evict from such layers first and take no prefetch into
+            one (module doc, Balance; issue 27's twenty-fifth stage, the default); False:
+            Belady's rule on E alone, whatever the layer's compute hides (the policy
+            before it).
     """
 
     def __init__(self, *, capacity_slots: int, num_layers: int, num_experts: int,
@@ -221,14 +243,14 @@ class NextUseCache(CachePolicy):
                  rest_evict: str = "prob", rest_baseline: bool = False,
                  rest_ages: int = 8, feed_overlap: bool = True,
                  rest_within_pass: bool = True, saturation_counts: str = "all",
-                 saturation_model: str = "by_execution") -> None:
+                 saturation_model: str = "by_execution", balance: bool = True) -> None:
         super().__init__(capacity_slots=capacity_slots, num_layers=num_layers,
                          num_experts=num_experts)
         for key, val in (("gate", gate), ("warm", warm), ("feed_gate", feed_gate),
                          ("victim_horizon", victim_horizon), ("fill", fill),
                          ("rest_prefetch", rest_prefetch), ("rest_baseline", rest_baseline),
                          ("feed_overlap", feed_overlap),
-                         ("rest_within_pass", rest_within_pass)):
+                         ("rest_within_pass", rest_within_pass), ("balance", balance)):
             if not isinstance(val, bool):
                 raise ConfigError(f"next_use: {key} must be true or false, got {val!r}")
         self.gate, self.warm, self.use_feed_gate = gate, warm, feed_gate
@@ -254,6 +276,8 @@ class NextUseCache(CachePolicy):
         self.rest_baseline = rest_baseline
         self.feed_overlap = feed_overlap
         self.rest_within_pass = rest_within_pass
+        self.balance = balance
+        self.expert_s: float | None = None  # set_link: one used expert's compute (s)
         self._fitted = False
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.miss_relief_s = 0.0  # set_miss_cost: GPU time a CPU-computed miss takes off
@@ -301,12 +325,19 @@ class NextUseCache(CachePolicy):
         if self.horizons:
             self.set_horizons(self.horizons)
 
-    def set_link(self, *, copy_s: float, window_s: float | None) -> None:
+    def set_link(self, *, copy_s: float, window_s: float | None,
+                 expert_s: float | None = None) -> None:
         """Seconds of one expert copy and of one layer's compute in the running pass
-        (None: not known yet; the copy time stands in)."""
+        (None: not known yet; the copy time stands in); ``expert_s``: seconds of one used
+        expert's compute in that pass (its layer's expert compute over its used experts;
+        None: not known, and :meth:`hidden_layers` finds none)."""
         if not copy_s > 0:
             raise ConfigError(f"next_use: copy_s must be > 0, got {copy_s}")
+        if expert_s is not None and not (expert_s >= 0 and math.isfinite(expert_s)):
+            raise ConfigError(f"next_use: expert_s must be a finite number >= 0 s, got "
+                              f"{expert_s}")
         self.copy_s, self.window_s = float(copy_s), window_s
+        self.expert_s = None if expert_s is None else float(expert_s)
         self._E = None  # the saturation, hence Q, may change
 
     def set_mechanics(self, *, demand_load: str) -> None:
@@ -536,6 +567,26 @@ class NextUseCache(CachePolicy):
             return min(1.0, max(0.0, self.need + 1.0 - w / x))
         return min(1.0, self.need * x / w)
 
+    def hidden_layers(self) -> np.ndarray | None:
+        """bool[L]: the layers whose next run is expected to hide one more whole demand copy
+        behind its hits' compute (module doc, Balance): ``H_l - D_l >= x + c``, with c the
+        compute of one used expert in the running pass (``expert_s`` of :meth:`set_link`),
+        ``H_l = c sum(P[l, e], e resident)`` the hits' compute, which runs while the first
+        demand copies come in, and ``D_l = x sum(P[l, e], e absent)`` the demand chain.
+        None where the rule does not apply or no layer is hidden: ``balance`` off, no
+        expert compute known yet, a CPU that may compute a miss (:meth:`set_miss_cost`),
+        every expert touched (``all_experts``), or a resting predictor."""
+        if (not self.balance or self.expert_s is None or self.copy_s is None
+                or self.miss_s is not None or self.touch_all):
+            return None
+        gate = self.feed_gate
+        if gate is not None and not gate.fed:
+            return None
+        x, c, P = self.copy_s, self.expert_s, self.P
+        on = np.where(self._absent == 0.0, P, 0.0).sum(axis=1)  # resident use, float[L]
+        hidden = c * on - x * (P.sum(axis=1) - on) >= x + c
+        return hidden if hidden.any() else None
+
     def takes_every_offer(self) -> bool:
         """True under ``demand_load=all_experts``: every expert of a layer
         is copied when the layer runs, so a prefetch for a layer ahead replaces one of those
@@ -585,13 +636,20 @@ class NextUseCache(CachePolicy):
                                       incoming)
             return v
         if self.has_room(incoming):
-            if prefetch and not self._pays(incoming, None, into_room=self.fill):
+            if prefetch and not self._pays(incoming, None, self.hidden_layers(),
+                                           into_room=self.fill):
                 self.refused += 1
                 raise PrefetchRefused("%s: prefetching %s does not pay", self.name, incoming)
             return None
         E = self.expected_next_use()
-        v = self.lowest_priority(incoming, protected, -E)
-        if prefetch and (E[v] <= E[incoming] or not self._pays(incoming, v)):
+        hidden = self.hidden_layers()
+        if hidden is None:
+            v = self.lowest_priority(incoming, protected, -E)
+        else:  # the hidden layers' residents first (module doc, Balance)
+            shield = self._absent.copy()
+            shield[~hidden] = np.inf
+            v = self.lowest_priority(incoming, protected, -E, shielded=shield)
+        if prefetch and (E[v] <= E[incoming] or not self._pays(incoming, v, hidden)):
             self.refused += 1
             raise PrefetchRefused("%s: prefetching %s over %s does not pay", self.name,
                                   incoming, v)
@@ -606,6 +664,9 @@ class NextUseCache(CachePolicy):
                 raise ValueError("no candidate is resident")
             return v
         E = self.expected_next_use()
+        hidden = self.hidden_layers()
+        if hidden is not None:  # the hidden layers' candidates first (module doc, Balance)
+            candidates = [k for k in candidates if hidden[k[0]]] or candidates
         return max(candidates, key=lambda k: (E[k], -k[0], -k[1]))
 
     def _rest_victim(self, gate: FeedGate, allowed: Callable[[Key], bool]) -> Key | None:
@@ -657,9 +718,12 @@ class NextUseCache(CachePolicy):
         pv = gate.rest_prob(v) if v is not None else 0.0
         return self._rule(k, pk, pk, v, pv, pv, self.saturation(), cpu=self._cpu_cheaper())
 
-    def _pays(self, k: Key, v: Key | None, into_room: bool = False) -> bool:
+    def _pays(self, k: Key, v: Key | None, hidden: np.ndarray | None = None,
+              into_room: bool = False) -> bool:
         """The gate's second condition (module docstring); True without a cost model and
         under ``all_experts`` (a prefetch then replaces a copy the pass makes anyway).
+        ``hidden`` (:meth:`hidden_layers`): a prefetch into a hidden layer saves nothing
+        (its miss would be hidden) and is refused; a victim of one costs no miss (P_v = 0).
         ``into_room`` (``fill``, a free slot; copy rule): the copy also pays where the
         expert's first use comes at a later run of its layer, within the longest horizon
         (W >= P), as nothing evicts it before the cache is full: that use waits for no copy,
@@ -667,6 +731,8 @@ class NextUseCache(CachePolicy):
         - (1 - W) x s."""
         if not self.gate or self.copy_s is None or self.touch_all:
             return True
+        if hidden is not None and hidden[k[0]]:
+            return False
         x = self.copy_s
         w = self.window_s if self.window_s else x
         m = self._miss()  # what a miss costs
@@ -677,6 +743,8 @@ class NextUseCache(CachePolicy):
             return pk * min(m, w) + later * m - (1.0 - pk - later) * x * s > 0.0
         qv = float(self.Q[v]) if v is not None else 0.0
         pv = self._victim_use(v, s) if v is not None else 0.0
+        if hidden is not None and v is not None and hidden[v[0]]:
+            pv = 0.0  # its miss would be hidden behind its layer's hits
         return self._rule(k, pk, float(self.Q[k]), v, qv, pv, s)
 
     def _rule(self, k: Key, pk: float, qk: float, v: Key | None, qv: float, pv: float,

@@ -344,9 +344,17 @@ class ReuseProbability(Predictor):
         would seem to land within a layer)."""
         counts = np.zeros(self.dims.num_experts, dtype=np.int64)
         counts[experts] = 1
-        window = self._dense_s + float(self._cost.experts_s(counts))
+        self._hand_window(counts)
+
+    def _hand_window(self, counts: np.ndarray) -> None:
+        """Hand the bound caches the running pass's compute window (the dense part plus the
+        experts' compute of a layer routed as ``counts``, int[J] tokens per expert) and one
+        used expert's compute in it (their mean)."""
+        experts = float(self._cost.experts_s(counts))
+        used = max(1, int(np.count_nonzero(counts)))
         for c in self._caches:
-            c.set_link(copy_s=float(self._cost.copy_s), window_s=window)
+            c.set_link(copy_s=float(self._cost.copy_s), window_s=self._dense_s + experts,
+                       expert_s=experts / used)
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         self._prompt_len[ctx.request.request_id] = int(ctx.request.prompt_len)
@@ -397,9 +405,7 @@ class ReuseProbability(Predictor):
             raise ConfigError("reuse_prob: observe_layer() before fit() (fit on the store split)")
         layer = obs.layer
         if self._caches and not self._window_set:  # the pass's compute window, once
-            window = self._dense_s + float(self._cost.experts_s(obs.counts))
-            for c in self._caches:
-                c.set_link(copy_s=float(self._cost.copy_s), window_s=window)
+            self._hand_window(obs.counts)
             self._window_set = True
         used = np.zeros(self.dims.num_experts)
         used[obs.experts] = 1.0

@@ -401,3 +401,63 @@ def test_the_victim_term_counts_its_use_within_the_horizon(victim_horizon: bool)
     assert c.victim((0, 0), set(), 1) == (1, 1)
     with pytest.raises(ConfigError, match="victim_horizon"):
         make(victim_horizon="yes")
+
+
+def balanced(**kw):
+    """L = 3, J = 5, 6 slots, every P = 1: layer 0 holds 4 of its 5 experts, layer 1 two;
+    the latest access is at layer 2, so layer 0 runs next (E = 1) and layer 1 after (E = 2).
+    Copy 1 s, one expert's compute 1 s: layer 0's hits hide 4 s of copies against its 1 s
+    demand chain (4 - 1 >= 1 + 1: hidden), layer 1's 2 s against 3 s (not hidden)."""
+    c = make(slots=6, L=3, J=5, **kw)
+    c.observe_scores({layer: np.ones(5) for layer in range(3)})
+    filled(c, [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)])
+    c.on_access((2, 0), 0, True)
+    c.set_link(copy_s=1.0, window_s=10.0, expert_s=1.0)
+    return c
+
+
+def test_hidden_layers_are_those_whose_hits_hide_one_more_copy() -> None:
+    """H_l - D_l >= x + c, with H_l = c sum(P, resident), D_l = x sum(P, absent); None where
+    no layer is hidden, without the expert compute, with ``balance`` off, or where the CPU
+    may compute a miss."""
+    c = balanced()
+    assert c.hidden_layers().tolist() == [True, False, False]
+    c.set_link(copy_s=1.6, window_s=10.0, expert_s=1.0)  # 4 - 1.6 < 1.6 + 1
+    assert c.hidden_layers() is None
+    c.set_link(copy_s=1.0, window_s=10.0)  # no expert compute known
+    assert c.hidden_layers() is None
+    assert balanced(balance=False).hidden_layers() is None
+    cpu = balanced()
+    cpu.set_miss_cost(0.5)
+    assert cpu.hidden_layers() is None
+    with pytest.raises(ConfigError, match="balance"):
+        make(balance=1)
+    with pytest.raises(ConfigError, match="expert_s"):
+        make().set_link(copy_s=1.0, window_s=1.0, expert_s=-1.0)
+
+
+def test_balance_evicts_from_a_hidden_layer_first() -> None:
+    """Belady's rule on E takes layer 1's resident (next use 2 steps away, layer 0's 1);
+    with ``balance`` the victim is a hidden layer's, whose miss its hits' compute hides.
+    ``choose`` agrees; among candidates of no hidden layer it keeps the rule on E."""
+    protected = {(2, 0)}
+    assert balanced(balance=False).victim((2, 0), protected, 0) == (1, 0)
+    c = balanced()
+    assert c.victim((2, 0), protected, 0) == (0, 0)
+    assert c.choose([(0, 3), (1, 1)], (2, 0), 0) == (0, 3)
+    assert c.choose([(1, 0), (1, 1)], (2, 0), 0) == (1, 0)
+
+
+def test_balance_takes_no_prefetch_into_a_hidden_layer_and_prices_its_victims_free() -> None:
+    """A prefetch of layer 0's fifth expert would land in a layer that hides its miss: refused
+    with ``balance`` (saves nothing), taken without it (P = 1, its victim of later use). A
+    victim of a hidden layer costs no miss in the gate's rule (P_v = 0)."""
+    with pytest.raises(PrefetchRefused):
+        balanced().victim((0, 4), set(), 0)
+    assert balanced(balance=False).victim((0, 4), set(), 0) == (1, 0)
+    c = balanced()
+    c.observe_scores({1: np.full(5, 0.4)})  # layer 1: 0.8 s hidden against 1.2 s of copies
+    hidden = c.hidden_layers()
+    assert hidden is not None and hidden[0]
+    assert not c._pays((1, 4), (0, 0))  # P_k min(m, w) = 0.4 < (1 - 0.4) P_v m = 0.6
+    assert c._pays((1, 4), (0, 0), hidden)

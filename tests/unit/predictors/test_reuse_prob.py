@@ -156,6 +156,7 @@ def test_bind_hands_the_cost_model_to_the_cache_and_the_gate_follows_the_link() 
     assert c_slow.copy_s == pytest.approx(cost(tr, 0.01).copy_s)
     assert c_slow.window_s is not None and c_slow.window_s > 0
     assert c_slow.copy_s > c_slow.window_s > c_fast.copy_s
+    assert c_slow.expert_s is not None and 0 < c_slow.expert_s < c_slow.window_s
     assert slow["prefetches_issued"] < fast["prefetches_issued"]
     assert slow["prefetches_issued"] < open_gate["prefetches_issued"]
     assert fast["hit_rate"] > 0 and np.isfinite(fast["predictor_query_us_mean"])
@@ -324,6 +325,7 @@ def test_a_rested_layer_passes_on_the_caches_next_layer_offers_in_decode_only() 
     counts = np.zeros(8, dtype=np.int64)
     counts[[2, 3]] = 1
     assert c.window_s == p._cost.experts_s(counts) > 0
+    assert c.expert_s == pytest.approx(p._cost.experts_s(counts) / 2)  # one used expert's
 
 
 def test_fed_again_the_reuse_state_catches_up_on_the_rested_passes() -> None:
