@@ -282,7 +282,9 @@ class NextUseCache(CachePolicy):
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.miss_relief_s = 0.0  # set_miss_cost: GPU time a CPU-computed miss takes off
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
-        self.P = np.full((num_layers, num_experts), 0.5)  # float64[L, J]
+        # float64[L, J]; written through fit and observe_scores only (_psum follows them)
+        self.P = np.full((num_layers, num_experts), 0.5)
+        self._psum = self.P.sum(axis=1)  # float64[L]: P's row sums (hidden_layers)
         self.Q = self.P.copy()  # float64[L, J], per pass after the next run (module doc)
         self._later: set[int] = set()  # layers whose Q came with the coming scores
         self.cur = 0  # layer of the latest access
@@ -319,6 +321,7 @@ class NextUseCache(CachePolicy):
         flat = (np.arange(L)[None, :, None] * J + idx).reshape(-1)
         counts = np.bincount(flat, minlength=L * J).reshape(L, J)
         self.P = (counts + 1.0) / (n + 2.0)
+        self._psum = self.P.sum(axis=1)
         self.Q = self.P.copy()
         self._fitted = True
         self._store = store  # the feed gate's resting table is fitted on it (set_feed_cost)
@@ -454,9 +457,10 @@ class NextUseCache(CachePolicy):
         self._E = None
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
-        P, Q, later = self.P, self.Q, self._later
+        P, Q, later, psum = self.P, self.Q, self._later, self._psum
         for layer, row in scores.items():
             P[layer] = row
+            psum[layer] = P[layer].sum()
             if layer in later:
                 later.discard(layer)
             else:
@@ -582,9 +586,11 @@ class NextUseCache(CachePolicy):
         gate = self.feed_gate
         if gate is not None and not gate.fed:
             return None
-        x, c, P = self.copy_s, self.expert_s, self.P
-        on = np.where(self._absent == 0.0, P, 0.0).sum(axis=1)  # resident use, float[L]
-        hidden = c * on - x * (P.sum(axis=1) - on) >= x + c
+        x, c, psum = self.copy_s, self.expert_s, self._psum
+        if c * psum.max() < x + c:  # no layer can be (its resident use is at most its sum)
+            return None
+        on = np.where(self._absent == 0.0, self.P, 0.0).sum(axis=1)  # resident use, float[L]
+        hidden = c * on - x * (psum - on) >= x + c
         return hidden if hidden.any() else None
 
     def takes_every_offer(self) -> bool:
