@@ -285,6 +285,11 @@ class NextUseCache(CachePolicy):
         # float64[L, J]; written through fit and observe_scores only (_psum follows them)
         self.P = np.full((num_layers, num_experts), 0.5)
         self._psum = self.P.sum(axis=1)  # float64[L]: P's row sums (hidden_layers)
+        # hidden_layers' memo: the state version (bumped by every change of P, the resident
+        # set or the link), the version it was computed at, its result and shield
+        self._ver, self._hid_at = 0, -1
+        self._hid: np.ndarray | None = None
+        self._shield: np.ndarray | None = None
         self.Q = self.P.copy()  # float64[L, J], per pass after the next run (module doc)
         self._later: set[int] = set()  # layers whose Q came with the coming scores
         self.cur = 0  # layer of the latest access
@@ -322,6 +327,7 @@ class NextUseCache(CachePolicy):
         counts = np.bincount(flat, minlength=L * J).reshape(L, J)
         self.P = (counts + 1.0) / (n + 2.0)
         self._psum = self.P.sum(axis=1)
+        self._ver += 1
         self.Q = self.P.copy()
         self._fitted = True
         self._store = store  # the feed gate's resting table is fitted on it (set_feed_cost)
@@ -342,6 +348,7 @@ class NextUseCache(CachePolicy):
         self.copy_s, self.window_s = float(copy_s), window_s
         self.expert_s = None if expert_s is None else float(expert_s)
         self._E = None  # the saturation, hence Q, may change
+        self._ver += 1
 
     def set_mechanics(self, *, demand_load: str) -> None:
         """The replay's demand loading (:mod:`moeexp.simulator.mechanics`): ``activated``
@@ -466,6 +473,7 @@ class NextUseCache(CachePolicy):
             else:
                 Q[layer] = row
         self._E = None
+        self._ver += 1
 
     def observe_later(self, rows: dict[int, np.ndarray]) -> None:
         """Q rows (layer -> float[J]): the per-pass probability of use after the layer's
@@ -478,6 +486,7 @@ class NextUseCache(CachePolicy):
 
     def on_insert(self, key: Key, now: int, prefetched: bool) -> None:
         super().on_insert(key, now, prefetched)
+        self._ver += 1
         if self.feed_gate is not None:
             self.feed_gate.insert(key)
         self._copies += 1
@@ -504,6 +513,7 @@ class NextUseCache(CachePolicy):
 
     def on_evict(self, key: Key) -> None:
         super().on_evict(key)
+        self._ver += 1
         self._pref.discard(key)
         if self.feed_gate is not None:
             self.feed_gate.evict(key)
@@ -586,12 +596,25 @@ class NextUseCache(CachePolicy):
         gate = self.feed_gate
         if gate is not None and not gate.fed:
             return None
+        if self._hid_at == self._ver:  # nothing it reads changed since
+            return self._hid
+        self._hid_at, self._hid, self._shield = self._ver, None, None
         x, c, psum = self.copy_s, self.expert_s, self._psum
         if c * psum.max() < x + c:  # no layer can be (its resident use is at most its sum)
             return None
         on = np.where(self._absent == 0.0, self.P, 0.0).sum(axis=1)  # resident use, float[L]
         hidden = c * on - x * (psum - on) >= x + c
-        return hidden if hidden.any() else None
+        if hidden.any():
+            self._hid = hidden
+        return self._hid
+
+    def _hidden_shield(self, hidden: np.ndarray) -> np.ndarray:
+        """float[L, J] for :meth:`lowest_priority`'s ``shielded``: +inf outside the resident
+        set and in every layer not ``hidden`` (:meth:`hidden_layers`' result, memoised with
+        it)."""
+        if self._shield is None:
+            self._shield = self._absent + np.where(hidden, 0.0, np.inf)[:, None]
+        return self._shield
 
     def takes_every_offer(self) -> bool:
         """True under ``demand_load=all_experts``: every expert of a layer
@@ -652,9 +675,8 @@ class NextUseCache(CachePolicy):
         if hidden is None:
             v = self.lowest_priority(incoming, protected, -E)
         else:  # the hidden layers' residents first (module doc, Balance)
-            shield = self._absent.copy()
-            shield[~hidden] = np.inf
-            v = self.lowest_priority(incoming, protected, -E, shielded=shield)
+            v = self.lowest_priority(incoming, protected, -E,
+                                     shielded=self._hidden_shield(hidden))
         if prefetch and (E[v] <= E[incoming] or not self._pays(incoming, v, hidden)):
             self.refused += 1
             raise PrefetchRefused("%s: prefetching %s over %s does not pay", self.name,
