@@ -282,9 +282,10 @@ class NextUseCache(CachePolicy):
         self.miss_s: float | None = None  # set_miss_cost; None: a miss is a copy
         self.miss_relief_s = 0.0  # set_miss_cost: GPU time a CPU-computed miss takes off
         self.late_capped = False  # set_miss_cost: a late copy's wait is at most miss_s
-        # float64[L, J]; written through fit and observe_scores only (_psum follows them)
+        # float64[L, J]; written through fit and observe_scores only (they reset _psum)
         self.P = np.full((num_layers, num_experts), 0.5)
-        self._psum = self.P.sum(axis=1)  # float64[L]: P's row sums (hidden_layers)
+        self._psum: np.ndarray | None = None  # float64[L]: P's row sums, when hidden_layers asks
+        self._pmax = 0.0  # their largest, with them
         # hidden_layers' memo: the state version (bumped by every change of P, the resident
         # set or the link), the version it was computed at, its result and shield
         self._ver, self._hid_at = 0, -1
@@ -326,7 +327,7 @@ class NextUseCache(CachePolicy):
         flat = (np.arange(L)[None, :, None] * J + idx).reshape(-1)
         counts = np.bincount(flat, minlength=L * J).reshape(L, J)
         self.P = (counts + 1.0) / (n + 2.0)
-        self._psum = self.P.sum(axis=1)
+        self._psum = None
         self._ver += 1
         self.Q = self.P.copy()
         self._fitted = True
@@ -464,15 +465,15 @@ class NextUseCache(CachePolicy):
         self._E = None
 
     def observe_scores(self, scores: dict[int, np.ndarray]) -> None:
-        P, Q, later, psum = self.P, self.Q, self._later, self._psum
+        P, Q, later = self.P, self.Q, self._later
         for layer, row in scores.items():
             P[layer] = row
-            psum[layer] = P[layer].sum()
             if layer in later:
                 later.discard(layer)
             else:
                 Q[layer] = row
         self._E = None
+        self._psum = None
         self._ver += 1
 
     def observe_later(self, rows: dict[int, np.ndarray]) -> None:
@@ -599,8 +600,12 @@ class NextUseCache(CachePolicy):
         if self._hid_at == self._ver:  # nothing it reads changed since
             return self._hid
         self._hid_at, self._hid, self._shield = self._ver, None, None
-        x, c, psum = self.copy_s, self.expert_s, self._psum
-        if c * psum.max() < x + c:  # no layer can be (its resident use is at most its sum)
+        psum = self._psum
+        if psum is None:
+            psum = self._psum = self.P.sum(axis=1)
+            self._pmax = float(psum.max())
+        x, c = self.copy_s, self.expert_s
+        if c * self._pmax < x + c:  # no layer can be (its resident use is at most its sum)
             return None
         on = np.where(self._absent == 0.0, self.P, 0.0).sum(axis=1)  # resident use, float[L]
         hidden = c * on - x * (psum - on) >= x + c

@@ -422,6 +422,13 @@ def test_hidden_layers_are_those_whose_hits_hide_one_more_copy() -> None:
     may compute a miss."""
     c = balanced()
     assert c.hidden_layers().tolist() == [True, False, False]
+    c.on_evict((0, 3))  # memoised, but recomputed after a change: 3 - 2 < 2
+    assert c.hidden_layers() is None
+    c.on_insert((0, 3), 0, False)
+    assert c.hidden_layers().tolist() == [True, False, False]
+    c.observe_scores({0: np.full(5, 0.5)})  # 2 - 0.5 < 2
+    assert c.hidden_layers() is None
+    c.observe_scores({0: np.ones(5)})
     c.set_link(copy_s=1.6, window_s=10.0, expert_s=1.0)  # 4 - 1.6 < 1.6 + 1
     assert c.hidden_layers() is None
     c.set_link(copy_s=1.0, window_s=10.0)  # no expert compute known
