@@ -607,7 +607,7 @@ class NextUseCache(CachePolicy):
         x, c = self.copy_s, self.expert_s
         if c * self._pmax < x + c:  # no layer can be (its resident use is at most its sum)
             return None
-        on = np.where(self._absent == 0.0, self.P, 0.0).sum(axis=1)  # resident use, float[L]
+        on = np.where(self.resident_mask, self.P, 0.0).sum(axis=1)  # resident use, float[L]
         hidden = c * on - x * (psum - on) >= x + c
         if hidden.any():
             self._hid = hidden
