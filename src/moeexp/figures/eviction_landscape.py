@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 #: Policies drawn thick, in a fixed colour: the baselines a reader looks for first.
 _EMPHASIS = {"belady": "black", "lcs.Belady": "black", "lru": "tab:red", "lcs.LRU": "tab:red",
              "finemoe": "tab:blue", "finemoe_scored": "tab:cyan", "lcs.LIRS": "tab:green",
-             "lirs": "tab:green"}
+             "lirs": "tab:green", "next_use_scored": "tab:purple"}
 
 
 def eviction_landscape(df: pd.DataFrame) -> Figure:

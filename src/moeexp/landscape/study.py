@@ -21,7 +21,7 @@ import logging
 import math
 import multiprocessing
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +43,7 @@ from moeexp.predictors.base import (
     Prediction,
     Predictor,
     RequestStart,
+    RestLayer,
 )
 from moeexp.simulator import simulate
 from moeexp.traces.schema import Trace, missing_for
@@ -92,14 +93,19 @@ class MoeexpPolicy:
 class ScoresOnly(Predictor):
     """Another predictor's cache hints (``scores``) without its prefetches.
 
-    With it a score-driven eviction (FineMoE's p·freq, MoE-Infinity's pEAM priority) sees
-    the probabilities it was designed around while every load stays on demand.
+    With it a score-driven eviction (FineMoE's p·freq, MoE-Infinity's pEAM priority,
+    ``next_use``'s expected next use) sees the probabilities it was designed around while
+    every load stays on demand. Every other hook reaches the inner predictor as the
+    simulator hands it: ``bind`` (``reuse_prob`` hands the ``next_use`` cache its copy and
+    compute times there), the feed hooks and the preview (a speed hook, the same
+    predictions).
     """
 
     def __init__(self, inner: Predictor) -> None:
         super().__init__(dims=inner.dims)
         self.inner = inner
         self.needs = inner.needs  # type: ignore[misc]
+        self.previews = inner.previews  # type: ignore[misc]
 
     @staticmethod
     def _strip(pred: Prediction) -> Prediction:
@@ -107,6 +113,21 @@ class ScoresOnly(Predictor):
 
     def fit(self, store: Trace) -> None:
         self.inner.fit(store)
+
+    def bind(self, cost: object, caches: Sequence[object]) -> None:
+        self.inner.bind(cost, caches)
+
+    def set_feed_cost(self, seconds: float) -> None:
+        self.inner.set_feed_cost(seconds)
+
+    def feeding(self, tokens: int = 1) -> bool:
+        return self.inner.feeding(tokens)
+
+    def rest_layer(self, obs: RestLayer) -> Prediction:
+        return self._strip(self.inner.rest_layer(obs))
+
+    def preview_pass(self, obs: Sequence[LayerObservation]) -> None:
+        self.inner.preview_pass(obs)
 
     def start_request(self, ctx: RequestStart) -> Prediction:
         return self._strip(self.inner.start_request(ctx))
@@ -122,6 +143,9 @@ class ScoresOnly(Predictor):
 
     def end_request(self, request_id: int) -> None:
         self.inner.end_request(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return self.inner.stats()
 
 
 @dataclass(frozen=True)

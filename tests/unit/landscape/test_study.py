@@ -22,7 +22,13 @@ from moeexp.landscape.study import (
     moeexp_hit_rate,
     run_grid,
 )
-from moeexp.predictors.base import LayerObservation, Prediction, Predictor, Prefetch
+from moeexp.predictors.base import (
+    LayerObservation,
+    Prediction,
+    Predictor,
+    Prefetch,
+    RestLayer,
+)
 from moeexp.traces.synthetic import random_trace
 
 INSTALL = "libcachesim is optional: pip install -e '.[cachesim]'"
@@ -61,6 +67,69 @@ def test_scores_only_drops_prefetches_keeps_scores() -> None:
                            experts=np.array([0]), counts=np.zeros(4, np.int64))
     out = wrapped.observe_layer(obs)
     assert out.prefetch == [] and list(out.scores) == [1]
+
+
+def test_scores_only_hands_every_other_hook_to_the_inner_predictor() -> None:
+    """bind, the feed hooks, the preview and stats reach the wrapped predictor as the
+    simulator hands them; a resting layer's offers lose their prefetches too."""
+    calls: list[str] = []
+
+    class Recording(Predictor):
+        previews = True
+
+        def bind(self, cost: object, caches: object) -> None:
+            calls.append("bind")
+
+        def set_feed_cost(self, seconds: float) -> None:
+            calls.append(f"feed {seconds}")
+
+        def feeding(self, tokens: int = 1) -> bool:
+            calls.append(f"feeding {tokens}")
+            return False
+
+        def rest_layer(self, obs: RestLayer) -> Prediction:
+            return Prediction(prefetch=[Prefetch(1.0, obs.layer + 1, 0)],
+                              scores={obs.layer + 1: np.full(4, 0.5)})
+
+        def preview_pass(self, obs: object) -> None:
+            calls.append("preview")
+
+        def stats(self) -> dict[str, float]:
+            return {"recorded": 1.0}
+
+    tr = random_trace(num_layers=2, num_experts=4, spec_depth=0)
+    wrapped = ScoresOnly(Recording(dims=tr.dims))
+    wrapped.bind(object(), [])
+    wrapped.set_feed_cost(2e-6)
+    assert wrapped.feeding(3) is False and wrapped.previews
+    wrapped.preview_pass([])
+    assert calls == ["bind", "feed 2e-06", "feeding 3", "preview"]
+    rest = wrapped.rest_layer(RestLayer(layer=0, tokens=1, experts=np.array([1])))
+    assert rest.prefetch == [] and list(rest.scores) == [1]
+    assert wrapped.stats() == {"recorded": 1.0}
+
+
+def test_next_use_cell_reads_the_link_and_loads_on_demand() -> None:
+    """prefetch_if_pays's eviction in the landscape: reuse_prob (fitted on the store split)
+    hands the next_use cache its link through bind, and no prefetch is issued."""
+    from moeexp.cache import build_cache
+    from moeexp.costmodel import CostModel
+    from moeexp.landscape.study import fitted_predictor
+    from moeexp.simulator import simulate
+
+    src = _source()
+    cost = CostModel.from_profile(PROFILE, src.test.dims)
+    entry = MoeexpPolicy.from_entry({"label": "next_use_scored", "cache": "next_use",
+                                     "predictor": "reuse_prob"})
+    pred, note = fitted_predictor(src, entry)
+    assert note == "" and isinstance(pred, ScoresOnly)
+    cache = build_cache({"name": "next_use", "capacity": 0.5}, src.test.dims)
+    cache.fit(src.store)
+    res = simulate(src.test, pred, cache, cost, progress=False)
+    assert cache.copy_s == pytest.approx(cost.copy_s)
+    assert res.metrics["prefetches_issued"] == 0 and res.metrics["h2d_prefetch_bytes_total"] == 0
+    rate, note = moeexp_hit_rate(src, entry, 0.5, cost)
+    assert note == "" and rate == res.metrics["hit_rate"]
 
 
 def test_moeexp_cells_say_why_they_cannot_run() -> None:
